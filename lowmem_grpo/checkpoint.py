@@ -1,0 +1,85 @@
+"""Checkpoints that a crash cannot half-write.
+
+A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the LoRA adapter (peft format) and
+`trainer_state.pt` (optimizer, scheduler, RNG states, step). It is written under a temporary name
+(`.tmp-step-NNNNNN`), flushed to disk, and renamed: a rename within one filesystem is atomic, so resume
+only ever sees complete checkpoints. Older checkpoints are deleted only after the new one is in place.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+PREFIX = "step-"
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[dict] = None, keep_last: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp / "adapter")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
+    _fsync_tree(tmp)
+    if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_tree(root)
+    for old in complete_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(run_dir) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+             and (p / "trainer_state.pt").is_file() and (p / "adapter").is_dir()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest(run_dir) -> Optional[Path]:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    # weights_only=False: the state holds Python RNG tuples and numpy arrays that we wrote ourselves.
+    return torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)

@@ -1,0 +1,138 @@
+"""Per-token log-probabilities without ever holding [tokens x vocab] logits.
+
+    log p(t | h) = z_t - logsumexp(z),   z = (h W^T + b) / temperature
+
+is computed over tiles of (rows x vocab columns) with an online logsumexp in fp32 (fp64 when the inputs
+are fp64, for parity tests). Forward saves only the hidden states, the targets and one logsumexp per row;
+backward recomputes each tile's softmax:
+
+    dL/dh = g / T * (w_t - sum_j p_j w_j)          dL/dW_j = g / T * (1[j = t] - p_j) h
+
+so the peak extra memory is one tile, whatever the sequence length or vocabulary. The LM head's gradient
+is only built when its weight requires grad (LoRA leaves it frozen). Memory argument and numbers: see
+scripts/bench_memory.py; the full-logits reference this must agree with is `reference_log_probs`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tile_logits(h, weight, bias, v0, v1, inv_temp):
+    z = h @ weight[v0:v1].to(h.dtype).T
+    if bias is not None:
+        z = z + bias[v0:v1].to(h.dtype)
+    return z * inv_temp
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, chunk_vocab, want_entropy):
+        acc = _acc_dtype(hidden.dtype)
+        inv_temp = 1.0 / temperature
+        n, vocab = hidden.shape[0], weight.shape[0]
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        entropy = torch.empty(n if want_entropy else 0, dtype=acc, device=hidden.device)
+        for r0 in range(0, n, chunk_rows):
+            r1 = min(n, r0 + chunk_rows)
+            h = hidden[r0:r1].to(acc)
+            m = torch.full((r1 - r0,), float("-inf"), dtype=acc, device=hidden.device)
+            s = torch.zeros(r1 - r0, dtype=acc, device=hidden.device)
+            sz = torch.zeros_like(s) if want_entropy else None  # sum exp(z - m) * z, for the entropy
+            for v0 in range(0, vocab, chunk_vocab):
+                z = _tile_logits(h, weight, bias, v0, min(vocab, v0 + chunk_vocab), inv_temp)
+                m_new = torch.maximum(m, z.max(dim=1).values)
+                scale = torch.exp(m - m_new)
+                e = torch.exp(z - m_new[:, None])
+                s = s * scale + e.sum(dim=1)
+                if want_entropy:
+                    sz = sz * scale + (e * z).sum(dim=1)
+                m = m_new
+            lse[r0:r1] = m + torch.log(s)
+            t = targets[r0:r1]
+            zt = (h * weight[t].to(acc)).sum(dim=1)
+            if bias is not None:
+                zt = zt + bias[t].to(acc)
+            logp[r0:r1] = zt * inv_temp - lse[r0:r1]
+            if want_entropy:
+                entropy[r0:r1] = lse[r0:r1] - sz / s
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
+        ctx.has_bias = bias is not None
+        ctx.cfg = (temperature, chunk_rows, chunk_vocab)
+        ctx.mark_non_differentiable(entropy)
+        return logp.to(hidden.dtype) if hidden.dtype == torch.float64 else logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        temperature, chunk_rows, chunk_vocab = ctx.cfg
+        inv_temp = 1.0 / temperature
+        acc = lse.dtype
+        n, vocab = hidden.shape[0], weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=acc, device=weight.device) if need_b else None
+        g_all = grad_logp.to(acc)
+        for r0 in range(0, n, chunk_rows):
+            r1 = min(n, r0 + chunk_rows)
+            h, g, t = hidden[r0:r1].to(acc), g_all[r0:r1], targets[r0:r1]
+            for v0 in range(0, vocab, chunk_vocab):
+                v1 = min(vocab, v0 + chunk_vocab)
+                z = _tile_logits(h, weight, bias, v0, v1, inv_temp)
+                dz = -torch.exp(z - lse[r0:r1, None]) * g[:, None]  # -p * g
+                inside = (t >= v0) & (t < v1)
+                rows = inside.nonzero(as_tuple=True)[0]
+                dz[rows, t[rows] - v0] += g[rows]  # + 1[j = t] * g
+                if need_h:
+                    grad_h[r0:r1] += (dz @ weight[v0:v1].to(acc)) * inv_temp
+                if need_w:
+                    grad_w[v0:v1] += (dz.T @ h) * inv_temp
+                if need_b:
+                    grad_b[v0:v1] += dz.sum(dim=0) * inv_temp
+        return (
+            grad_h.to(hidden.dtype) if need_h else None,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None, None, None, None, None,
+        )
+
+
+def selective_log_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    chunk_rows: int = 1024,
+    chunk_vocab: int = 32768,
+    return_entropy: bool = False,
+):
+    """log p(targets) for each row of `hidden` [n, d] under the head `weight` [vocab, d] (+ `bias`).
+
+    Returns a float32 (float64 for float64 inputs) tensor [n]; with return_entropy also the per-row
+    entropy of the tempered distribution (no gradient), for logging.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [n, d] and targets [n]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    logp, entropy = _SelectiveLogSoftmax.apply(
+        hidden, weight, bias, targets, float(temperature), int(chunk_rows), int(chunk_vocab), bool(return_entropy))
+    return (logp, entropy) if return_entropy else logp
+
+
+def reference_log_probs(hidden, weight, targets, bias=None, temperature=1.0):
+    """The plain path: full logits, log_softmax, gather. Parity reference and the naive baseline."""
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    logits = logits / temperature
+    return torch.log_softmax(logits.to(_acc_dtype(hidden.dtype)), dim=-1).gather(1, targets[:, None]).squeeze(1)

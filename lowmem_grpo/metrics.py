@@ -1,0 +1,66 @@
+"""Run metrics: one JSON object per step in RUN_DIR/metrics.jsonl, and a one-line summary on stdout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        self._file = open(self.path, "a")
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop rows of steps after the checkpoint: they will be run again."""
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and _row_step(line) is not None and _row_step(line) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _row_step(line: str):
+    try:
+        return json.loads(line).get("step")
+    except json.JSONDecodeError:  # a line cut by a crash
+        return None
+
+
+def _jsonable(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def summary_line(row: dict) -> str:
+    def f(key, fmt, scale=1.0, suffix=""):
+        v = row.get(key)
+        return "-" if v is None else format(v * scale, fmt) + suffix
+    return (f"step {row['step']:>5} | reward {f('reward/mean', '.3f')} | solved {f('success_rate', '.1f', 100, '%')}"
+            f" | kl {f('kl', '.4f')} | clip {f('clip/fraction', '.3f')} | len {f('completion/mean_length', '.1f')}"
+            f" | loss {f('loss', '+.4f')} | {f('time/step_s', '.2f', suffix='s')} | mem {f('memory/peak_mib', '.0f', suffix=' MiB')}")

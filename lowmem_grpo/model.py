@@ -1,0 +1,163 @@
+"""Load the base model (4-bit NF4 or not), attach LoRA, and expose what the trainer needs from it.
+
+One model is both the policy (adapters on) and the reference (inside `reference_mode`, adapters off):
+no second copy of the weights. The trainer never asks the model for logits: `hidden_states` runs the
+decoder only, and `lm_head_params` hands the head's weight to the chunked log-prob kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .recipe import LoraConfig, ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load a tokenizer ({exc})") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    # Left padding: generation appends to the right of every prompt.
+    tok.padding_side = "left"
+    return tok
+
+
+def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: Optional[str] = None):
+    """The base causal LM. quantized=None follows the recipe (model.load_in_4bit)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantized = cfg.load_in_4bit if quantized is None else quantized
+    dtype = DTYPES[cfg.compute_dtype]
+    kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    if quantized:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=cfg.double_quant,
+        )
+        kwargs["device_map"] = {"": device or default_device()}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model ({exc})") from None
+    if quantized:
+        disable_cpu_4bit_repack(model)
+    elif device:
+        model.to(device)
+    return model
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def disable_cpu_4bit_repack(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights in place on CPUs with AVX512-BF16.
+
+    bitsandbytes 0.50.2 (nn/modules.py, Linear4bit.forward) converts the weight to a CPU-packed format on
+    the first forward that is in eval mode without grad (our rollouts and reference pass). After that,
+    backward through the layer raises (layers with bias) or silently returns no input gradient (layers
+    without), which would freeze every LoRA adapter below it. The flag is a public attribute of
+    Linear4bit; tests/test_model.py::test_4bit_backward_after_eval_forward guards the behaviour.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # pragma: no cover - bitsandbytes is a core dependency
+        return 0
+    n = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def attach_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = True):
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing needs no input that requires grad (the 4-bit base has none).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
+        target_modules=cfg.target_modules, task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
+    """(peft model, tokenizer): the policy and, with adapters disabled, the reference."""
+    tokenizer = load_tokenizer(model_cfg)
+    base = load_base_model(model_cfg)
+    if adapter_path:
+        from peft import PeftModel
+
+        if model_cfg.gradient_checkpointing:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
+    else:
+        model = attach_lora(base, lora_cfg, model_cfg.gradient_checkpointing)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def reference_mode(model):
+    """pi_ref: the same model with every LoRA adapter disabled."""
+    with model.disable_adapter():
+        yield
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Eval (no LoRA dropout) for rollouts and no-grad passes; restores the previous mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@dataclass
+class LMHead:
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
+
+def lm_head_params(model) -> LMHead:
+    head = _base(model).get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2:
+        raise ModelLoadError("the model's output embedding has no plain 2-D weight; chunked log-probs need one")
+    return LMHead(weight, getattr(head, "bias", None))
+
+
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Final hidden states [batch, seq, d] from the decoder alone: the LM head is never applied here."""
+    decoder = _base(model).get_decoder()
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

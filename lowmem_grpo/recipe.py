@@ -1,0 +1,291 @@
+"""The recipe schema: every field, its default and its meaning, in one place.
+
+A recipe is a YAML file. `load_recipe` parses it and validates it against `Recipe`; every problem is
+reported at once, each with its key path (`algorithm.beta`) and what is allowed. Nothing else in the
+package reads raw YAML: the rest of the code receives these typed objects.
+
+The README's recipe reference is generated from this file (`python scripts/gen_recipe_reference.py`)
+and a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error, not a silently ignored default.
+    model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=())
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field("", description="Hugging Face model id or local folder of the base model.")
+    load_in_4bit: bool = Field(True, description="Load the base in 4-bit NF4 through bitsandbytes (the low-memory path).")
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="dtype of the non-quantized weights and of 4-bit matmuls; use float32 on CPU.")
+    double_quant: bool = Field(True, description="bitsandbytes nested quantization of the 4-bit scales (saves ~0.4 bit/param).")
+    gradient_checkpointing: bool = Field(True, description="Recompute decoder activations in backward instead of storing them.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator: the update is (alpha / r) * B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input (0 keeps rollouts and training on the same policy).")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.")
+
+
+class DataConfig(_Section):
+    train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file.")
+    eval_path: str = Field("", description="Held-out prompts for evaluation; empty: no evaluation during training.")
+    prompt_field: str = Field("prompt", description="Row field holding the question/prompt text.")
+    answer_field: str = Field("answer", description="Row field holding the reference answer passed to rewards.")
+    template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
+    chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template.")
+    system_prompt: str = Field("", description="System message used with chat_template.")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="A row missing a field: stop with an error naming it, or skip and count it.")
+    max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are an error, or skipped with on_bad_row=skip.")
+
+
+class RewardSpec(_Section):
+    function: str = Field(..., description="A built-in reward ('math', 'format', 'exact') or 'package.module:function'.")
+    weight: float = Field(1.0, description="Weight of this reward in the sum that makes the total reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward function.")
+
+
+class RewardsConfig(_Section):
+    functions: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(function="math")],
+        description="Reward functions; the total reward is their weighted sum.")
+    on_error: Literal["raise", "zero"] = Field(
+        "raise", description="A reward function that raises or returns bad values: stop with an error, or score 0 and count it.")
+
+
+class GenerationConfig(_Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Rollout engine: transformers generate, or in-process vLLM on the trainer's modules.")
+    num_generations: int = Field(8, ge=2, le=256, description="G: completions sampled per prompt (a group).")
+    max_new_tokens: int = Field(256, ge=1, description="Completion length cap; longer completions are cut and flagged truncated.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (log-probs in the loss use the same one).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling cut; 0 disables it.")
+
+
+class AlgorithmConfig(_Section):
+    """Spec sections 1-2. Variants (issue 'GRPO family') extend this section."""
+
+    advantage: Literal["mean_std", "mean", "sign", "rloo"] = Field("mean_std", description="Group advantage (spec 2): GRPO's mean_std, Dr. GRPO's mean, sign, or rloo.")
+    beta: float = Field(0.04, ge=0, description="Weight of the k3 KL penalty to the reference (adapters off); 0 skips the reference pass.")
+    epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
+    epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
+    aggregation: Literal["sequence_mean", "token_mean", "constant", "sum"] = Field(
+        "sequence_mean", description="How token losses become one number (spec 5).")
+    mu: int = Field(1, ge=1, le=64, description="Optimizer updates per batch of rollouts; > 1 computes old log-probs once, without grad.")
+    skip_zero_std_groups: bool = Field(False, description="Skip groups whose rewards are all equal (they give no policy gradient).")
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adamw_8bit"] = Field("adamw", description="AdamW (torch) or bitsandbytes 8-bit AdamW (GPU).")
+    lr: float = Field(1e-5, gt=0, le=1, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(100, ge=1, description="Optimizer steps per mu (i.e. batches of rollouts) to run.")
+    prompts_per_step: int = Field(4, ge=1, description="Prompts per batch; the batch holds prompts_per_step * num_generations completions.")
+    micro_batch_size: int = Field(4, ge=1, description="Completions per forward/backward; gradients accumulate over micro-batches.")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="Rows (tokens) per tile of the chunked log-prob kernel.")
+    logprob_chunk_vocab: int = Field(32768, ge=1, description="Vocabulary columns per tile of the chunked log-prob kernel.")
+    eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps; 0: only at the end.")
+    eval_max_prompts: int = Field(200, ge=1, description="Held-out prompts used per evaluation (greedy decoding).")
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/run", description="Run directory: metrics.jsonl, checkpoints/, recipe.yaml.")
+    save_every: int = Field(50, ge=1, description="Write a checkpoint every N steps (and at the end).")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted after a new one is complete.")
+    log_every: int = Field(1, ge=1, description="Print a summary line every N steps.")
+
+
+class Recipe(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model and quantization.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (the trained parameters).")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt data.")
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="Verifiable rewards.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="GRPO objective.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Batch sizes and loop length.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="Where the run writes.")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+
+
+# Fields without a usable default. Checked on the raw mapping, so that they are reported together with
+# every other problem (pydantic's after-validators only run once the fields themselves are valid).
+REQUIRED = [
+    ("model", "name_or_path", "is required: a Hugging Face model id or a local model folder"),
+    ("data", "train_path", "is required: a .jsonl, .csv or .parquet file of prompts"),
+]
+
+
+def _missing_required(data: dict) -> list[tuple[str, str]]:
+    out = []
+    for section, key, msg in REQUIRED:
+        node = data.get(section)
+        if not isinstance(node, dict) or node.get(key) in (None, ""):
+            out.append((f"{section}.{key}", msg))
+    return out
+
+
+class RecipeError(Exception):
+    """A recipe that cannot be used. `problems` lists (key path, message) pairs, all of them."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s)"] + [f"  {k}: {m}" for k, m in problems]
+        super().__init__("\n".join(lines))
+
+
+def _allowed(err: dict) -> str:
+    """What the user may write instead, from pydantic's error context."""
+    ctx = err.get("ctx") or {}
+    if err["type"] == "literal_error":
+        return f"allowed: {ctx.get('expected')}"
+    for key, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if key in ctx:
+            return f"allowed: {word} {ctx[key]}"
+    if err["type"] == "extra_forbidden":
+        return "unknown key"
+    return ""
+
+
+def _problems_from(exc: ValidationError, data: dict) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        # For Literal-or-list unions pydantic reports one error per branch; keep the message a user reads.
+        key = ".".join(p for p in loc if not p.startswith(("literal[", "list[")))
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            section = ".".join(loc[:-1])
+            msg = f"unknown key (known keys{' in ' + section if section else ''}: {', '.join(_known_keys(loc[:-1]))})"
+        else:
+            extra = _allowed(err)
+            got = err.get("input")
+            if not isinstance(got, (dict, list)):
+                msg = f"{msg} (got {got!r})"
+            if extra and extra not in msg:
+                msg = f"{msg}; {extra}"
+        if (key, msg) not in problems:
+            problems.append((key, msg))
+    return problems
+
+
+def _known_keys(loc: list[str]) -> list[str]:
+    model: Any = Recipe
+    for part in loc:
+        if part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        model = inner[0] if inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel) else ann
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    return sorted(model.model_fields)
+
+
+def recipe_from_dict(data: Any, source: str = "<recipe>") -> Recipe:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(source, [("<top level>", f"must be a mapping of sections, got {type(data).__name__}")])
+    missing = _missing_required(data)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(source, missing + _problems_from(exc, data)) from None
+    if missing:
+        raise RecipeError(source, missing)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Recipe:
+    """Read and validate a recipe file. `overrides` are 'a.b=value' strings (value parsed as YAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(str(path), [("<file>", "not found")])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+        raise RecipeError(str(path), [("<yaml>", f"not valid YAML at {where}: {getattr(exc, 'problem', exc)}")]) from None
+    data = data if data is not None else {}
+    for item in overrides or []:
+        apply_override(data, item, str(path))
+    recipe = recipe_from_dict(data, str(path))
+    return _resolve_paths(recipe, path.parent)
+
+
+def apply_override(data: dict, item: str, source: str = "<override>") -> None:
+    if "=" not in item:
+        raise RecipeError(source, [(item, "an override must look like section.key=value")])
+    key, _, raw = item.partition("=")
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise RecipeError(source, [(key, "cannot override inside a non-mapping value")])
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
+    """Relative data paths are read relative to the current directory when they exist there, else to the
+    recipe's folder (so `recipes/x.yaml` can name `data/x.jsonl` shipped beside it)."""
+    for attr in ("train_path", "eval_path"):
+        value = getattr(recipe.data, attr)
+        if value and not Path(value).is_absolute() and not Path(value).exists() and (base / value).exists():
+            setattr(recipe.data, attr, str(base / value))
+    return recipe
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def field_reference() -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, meaning) for every leaf field, in declaration order: the README table."""
+    rows = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            if name == "functions" and model is RewardsConfig:
+                walk(RewardSpec, f"{prefix}{name}[].")
+            if field.default_factory is not None:
+                default = field.default_factory()
+                default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default] if isinstance(default, list) else default
+            else:
+                default = "(required)" if field.is_required() else field.default
+            type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            rows.append((prefix + name, type_name, repr(default) if not isinstance(default, str) else f"'{default}'",
+                         field.description or ""))
+
+    walk(Recipe, "")
+    return rows

@@ -1,0 +1,81 @@
+"""The offline quickstart: build a tiny model, warm it up, teach it addition with GRPO, export it.
+
+    python scripts/quickstart.py [--seed N] [--rebuild]
+
+1. Builds a small Qwen2-architecture model and a character tokenizer locally (no download), and gives it
+   a short supervised pass on two-number addition until it gets some problems right (about 15-45%).
+   That base is saved to runs/quickstart/base and reused on later runs (--rebuild to redo it).
+2. Trains it with GRPO through the real path (4-bit NF4 base via bitsandbytes, LoRA via peft, reference =
+   adapters off) with recipes/quickstart.yaml, rewarding a correct sum.
+3. Prints the held-out accuracy before and after, exports adapter + merged model, and says where they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lowmem_grpo import tiny
+from lowmem_grpo.export import export_run
+from lowmem_grpo.recipe import load_recipe
+from lowmem_grpo.train import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "quickstart.yaml"
+
+
+def build_base(base_dir: Path, data_dir: Path, log) -> None:
+    """Tiny model + tokenizer + data, warm-started until it solves some held-out problems."""
+    train_rows, test_rows = tiny.split_addition_data(n_train=2000, n_test=200, seed=1234)
+    tiny.write_jsonl(train_rows, data_dir / "train.jsonl")
+    tiny.write_jsonl(test_rows, data_dir / "test.jsonl")
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, tiny.TinyModelSpec(), seed=0)
+    log(f"[quickstart] warm-starting a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on addition ...")
+    t0 = time.time()
+    acc, steps = tiny.warm_start(model, tok, train_rows, train_rows[:200], target=(0.30, 0.50), check_every=50,
+                                 log=lambda *a: None)
+    held_out = tiny.greedy_accuracy(model, tok, test_rows)
+    log(f"[quickstart] warm start: {steps} steps in {time.time() - t0:.0f}s, held-out accuracy {100 * held_out:.1f}%")
+    if not 0.05 <= held_out <= 0.50:
+        sys.exit(f"[quickstart] warm start left held-out accuracy at {100 * held_out:.1f}%, outside 5-50%; rerun with --rebuild")
+    model.save_pretrained(base_dir)
+    tok.save_pretrained(base_dir)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the GRPO run")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the warm-started base model")
+    ap.add_argument("--out", default="runs/quickstart", help="where the base, data, run and export go")
+    args = ap.parse_args()
+    out = Path(args.out)
+    base_dir, data_dir, run_dir = out / "base", out / "data", out / f"run-seed{args.seed}"
+    if args.rebuild or not (base_dir / "config.json").is_file():
+        build_base(base_dir, data_dir, print)
+    recipe = load_recipe(RECIPE, [f"model.name_or_path={base_dir}", f"data.train_path={data_dir / 'train.jsonl'}",
+                                  f"data.eval_path={data_dir / 'test.jsonl'}", f"output.dir={run_dir}",
+                                  f"seed={args.seed}"])
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    print(f"[quickstart] GRPO: {recipe.train.steps} steps x {recipe.train.prompts_per_step} prompts x "
+          f"G={recipe.generation.num_generations}, 4-bit base + LoRA r={recipe.lora.r}")
+    t0 = time.time()
+    result = Trainer(recipe).fit()
+    print(f"[quickstart] trained in {time.time() - t0:.0f}s")
+    export = export_run(run_dir, out / "export", log=lambda *a: None)
+    print(f"held-out accuracy before: {100 * result['first_eval']['accuracy']:.1f}%")
+    print(f"held-out accuracy after: {100 * result['final_eval']['accuracy']:.1f}%")
+    print(f"Run (metrics.jsonl, checkpoints/): {run_dir}\nExported adapter: {export['adapter']}\n"
+          f"Exported merged model: {export['merged']}  (load it with AutoModelForCausalLM.from_pretrained)")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    main()

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny local model folder and data, built once per session (no hub access)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# tests/ on the path of subprocesses too, so that recipes can name "user_rewards:<fn>".
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+torch.set_num_threads(1)
+
+from lowmem_grpo import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised tiny Qwen2 model + char tokenizer, saved as a Hugging Face folder."""
+    path = tmp_path_factory.mktemp("tiny_model")
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                     intermediate_size=128), seed=0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
+    path = tmp_path_factory.mktemp("tiny_data")
+    train, test = tiny.split_addition_data(n_train=300, n_test=40, seed=7)
+    tiny.write_jsonl(train, path / "train.jsonl")
+    tiny.write_jsonl(test, path / "test.jsonl")
+    return path / "train.jsonl", path / "test.jsonl"
+
+
+def recipe_dict(model_dir, data, run_dir, **sections) -> dict:
+    """A small, fast recipe for tests; `sections` update sections by name."""
+    d = {
+        "model": {"name_or_path": str(model_dir), "compute_dtype": "float32", "load_in_4bit": True},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"train_path": str(data[0]), "eval_path": str(data[1])},
+        "rewards": {"functions": [{"function": "math"}, {"function": "user_rewards:digit_count", "weight": 0.5}]},
+        "generation": {"num_generations": 4, "max_new_tokens": 4},
+        "algorithm": {"beta": 0.04},
+        "optimizer": {"lr": 1e-2},
+        "train": {"steps": 3, "prompts_per_step": 2, "micro_batch_size": 3, "eval_max_prompts": 8},
+        "output": {"dir": str(run_dir), "save_every": 2, "log_every": 1},
+        "seed": 3,
+    }
+    for name, values in sections.items():
+        d.setdefault(name, {}).update(values) if isinstance(values, dict) else d.__setitem__(name, values)
+    return d
+
+
+def write_recipe(path: Path, d: dict) -> Path:
+    path.write_text(yaml.safe_dump(d))
+    return path

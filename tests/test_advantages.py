@@ -1,0 +1,33 @@
+import math
+
+import torch
+
+from lowmem_grpo.advantages import group_advantages, zero_std_groups
+
+
+def test_binary_rewards_give_the_contrastive_weights():
+    """Spec 3: with R in {0,1} and success rate p, mean_std gives +sqrt((1-p)/p) and -sqrt(p/(1-p)).
+    (Population std in the spec's derivation; Bessel's correction scales both by sqrt((G-1)/G).)"""
+    G = 8
+    r = torch.tensor([[1.0, 1, 0, 0, 0, 0, 0, 0]])
+    p = 2 / G
+    adv = group_advantages(r, "mean_std")
+    scale = math.sqrt((G - 1) / G)
+    assert abs(adv[0, 0].item() - math.sqrt((1 - p) / p) * scale) < 1e-3
+    assert abs(adv[0, 5].item() + math.sqrt(p / (1 - p)) * scale) < 1e-3
+
+
+def test_variants():
+    r = torch.tensor([[1.0, 2.0, 3.0, 6.0]])
+    assert torch.allclose(group_advantages(r, "mean"), torch.tensor([[-2.0, -1.0, 0.0, 3.0]]))
+    assert torch.allclose(group_advantages(r, "sign"), torch.tensor([[-1.0, -1.0, 0.0, 1.0]]))
+    assert torch.allclose(group_advantages(r, "sign", dead_band=1.5), torch.tensor([[-1.0, 0.0, 0.0, 1.0]]))
+    assert torch.allclose(group_advantages(r, "rloo"), torch.tensor([[1 - 11 / 3, 2 - 10 / 3, 3 - 3.0, 6 - 2.0]]))
+
+
+def test_equal_rewards_and_skips():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, float("nan"), 1.0], [float("nan"), 1.0, float("nan")]])
+    adv = group_advantages(r)
+    assert zero_std_groups(r).tolist() == [True, False, True]
+    assert (adv[0] == 0).all() and (adv[2] == 0).all()
+    assert adv[1, 1] == 0 and adv[1, 0] < 0 < adv[1, 2]

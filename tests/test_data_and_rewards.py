@@ -1,0 +1,87 @@
+"""Bad dataset rows and bad reward functions give clear errors naming what is wrong (or counted skips)."""
+
+import json
+
+import pytest
+import torch
+
+from lowmem_grpo import tiny
+from lowmem_grpo.data import DataError, PromptSet, batch_indices, read_rows
+from lowmem_grpo.recipe import DataConfig, RewardsConfig, RewardSpec
+from lowmem_grpo.rewards import RewardError, Rewards
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.build_tokenizer()
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_missing_field_names_the_row(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}])
+    with pytest.raises(DataError, match=r"row 2: missing field 'answer'"):
+        PromptSet(str(f), DataConfig(train_path=str(f)), tok)
+    ps = PromptSet(str(f), DataConfig(train_path=str(f), on_bad_row="skip"), tok)
+    assert len(ps) == 1 and len(ps.skipped) == 1
+
+
+def test_bad_json_and_unknown_format(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"prompt": "x"}\n{not json\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON"):
+        read_rows(str(bad))
+    with pytest.raises(DataError, match="allowed: .jsonl, .csv, .parquet"):
+        read_rows(str(_jsonl(tmp_path / "d.txt", [])))
+
+
+def test_csv_and_template(tmp_path, tok):
+    f = tmp_path / "d.csv"
+    f.write_text("q,a\n1+2,3\n")
+    ps = PromptSet(str(f), DataConfig(train_path=str(f), prompt_field="q", answer_field="a", template="{prompt}="), tok)
+    assert ps.examples[0].prompt_text == "1+2=" and ps.examples[0].prompt_ids[0] == tok.bos_token_id
+
+
+def test_batches_are_a_pure_function_of_step():
+    a = [batch_indices(10, 4, s, seed=1) for s in range(5)]
+    assert a == [batch_indices(10, 4, s, seed=1) for s in range(5)]
+    assert sorted(sum(a[:5], [])[:10]) == list(range(10))  # first epoch covers every row once
+
+
+def _rewards(fn, on_error="raise"):
+    return Rewards(RewardsConfig(functions=[RewardSpec(function=fn)], on_error=on_error))
+
+
+@pytest.mark.parametrize("fn,message", [
+    ("user_rewards:raises", "'raises' raised ZeroDivisionError"),
+    ("user_rewards:wrong_count", "returned 4 scores for 3 completions"),
+    ("user_rewards:not_numbers", "score 0 is 'high'"),
+    ("user_rewards:nan_scores", "score 0 is nan"),
+])
+def test_bad_reward_functions_are_named(fn, message):
+    with pytest.raises(RewardError, match=message):
+        _rewards(fn)(["a", "b", "c"], ["p"] * 3, [{}] * 3)
+    res = _rewards(fn, on_error="zero")(["a", "b", "c"], ["p"] * 3, [{}] * 3)
+    assert res.total.tolist() == [0.0, 0.0, 0.0] and sum(res.errors.values()) == 3
+
+
+def test_unloadable_reward_is_a_clear_error():
+    with pytest.raises(RewardError, match="not a built-in"):
+        _rewards("nonexistent")
+    with pytest.raises(RewardError, match="cannot import module 'no_such_pkg.mod'"):
+        _rewards("no_such_pkg.mod:fn")
+    with pytest.raises(RewardError, match="has no callable 'nope'"):
+        _rewards("user_rewards:nope")
+
+
+def test_skips_are_nan_and_counted():
+    res = _rewards("user_rewards:skip_all")(["a", "b"], ["p"] * 2, [{}] * 2)
+    assert torch.isnan(res.total).all() and res.skipped == 2
+
+
+def test_math_reward_builtin():
+    res = _rewards("math")(["so 47", "48", "no idea"], ["p"] * 3, [{"answer": "47"}] * 3)
+    assert res.total.tolist() == [1.0, 0.0, 0.0]

@@ -1,0 +1,26 @@
+"""Reward functions used by the tests, loaded the way users' are: 'user_rewards:<name>'."""
+
+
+def digit_count(completions, *, prompts, rows, per_digit=0.25, **_):
+    """Graded, so that even a random model's groups have contrast (a gradient)."""
+    return [per_digit * sum(ch.isdigit() for ch in c) for c in completions]
+
+
+def raises(completions, **_):
+    raise ZeroDivisionError("boom")
+
+
+def wrong_count(completions, **_):
+    return [0.0] * (len(completions) + 1)
+
+
+def not_numbers(completions, **_):
+    return ["high"] * len(completions)
+
+
+def nan_scores(completions, **_):
+    return [float("nan")] * len(completions)
+
+
+def skip_all(completions, **_):
+    return [None] * len(completions)
