@@ -47,34 +47,49 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
     log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {out_dir / 'adapter'}")
     report = {"adapter": str(out_dir / "adapter"), "checkpoint": adapter.parent.name}
     if merged:
-        report.update(merge_adapter(recipe.model, adapter, out_dir / "merged", dtype, tolerance))
+        report.update(merge_adapter(recipe.model, adapter, out_dir / "merged", dtype, tolerance, probe_data=recipe.data))
         log(f"[lowmem-grpo] merged model -> {report['merged']} (max |logit diff| vs base + adapter: {report['max_logit_diff']:.2e})")
     return report
 
 
-def merge_adapter(model_cfg, adapter: Path, out: Path, dtype: str = "float32", tolerance: float = 1e-5) -> dict:
+def merge_adapter(model_cfg, adapter: Path, out: Path, dtype: str = "float32", tolerance: float = 1e-5,
+                  probe_data=None) -> dict:
     from peft import PeftModel
 
     cfg = model_cfg.model_copy(update={"compute_dtype": dtype})
     tokenizer = load_tokenizer(cfg)
     base = load_base_model(cfg, quantized=False)
     model = PeftModel.from_pretrained(base, str(adapter)).eval()
-    probe = _probe_ids(tokenizer, model.config.vocab_size)
+    probes = _probe_ids(tokenizer, model.config.vocab_size, probe_data)
     with torch.no_grad():
-        before = model(input_ids=probe).logits.float()
+        before = torch.cat([model(input_ids=p).logits.float().flatten() for p in probes])
         merged = model.merge_and_unload()
-        after = merged(input_ids=probe).logits.float()
+        after = torch.cat([merged(input_ids=p).logits.float().flatten() for p in probes])
     diff = (before - after).abs().max().item()
-    if dtype == "float32" and diff > tolerance:
-        raise ExportError(f"merged logits drift {diff:.2e} from base + adapter (tolerance {tolerance:.0e})")
+    # Relative to the logit scale: an fp32 forward of base + adapter is itself only that exact (measured on
+    # the quickstart model, |logit| up to 18: 2.1e-5 from a float64 evaluation; the merged model 1.5e-5).
+    scale = max(1.0, before.abs().max().item())
+    if dtype == "float32" and diff > tolerance * scale:
+        raise ExportError(f"merged logits drift {diff:.2e} from base + adapter (allowed {tolerance:.0e} x max|logit| {scale:.1f})")
     merged.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return {"merged": str(out), "max_logit_diff": diff, "dtype": dtype}
+    return {"merged": str(out), "max_logit_diff": diff, "max_abs_logit": scale, "dtype": dtype}
 
 
-def _probe_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+def _probe_ids(tokenizer, vocab_size: int, data_cfg=None) -> list[torch.Tensor]:
+    """Inputs for the drift check: the run's own first prompts when its data is still there (random token
+    strings are ill-conditioned: an fp32 forward of them is ~1e-4 off float64 even without any merge),
+    else random tokens."""
+    from .data import DataError, PromptSet
+
+    for path in (getattr(data_cfg, "eval_path", ""), getattr(data_cfg, "train_path", "")):
+        if path and Path(path).is_file():
+            try:
+                return [torch.tensor([e.prompt_ids]) for e in PromptSet(path, data_cfg, tokenizer).examples[:4]]
+            except DataError:
+                pass
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, min(vocab_size, len(tokenizer)), (2, 16), generator=g)
+    return [torch.randint(0, min(vocab_size, len(tokenizer)), (2, 16), generator=g)]
 
 
 __all__ = ["export_run", "merge_adapter", "ExportError", "DTYPES"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from lowmem_grpo import tiny
-from lowmem_grpo.export import export_run
+from lowmem_grpo.export import ExportError, export_run
 from lowmem_grpo.recipe import load_recipe
 from lowmem_grpo.train import Trainer
 
@@ -69,9 +69,12 @@ def main() -> None:
     t0 = time.time()
     result = Trainer(recipe).fit()
     print(f"[quickstart] trained in {time.time() - t0:.0f}s")
-    export = export_run(run_dir, out / "export", log=lambda *a: None)
     print(f"held-out accuracy before: {100 * result['first_eval']['accuracy']:.1f}%")
     print(f"held-out accuracy after: {100 * result['final_eval']['accuracy']:.1f}%")
+    try:
+        export = export_run(run_dir, out / "export", log=lambda *a: None)
+    except ExportError as exc:
+        sys.exit(f"[quickstart] export failed: {exc}")
     print(f"Run (metrics.jsonl, checkpoints/): {run_dir}\nExported adapter: {export['adapter']}\n"
           f"Exported merged model: {export['merged']}  (load it with AutoModelForCausalLM.from_pretrained)")
 
