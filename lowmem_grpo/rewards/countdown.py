@@ -1,0 +1,190 @@
+"""Countdown reward: reach the target number with the given numbers and + - * / .
+
+A row is {"numbers": [25, 3, 7, 50], "target": 146}. The completion's final expression — the content
+of its last <answer>...</answer> if it has one, else its last line that looks like an arithmetic
+expression — scores 1.0 when
+
+* it uses only numbers from the row, each at most as many times as the row lists it (all of them
+  exactly once with use_all=True, the stricter TinyZero rule),
+* it uses only + - * / , parentheses and unary minus,
+* and it evaluates exactly (rational arithmetic, so 7/2*2 is 7, and no float rounding) to the target;
+
+else 0.0. A trailing '= <number>' (as in '(25 - 5) * 4 = 80') is ignored. A malformed row (numbers not a
+non-empty list of integers, target not an integer) gives None: skip, not 0.
+
+The expression is never passed to eval(): it is parsed with ast.parse(mode='eval') and walked by an
+evaluator that accepts only BinOp (Add, Sub, Mult, Div), UnaryOp (USub) and integer constants, so
+nothing but arithmetic on the given numbers can happen.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+from collections import Counter
+from fractions import Fraction
+from typing import Optional
+
+MAX_EXPRESSION_CHARS = 300
+_EXPR_LINE = re.compile(r"[\d\s+\-*/().=]+")
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b}
+
+
+class _Rejected(Exception):
+    """The expression breaks a rule."""
+
+
+def _normalize(text: str) -> str:
+    return (text.replace("\u00d7", "*").replace("\u00f7", "/").replace("\u2212", "-").replace("\u2013", "-")
+            .replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/").replace("x", "*")
+            .replace("X", "*").strip().strip("$").strip())
+
+
+def _strip_result(expr: str) -> str:
+    """'(25 - 5) * 4 = 80' -> '(25 - 5) * 4'; '80 = (25 - 5) * 4' -> '(25 - 5) * 4'."""
+    if expr.count("=") == 1:
+        left, _, right = expr.partition("=")
+        if re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", right):
+            return left.strip()
+        if re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", left):
+            return right.strip()
+    return expr.strip()
+
+
+def extract_expression(completion: str) -> Optional[str]:
+    """The completion's final expression: last <answer>...</answer>, else its last expression-like line."""
+    low = completion.lower()
+    close = low.rfind("</answer>")
+    start = low.rfind("<answer>", 0, close) if close >= 0 else -1
+    if start >= 0:   # found from the end: linear even for a completion full of unclosed tags
+        return _strip_result(_normalize(completion[start + len("<answer>"):close]))
+    for line in reversed(completion.splitlines()):
+        line = _normalize(line)
+        if line and _EXPR_LINE.fullmatch(line) and re.search(r"\d", line) and re.search(r"[-+*/]", line):
+            return _strip_result(line)
+    return None
+
+
+def evaluate(expression: str) -> tuple[Fraction, list[int]]:
+    """(exact value, the integer literals used) of an arithmetic expression; _Rejected for anything else
+    (names, calls, powers, floats, division by zero, ...)."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise _Rejected("expression too long")
+    try:
+        tree = ast.parse(expression, mode="eval")
+    except (SyntaxError, ValueError, RecursionError) as exc:
+        raise _Rejected(f"not an expression: {exc}") from None
+    used: list[int] = []
+
+    def walk(node) -> Fraction:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise _Rejected("division by zero")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return Fraction(node.value)
+        raise _Rejected(f"{type(node).__name__} is not allowed")
+
+    try:
+        return walk(tree), used
+    except RecursionError:
+        raise _Rejected("expression nested too deeply") from None
+
+
+def _row(row) -> Optional[tuple[list[int], int]]:
+    if not isinstance(row, dict):
+        return None
+    numbers, target = row.get("numbers"), row.get("target")
+    if not isinstance(numbers, (list, tuple)) or not numbers:
+        return None
+    if not all(type(n) is int for n in numbers) or type(target) is not int:
+        return None
+    return list(numbers), target
+
+
+def score_expression(expression: Optional[str], numbers: list[int], target: int, use_all: bool = False) -> float:
+    """1.0 if `expression` follows the rules and equals `target`, else 0.0."""
+    if not expression:
+        return 0.0
+    try:
+        value, used = evaluate(expression)
+    except _Rejected:
+        return 0.0
+    available, wanted = Counter(numbers), Counter(used)
+    if any(wanted[n] > available[n] for n in wanted):
+        return 0.0
+    if use_all and wanted != available:
+        return 0.0
+    return 1.0 if value == target else 0.0
+
+
+def countdown_reward(completions, *, prompts=None, rows=None, use_all: bool = False, **_) -> list[Optional[float]]:
+    """1.0 when the completion's final expression reaches the row's target by the rules, 0.0 when not,
+    None when the row is malformed."""
+    if rows is None:
+        raise ValueError("countdown reward needs the dataset rows (numbers and target)")
+    out: list[Optional[float]] = []
+    for completion, row in zip(completions, rows):
+        parsed = _row(row)
+        if parsed is None:
+            out.append(None)
+            continue
+        numbers, target = parsed
+        out.append(score_expression(extract_expression(completion or ""), numbers, target, use_all))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Instances
+
+PROMPT = ("Using the numbers {numbers}, create an expression that equals {target}. You may use +, -, * and /, "
+          "parentheses, and each number at most once. Show your reasoning, then give only the expression "
+          "inside <answer></answer>, for example <answer>(1 + 2) * 3</answer>.")
+
+
+def generate_countdown(n: int, seed: int = 0) -> list[dict]:
+    """n solvable instances, deterministic in `seed`: {"prompt", "numbers", "target", "solution"}.
+
+    Each instance draws 3 or 4 numbers (each 1-10 or 11-100 with equal odds), then builds a random
+    expression over all of them (half the time) or over 2 or more of them, with subtraction only when
+    positive and division only when exact, so every intermediate value is a positive integer; its value
+    is the target (10-999, not itself one of the numbers). The expression is kept as "solution", so each
+    target is known to be reachable."""
+    rng = random.Random(seed)
+    out: list[dict] = []
+    seen = set()
+    while len(out) < n:
+        count = rng.choice((3, 3, 4, 4, 4))
+        numbers = [rng.randint(1, 10) if rng.random() < 0.5 else rng.randint(11, 100) for _ in range(count)]
+        k = count if rng.random() < 0.5 else rng.randint(2, count)   # often all of them: harder
+        chosen = rng.sample(range(count), k)
+        items = [(Fraction(numbers[i]), str(numbers[i])) for i in chosen]
+        while len(items) > 1:
+            i, j = rng.sample(range(len(items)), 2)
+            (a, ea), (b, eb) = items[i], items[j]
+            options = [(a + b, f"({ea} + {eb})"), (a * b, f"({ea} * {eb})")]
+            if a > b:
+                options.append((a - b, f"({ea} - {eb})"))
+            if b != 0 and a % b == 0 and b != 1:
+                options.append((a / b, f"({ea} / {eb})"))
+            value, expr = rng.choice(options)
+            items = [it for idx, it in enumerate(items) if idx not in (i, j)] + [(value, expr)]
+        value, expr = items[0]
+        expr = expr[1:-1] if expr.startswith("(") and expr.endswith(")") else expr
+        target = int(value)
+        key = (tuple(numbers), target)
+        if value.denominator != 1 or not 10 <= target <= 999 or target in numbers or key in seen:
+            continue
+        assert evaluate(expr)[0] == target   # the generator's own check: the solution reaches the target
+        seen.add(key)
+        out.append({"prompt": PROMPT.format(numbers=numbers, target=target), "numbers": numbers,
+                    "target": target, "solution": expr})
+    return out

@@ -1,0 +1,678 @@
+"""Run untrusted Python (model completions) in a throw-away, resource-limited child process.
+
+Code rewards execute whatever the policy wrote. During RL the policy is *searching* for high reward, so
+sooner or later it produces infinite loops, fork bombs, multi-GB allocations, endless prints, code
+that deletes files or kills its parent. None of that may stop or damage the trainer. `run_python`
+runs one program and always comes back with a `SandboxResult`, leaving no process behind.
+
+How one run works (see docs/sandbox.md for what each layer does and does not protect against):
+
+* The parent writes the program to a fresh `tempfile.mkdtemp` directory and starts a small *bootstrap*
+  (`python -I -S -c _BOOTSTRAP`) there, in its own session/process group, with an environment reduced
+  to PATH/LANG (no variable of the parent reaches the program).
+* The bootstrap, best effort and in this order:
+  - `unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)` through libc (ctypes; Python 3.11 has no
+    os.unshare). As root this needs no user namespace; as an ordinary user it retries with
+    CLONE_NEWUSER. A new network namespace has only a loopback device that is down: no network at all,
+    not even 127.0.0.1.
+  - forks an "init", PID 1 of the new PID namespace, which mounts a fresh /proc (other processes and
+    their environments become invisible) and size-capped tmpfs over /tmp, /var/tmp and /dev/shm, copies
+    the program to /tmp/sandbox, covers the trainer's working directory, /home and /root with empty
+    read-only tmpfs (`hide_paths`), forks the program (PID 2) and waits for it, reaping orphans. When init
+    exits — after the program, or killed with the bootstrap through PR_SET_PDEATHSIG — the kernel kills
+    every process left in the namespace, including ones that called setsid(). (The program is not PID 1
+    itself: PID 1 ignores signals it has no handler for, RLIMIT_CPU's SIGXCPU among them.)
+  - in the program's process: rlimits RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (largest file),
+    RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC (processes and threads);
+  - when started as root: drops to an unprivileged uid/gid drawn at random per run from a reserved
+    range (no supplementary groups). Root ignores RLIMIT_NPROC and may write anywhere; the unprivileged
+    uid makes NPROC bite, makes the host's files read-only (or unreadable) to the program, forbids
+    signalling the trainer, and — being unique to the run — lets the parent kill every process of that
+    uid afterwards even without a PID namespace;
+  - PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), PR_SET_PDEATHSIG=SIGKILL (the
+    program dies with its parent);
+  - execs `python -I -S -B main.py`.
+* The parent reads stdout/stderr incrementally with a byte cap, enforces a wall-clock deadline, and
+  at the end *always* SIGKILLs the whole process group (and, without a PID namespace, every process of
+  the run's uid), then deletes the directory.
+
+Which of these layers are available depends on the machine (containers often forbid unshare; only root
+can change uid). They are probed once per process (`sandbox_info()`), every run then *requires* the
+layers the probe found (a run never silently gets weaker isolation than the probe reported), and each
+`SandboxResult.protections` lists what was active for that run.
+
+This is damage control for buggy and reward-hacking programs, not a security boundary against a
+determined attacker: there is no seccomp filter and the kernel is shared; see docs/sandbox.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MEMORY_MB = 1024
+DEFAULT_FILE_SIZE_MB = 10
+DEFAULT_MAX_PROCS = 32
+DEFAULT_MAX_OPEN_FILES = 256
+DEFAULT_OUTPUT_BYTES = 1 << 20      # per stream
+DEFAULT_TMPFS_MB = 64
+
+# Unprivileged uids handed to sandboxed programs when we are root: one drawn at random per run from
+# [SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_SPAN). Far above any real account, so no file on
+# the host belongs to it, and unique per run, so RLIMIT_NPROC and the final "kill every process of this
+# uid" sweep concern this run only.
+SANDBOX_UID_BASE = 0x70000000
+SANDBOX_UID_SPAN = 1 << 20
+NOBODY_UID = 65534
+
+_STATUS_MARK = b"\x00LOWMEM-SANDBOX "
+_ERROR_MARK = b"\x00LOWMEM-SANDBOX-ERROR "
+_STATUS_ALLOWANCE = 16384   # room for the status lines on stderr, on top of max_output_bytes
+_MIN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+            "HOME": "/nonexistent", "TMPDIR": "/tmp"}
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not be set up (not the program's fault)."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    returncode: Optional[int]       # exit status; negative: killed by that signal (as subprocess reports it)
+    stdout: str                     # at most max_output_bytes of it, decoded UTF-8 (errors replaced)
+    stderr: str
+    timed_out: bool                 # the wall-clock deadline passed and the program was killed
+    killed_reason: Optional[str]    # None, "timeout", "output_limit", "cpu_limit", "signal:NAME", "sandbox_error"
+    duration_s: float = 0.0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    protections: tuple = ()         # the layers that were active for this run, e.g. ("netns", "uid", ...)
+    error: Optional[str] = None     # set with killed_reason == "sandbox_error"
+    unavailable: dict = field(default_factory=dict, compare=False)  # layer -> why it could not be set up
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.killed_reason is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The bootstrap: runs with the parent's privileges (often root), sets up the isolation, execs the program.
+# Kept free of anything but the standard library; it is run with `python -I -S`.
+_BOOTSTRAP = r'''
+import ctypes, json, os, resource, select, signal, sys
+
+cfg = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+active, failed = [], {}
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+
+
+def errno_text():
+    return os.strerror(ctypes.get_errno())
+
+
+def emit(mark, payload):
+    try:
+        os.write(2, mark + json.dumps(payload).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def give_up(msg):
+    emit(b"\x00LOWMEM-SANDBOX-ERROR ", {"error": msg, "active": active, "failed": failed})
+    os._exit(125)
+
+
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+my_uid, my_gid = os.getuid(), os.getgid()
+run_uid = cfg["uid"]
+
+# RLIMIT_NPROC counts every process of the (real) uid. For a fresh sandbox uid that is this run only;
+# without a uid change it includes all of the user's processes, so allow that many plus max_procs.
+nproc = cfg["max_procs"]
+if run_uid is None and my_uid != 0:
+    mine = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                mine += os.stat("/proc/" + name).st_uid == my_uid
+            except OSError:
+                pass
+    nproc += mine
+
+ns = False
+if cfg["namespaces"]:
+    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID
+    if libc.unshare(flags) == 0:
+        ns = True
+    else:
+        first = errno_text()
+        if my_uid != 0 and libc.unshare(flags | CLONE_NEWUSER) == 0:
+            try:  # map our own uid/gid onto themselves, so that file ownership keeps its meaning
+                with open("/proc/self/setgroups", "w") as f:
+                    f.write("deny")
+                with open("/proc/self/uid_map", "w") as f:
+                    f.write("%d %d 1" % (my_uid, my_uid))
+                with open("/proc/self/gid_map", "w") as f:
+                    f.write("%d %d 1" % (my_gid, my_gid))
+                ns = True
+                active.append("userns")
+            except OSError as exc:
+                give_up("user namespace set up but its uid map could not be written: %s" % exc)
+        else:
+            failed["namespaces"] = first
+    if ns:
+        active += ["netns", "pidns", "mountns"]
+        # Nothing mounted in here may propagate back to the host.
+        if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            give_up("cannot make mounts private: " + errno_text())
+
+def forward(code):
+    """Exit like the program did: with its status, or killed by the same signal."""
+    if code < 0:
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
+if ns:
+    # Three processes: this one (outside the new PID namespace) waits; its child is PID 1 ("init") of
+    # the namespace and waits for the program, PID 2, reaping orphans; when init exits, the kernel kills
+    # whatever is left in the namespace. The program is not PID 1 itself because PID 1 is immune to
+    # signals it does not handle (RLIMIT_CPU's SIGXCPU, for one).
+    alive_r, alive_w = os.pipe()     # init watches this to notice that we died
+    status_r, status_w = os.pipe()   # init reports the program's wait status here
+    init = os.fork()
+    if init:
+        os.close(alive_r)
+        os.close(status_w)
+        for fd in (0, 1, 2):
+            os.close(fd)
+        _, st = os.waitpid(init, 0)
+        reported = os.read(status_r, 64)
+        forward(os.waitstatus_to_exitcode(int(reported) if reported else st))
+    os.close(alive_w)
+    os.close(status_r)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)        # PR_SET_PDEATHSIG: init dies with us, and so the namespace
+    if select.select([alive_r], [], [], 0)[0]:    # we died before the prctl: EOF on the pipe
+        os._exit(125)
+    os.close(alive_r)
+    # A /proc that shows only this namespace: other processes (and their environ) become invisible.
+    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
+        active.append("private_proc")
+    else:
+        failed["private_proc"] = errno_text()
+    with open(cfg["program"], "rb") as f:
+        program = f.read()
+    # the interpreter must stay reachable: by the path we exec and by the path it resolves to
+    interp = (os.path.abspath(cfg["python"]), os.path.realpath(cfg["python"]))
+    # Hide host directories the program has no business reading (the trainer's working directory, with
+    # its datasets and reference solutions; home directories) under empty read-only tmpfs.
+    hidden = True
+    for d in cfg["hide"]:
+        if not os.path.isdir(d):
+            continue
+        if any(p.startswith(d.rstrip("/") + "/") for p in interp):
+            failed["hidden_paths:" + d] = "the interpreter lives there"
+            continue
+        if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      b"size=16k,mode=755") != 0:
+            failed["hidden_paths:" + d] = errno_text()
+            hidden = False
+    if hidden:
+        active.append("hidden_paths")
+    tmp_ok = []
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        if not os.path.isdir(d):
+            continue
+        if any(p.startswith(d + "/") for p in interp):
+            failed["private_tmp:" + d] = "the interpreter lives there"
+            continue
+        opts = ("size=%dm,mode=1777" % cfg["tmpfs_mb"]).encode()
+        if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts) == 0:
+            tmp_ok.append(d)
+        else:
+            failed["private_tmp:" + d] = errno_text()
+    if "/tmp" in tmp_ok:
+        # Run in a directory on the fresh, size-capped /tmp: the host's directory is out of reach.
+        os.mkdir("/tmp/sandbox", 0o700)
+        with open("/tmp/sandbox/" + cfg["program"], "wb") as f:
+            f.write(program)
+        if run_uid is not None:
+            os.chown("/tmp/sandbox", run_uid, run_uid)
+        os.chdir("/tmp/sandbox")
+        active.append("private_tmp")
+    prog = os.fork()
+    if prog:
+        for fd in (0, 1, 2):
+            os.close(fd)
+        while True:
+            try:
+                pid, st = os.wait()
+            except ChildProcessError:
+                os._exit(125)
+            if pid == prog:
+                os.write(status_w, str(st).encode())
+                os._exit(0)
+    os.close(status_w)
+
+limits = [("RLIMIT_CPU", cfg["cpu_s"], cfg["cpu_s"] + 1), ("RLIMIT_AS", cfg["memory_bytes"], None),
+          ("RLIMIT_FSIZE", cfg["fsize_bytes"], None), ("RLIMIT_NOFILE", cfg["max_open_files"], None),
+          ("RLIMIT_NPROC", nproc, None)]
+for name, soft, hard in limits:
+    try:
+        resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
+        active.append(name.lower().replace("rlimit_", "rlimit:"))
+    except (ValueError, OSError) as exc:
+        failed[name] = str(exc)
+
+if run_uid is not None:
+    try:
+        os.setgroups([])
+        os.setgid(run_uid)
+        os.setuid(run_uid)
+        if os.getresuid() != (run_uid,) * 3 or os.getresgid() != (run_uid,) * 3:
+            raise OSError("uid change did not stick")
+        active.append("uid")
+    except OSError as exc:
+        failed["uid"] = str(exc)
+
+if os.getuid() == 0 and "rlimit:nproc" in active:
+    active.remove("rlimit:nproc")
+    failed["RLIMIT_NPROC"] = "not enforced for root"
+if libc.prctl(38, 1, 0, 0, 0) == 0:          # PR_SET_NO_NEW_PRIVS
+    active.append("no_new_privs")
+else:
+    failed["no_new_privs"] = errno_text()
+# After the uid change: changing credentials clears the parent-death signal.
+if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:   # PR_SET_PDEATHSIG
+    active.append("pdeathsig")
+if ns and os.getppid() != 1:   # init died before the prctl above
+    os._exit(125)
+os.umask(0o077)
+
+missing = [p for p in cfg["require"] if p not in active]
+if missing:
+    give_up("required protections not available: " + ", ".join(missing))
+emit(b"\x00LOWMEM-SANDBOX ", {"active": active, "failed": failed})
+argv = [cfg["python"], "-I", "-S", "-B", cfg["program"]]
+try:
+    os.execve(cfg["python"], argv, cfg["env"])
+except OSError as exc:
+    give_up("cannot run %s: %s" % (cfg["python"], exc))
+'''
+
+
+# --------------------------------------------------------------------------------------------------
+# Probing: which layers work on this machine, and which interpreter the sandboxed uid can run.
+
+@dataclass(frozen=True)
+class _Plan:
+    python: str                 # interpreter for the program
+    bootstrap_python: str       # interpreter for the bootstrap (runs with our own privileges)
+    namespaces: bool
+    drop_uid: bool
+    uid_choice: Optional[tuple] # (low, high) range to draw a uid from, or None
+    protections: tuple          # what the probe saw active; every run requires these
+    failed: dict = field(default_factory=dict)
+    rejected_interpreters: dict = field(default_factory=dict)
+
+
+_plans: dict = {}
+_plans_lock = threading.Lock()
+
+
+def _mapped_ids(path: str) -> list:
+    """The id ranges usable in our user namespace, from /proc/self/uid_map (or gid_map)."""
+    try:
+        with open(path) as f:
+            return [(int(a), int(a) + int(n)) for a, _b, n in (line.split() for line in f if line.strip())]
+    except OSError:
+        return [(0, 1 << 32)]
+
+
+def _uid_choice() -> Optional[tuple]:
+    """A range of unused unprivileged uids we may switch to (as root), or None."""
+    if os.geteuid() != 0:
+        return None
+    usable = _mapped_ids("/proc/self/uid_map")
+    usable_g = [r for r in _mapped_ids("/proc/self/gid_map")]
+    lo, hi = SANDBOX_UID_BASE, SANDBOX_UID_BASE + SANDBOX_UID_SPAN
+
+    def covered(ranges, a, b):
+        return any(x <= a and b <= y for x, y in ranges)
+
+    if covered(usable, lo, hi) and covered(usable_g, lo, hi):
+        return (lo, hi)
+    if covered(usable, NOBODY_UID, NOBODY_UID + 1) and covered(usable_g, NOBODY_UID, NOBODY_UID + 1):
+        return (NOBODY_UID, NOBODY_UID + 1)   # shared by concurrent runs: no per-run uid sweep then
+    return None
+
+
+def _interpreter_candidates() -> list:
+    seen, out = set(), []
+    for p in (sys.executable, getattr(sys, "_base_executable", None), shutil.which("python3"),
+              "/usr/bin/python3", "/usr/local/bin/python3"):
+        if not p:
+            continue
+        real = os.path.realpath(p)
+        if real not in seen and os.path.isfile(real) and os.access(real, os.X_OK):
+            seen.add(real)
+            out.append(real)
+    return out
+
+
+def _plan(namespaces: bool, drop_privileges: bool) -> _Plan:
+    key = (namespaces, drop_privileges)
+    with _plans_lock:
+        if key not in _plans:
+            _plans[key] = _probe(namespaces, drop_privileges)
+        return _plans[key]
+
+
+def _probe(namespaces: bool, drop_privileges: bool) -> _Plan:
+    candidates = _interpreter_candidates()
+    if not candidates:
+        raise SandboxError("no Python interpreter found for the sandbox")
+    bootstrap = candidates[0]
+    uid_choice = _uid_choice() if drop_privileges else None
+    failures = {}
+    # As root with a uid to drop to, there is no fallback to running the program as root: without an
+    # interpreter the sandbox uid can run, the sandbox refuses (drop_privileges=False overrides).
+    for choice in [uid_choice]:
+        for python in candidates:
+            plan = _Plan(python, bootstrap, namespaces, choice is not None, choice, ())
+            res = _run(plan, "print('sandbox-probe-ok')", timeout_s=20.0, require=(), stdin=None,
+                       memory_mb=DEFAULT_MEMORY_MB, file_size_mb=DEFAULT_FILE_SIZE_MB, max_procs=DEFAULT_MAX_PROCS,
+                       max_open_files=DEFAULT_MAX_OPEN_FILES, max_output_bytes=65536, cpu_s=None,
+                       tmpfs_mb=DEFAULT_TMPFS_MB, kill_on_output_limit=True)
+            if res.ok and res.stdout.strip() == "sandbox-probe-ok":
+                failed = dict(res.unavailable)
+                if drop_privileges and choice is None:
+                    failed.setdefault("uid", "not root (nothing to drop)" if os.geteuid() != 0
+                                      else "no unprivileged uid mapped in this user namespace")
+                return _Plan(python, bootstrap, namespaces and "netns" in res.protections, choice is not None,
+                             choice, tuple(p for p in res.protections if p != "pdeathsig"), failed, failures)
+            failures[f"{python} (uid {'dropped' if choice else 'kept'})"] = (res.error or res.stderr[-300:]
+                                                                             or f"returncode {res.returncode}")
+    hint = (" Install a Python 3 that every user may read and execute (e.g. /usr/bin/python3), or pass "
+            "drop_privileges=False to run programs as root (unsafe)." if uid_choice is not None else "")
+    raise SandboxError("the sandbox cannot run any interpreter: " + json.dumps(failures) + hint)
+
+
+def sandbox_info(namespaces: bool = True, drop_privileges: bool = True) -> dict:
+    """What the sandbox does on this machine: interpreter, active protections, and what failed and why."""
+    p = _plan(namespaces, drop_privileges)
+    return {"python": p.python, "protections": list(p.protections), "unavailable": dict(p.failed),
+            "uid_range": p.uid_choice, "namespaces": p.namespaces, "drop_uid": p.drop_uid,
+            "rejected_interpreters": dict(p.rejected_interpreters)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Running one program.
+
+def run_python(code: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, stdin: Union[str, bytes, None] = None,
+               memory_mb: int = DEFAULT_MEMORY_MB, file_size_mb: int = DEFAULT_FILE_SIZE_MB,
+               max_procs: int = DEFAULT_MAX_PROCS, max_open_files: int = DEFAULT_MAX_OPEN_FILES,
+               max_output_bytes: int = DEFAULT_OUTPUT_BYTES, cpu_s: Optional[int] = None,
+               tmpfs_mb: int = DEFAULT_TMPFS_MB, kill_on_output_limit: bool = True,
+               hide_paths: Optional[Sequence[str]] = None, namespaces: bool = True,
+               drop_privileges: bool = True) -> SandboxResult:
+    """Run `code` (Python source, standard library only: the interpreter runs with -I -S) in the sandbox.
+
+    timeout_s: wall-clock limit; the program and everything it started are then SIGKILLed.
+    stdin: data written to the program's stdin (then closed).
+    memory_mb: RLIMIT_AS (address space) of each process; file_size_mb: RLIMIT_FSIZE (largest file written).
+    max_procs: RLIMIT_NPROC (processes/threads of the sandbox uid).
+    max_output_bytes: kept per stream; past it the program is killed (kill_on_output_limit=True, the
+        default, so an endless print cannot run until the deadline) or the rest is read and dropped.
+    cpu_s: RLIMIT_CPU in seconds, default ceil(timeout_s) + 1 (the wall clock normally strikes first).
+    tmpfs_mb: size of each private tmpfs (/tmp, /var/tmp, /dev/shm) when namespaces are available.
+    hide_paths: directories covered by an empty read-only tmpfs when namespaces are available; default
+        the caller's working directory (datasets, reference solutions), /home and /root. System
+        directories and any directory holding the interpreter are never hidden.
+    namespaces, drop_privileges: False to skip these layers (they are used whenever the machine allows).
+
+    Never raises for anything the program does; raises SandboxError only if the sandbox cannot start at
+    all. A run whose isolation could not be set up returns killed_reason="sandbox_error".
+    """
+    plan = _plan(bool(namespaces), bool(drop_privileges))
+    return _run(plan, code, timeout_s=timeout_s, require=plan.protections, stdin=stdin, memory_mb=memory_mb,
+                file_size_mb=file_size_mb, max_procs=max_procs, max_open_files=max_open_files,
+                max_output_bytes=max_output_bytes, cpu_s=cpu_s, tmpfs_mb=tmpfs_mb,
+                kill_on_output_limit=kill_on_output_limit, hide_paths=hide_paths)
+
+
+def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_size_mb, max_procs,
+         max_open_files, max_output_bytes, cpu_s, tmpfs_mb, kill_on_output_limit, hide_paths=None) -> SandboxResult:
+    start = time.monotonic()
+    timeout_s = max(0.05, float(timeout_s))
+    uid = random.randrange(*plan.uid_choice) if plan.drop_uid else None
+    workdir = tempfile.mkdtemp(prefix="lowmem-sandbox-")
+    proc = None
+    try:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+            f.write(code)
+        if uid is not None:
+            os.chmod(os.path.join(workdir, "main.py"), 0o644)
+            os.chown(workdir, uid, uid)
+        cfg = {"uid": uid, "namespaces": plan.namespaces, "python": plan.python, "program": "main.py",
+               "cpu_s": int(cpu_s if cpu_s is not None else int(timeout_s + 0.999) + 1),
+               "memory_bytes": int(memory_mb) << 20, "fsize_bytes": int(file_size_mb) << 20,
+               "max_open_files": int(max_open_files), "max_procs": int(max_procs), "tmpfs_mb": int(tmpfs_mb),
+               "require": list(require), "env": dict(_MIN_ENV), "hide": _hide_list(hide_paths)}
+        argv = [plan.bootstrap_python, "-I", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)]
+        try:
+            proc = subprocess.Popen(argv, cwd=workdir, env=dict(_MIN_ENV), stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    close_fds=True)
+        except OSError as exc:
+            raise SandboxError(f"cannot start the sandbox bootstrap {plan.bootstrap_python}: {exc}") from exc
+        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        out, err, timed_out, over = _communicate(proc, data, start + timeout_s, max_output_bytes,
+                                                 kill_on_output_limit, plan, uid)
+        returncode = proc.returncode
+    finally:
+        if proc is not None:
+            if proc.returncode is None:   # an exception on the way: make sure nothing survives
+                _kill_all(proc, plan, uid)
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                try:
+                    stream.close()
+                except Exception:
+                    pass
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    status, error, err_bytes = _split_status(bytes(err[0]))
+    if len(err_bytes) > max_output_bytes:
+        err_bytes, err[1] = err_bytes[:max_output_bytes], True
+    reason = None
+    if error is not None:
+        reason = "sandbox_error"
+    elif timed_out:
+        reason = "timeout"
+    elif over:
+        reason = "output_limit"
+    elif returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        reason = "cpu_limit" if -returncode == signal.SIGXCPU else f"signal:{name}"
+    return SandboxResult(returncode=returncode, stdout=bytes(out[0]).decode("utf-8", "replace"),
+                         stderr=err_bytes.decode("utf-8", "replace"), timed_out=timed_out,
+                         killed_reason=reason, duration_s=time.monotonic() - start,
+                         stdout_truncated=out[1], stderr_truncated=err[1],
+                         protections=tuple(status.get("active", ())), error=error,
+                         unavailable=dict(status.get("failed", {})))
+
+
+# Never hidden (the interpreter and the system need them); /tmp and /proc get their own fresh mounts.
+_SYSTEM_DIRS = {"/", "/usr", "/etc", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/proc", "/sys", "/dev", "/var",
+                "/run", "/tmp", "/boot", "/nix", "/opt"}
+
+
+def _hide_list(hide_paths) -> list:
+    """Absolute real paths to hide in the mount namespace; None: the trainer's cwd, /home and /root."""
+    if hide_paths is None:
+        try:
+            hide_paths = [os.getcwd(), "/home", "/root"]
+        except OSError:
+            hide_paths = ["/home", "/root"]
+    out = []
+    for p in hide_paths:
+        real = os.path.realpath(str(p))
+        if real in _SYSTEM_DIRS or real.startswith(("/tmp/", "/proc/", "/sys/", "/dev/")) or real in out:
+            continue
+        out.append(real)
+    return out
+
+
+def _split_status(err: bytes):
+    """Strip the bootstrap's status/error lines from the start of stderr."""
+    status, error = {}, None
+    while err.startswith(_STATUS_MARK) or err.startswith(_ERROR_MARK):
+        line, _, err = err.partition(b"\n")
+        is_error = line.startswith(_ERROR_MARK)
+        try:
+            payload = json.loads(line[len(_ERROR_MARK if is_error else _STATUS_MARK):])
+        except ValueError:
+            payload = {"error": line.decode("utf-8", "replace")}
+        status = payload
+        if is_error:
+            error = payload.get("error", "sandbox setup failed")
+    return status, error, err
+
+
+def _exited(pid: int) -> bool:
+    """Has `pid` exited? Does not reap it: while the zombie exists its pid, and so its process group id,
+    cannot be reused, which makes the final killpg safe."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _communicate(proc, data: bytes, deadline: float, cap: int, kill_on_cap: bool, plan, uid):
+    """Feed stdin and read both pipes (keeping at most `cap` bytes each) until the program has exited
+    and the pipes are closed, or the deadline passes; then kill everything of the run and reap it.
+    Returns ([stdout, truncated], [stderr, truncated], timed_out, over_cap)."""
+    out, err = [bytearray(), False], [bytearray(), False]
+    bufs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    caps = {proc.stdout.fileno(): cap, proc.stderr.fileno(): cap + _STATUS_ALLOWANCE}   # stderr starts with our status
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    view = memoryview(data)
+    if data:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
+    timed_out = over = False
+
+    def read(fd) -> bool:
+        """Read what is there; False on EOF."""
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        buf = bufs[fd]
+        room = caps[fd] - len(buf[0])
+        if len(chunk) > room:
+            buf[0] += chunk[:max(room, 0)]
+            buf[1] = True
+        else:
+            buf[0] += chunk
+        return True
+
+    try:
+        while sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            events = sel.select(min(remaining, 0.1))
+            for key, _ in events:
+                fd = key.fd
+                if fd in bufs:
+                    if not read(fd):
+                        sel.unregister(fd)
+                    elif bufs[fd][1] and kill_on_cap:
+                        over = True
+                else:
+                    try:
+                        n = os.write(fd, view[:65536])
+                        view = view[n:]
+                    except OSError:   # BrokenPipeError included: the program closed its stdin
+                        view = view[:0]
+                    if not len(view):
+                        sel.unregister(fd)
+                        proc.stdin.close()
+            if over:
+                break
+            if not events and _exited(proc.pid):
+                break   # it exited, but something it started (outside its group) still holds the pipes
+        # The pipes are closed: wait for the exit itself, until the deadline.
+        while not (timed_out or over) and not _exited(proc.pid):
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
+            time.sleep(0.005)
+        # Always: kill the group (and the uid), whatever it left behind.
+        _kill_all(proc, plan, uid)
+        drain_until = time.monotonic() + 0.5   # the writers are dead: EOF comes at once
+        while sel.get_map() and time.monotonic() < drain_until:
+            for key, _ in sel.select(0.05):
+                if key.fd not in bufs or not read(key.fd):
+                    sel.unregister(key.fd)
+        proc.wait()
+    finally:
+        sel.close()
+    return out, err, timed_out, over
+
+
+def _kill_all(proc, plan: _Plan, uid: Optional[int]) -> None:
+    """SIGKILL the run's process group; without a PID namespace also every process of the run's uid
+    (programs that called setsid() leave the group but not their uid). Call before reaping the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if uid is not None and not plan.namespaces and plan.uid_choice and plan.uid_choice[1] - plan.uid_choice[0] > 1:
+        _kill_uid(uid, plan.bootstrap_python)
+
+
+def _kill_uid(uid: int, python: str) -> None:
+    """kill(-1, SIGKILL) from a helper running as `uid`: the kernel delivers it, atomically with respect to
+    fork, to every process of that uid (and not to the helper itself)."""
+    helper = "import os,signal,sys\nu=int(sys.argv[1])\nos.setgroups([]);os.setgid(u);os.setuid(u)\ntry:\n" \
+             " os.kill(-1,signal.SIGKILL)\nexcept ProcessLookupError:\n pass\n"
+    try:
+        subprocess.run([python, "-I", "-S", "-c", helper, str(uid)], env=dict(_MIN_ENV), timeout=10,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        pass

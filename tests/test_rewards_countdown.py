@@ -1,0 +1,139 @@
+"""Countdown reward: one test per rule, the safe evaluator, the generator and the shipped instances."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo.rewards.countdown import (countdown_reward, evaluate, extract_expression, generate_countdown,
+                                           score_expression)
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW = {"numbers": [25, 5, 4, 3], "target": 80}
+
+
+def score(completion, row=ROW, **kw):
+    return countdown_reward([completion], prompts=[""], rows=[row], **kw)[0]
+
+
+def test_correct_expression_scores_one():
+    assert score("<answer>(25 - 5) * 4</answer>") == 1.0
+    assert score("<answer>25 * 4 - 5 * 3 - 5</answer>") == 0.0     # 5 used twice, listed once
+
+
+def test_wrong_value_scores_zero():
+    assert score("<answer>(25 - 5) * 3</answer>") == 0.0
+
+
+def test_only_given_numbers():
+    assert score("<answer>(25 - 5) * 4 + 0</answer>") == 0.0        # 0 is not in the list
+    assert score("<answer>20 * 4</answer>") == 0.0                  # 20 is not in the list
+
+
+def test_each_number_at_most_as_often_as_listed():
+    assert score("<answer>25 + 25 + 25 + 5</answer>") == 0.0
+    assert score("<answer>25 + 25 + 25 + 5</answer>", {"numbers": [25, 25, 25, 5], "target": 80}) == 1.0
+
+
+def test_not_every_number_must_be_used_unless_use_all():
+    assert score("<answer>(25 - 5) * 4</answer>") == 1.0
+    assert score("<answer>(25 - 5) * 4</answer>", use_all=True) == 0.0
+    assert score("<answer>(25 - 5) * (4 + 3) - 60</answer>", use_all=True) == 0.0           # 60 not given
+    assert score("<answer>(25 * 3 + 5) * 4 / 4</answer>", {"numbers": [25, 3, 5, 4, 4], "target": 80},
+                 use_all=True) == 1.0
+
+
+@pytest.mark.parametrize("expression", ["2 ** 3 * 10", "25 // 5 * 16", "25 % 5 + 80", "abs(-80)",
+                                        "__import__('os').getpid()", "80.0", "8e1", "[80][0]", "(lambda: 80)()",
+                                        "25 if 5 else 4", "True * 80", "5 << 4"])
+def test_only_arithmetic_is_allowed(expression):
+    row = {"numbers": [2, 3, 10, 25, 5, 16, 80, 0, 4, 1], "target": 80}
+    assert score(f"<answer>{expression}</answer>", row) == 0.0
+
+
+def test_division_is_exact_rational_arithmetic():
+    assert score("<answer>7 / 2 * 2</answer>", {"numbers": [7, 2, 2], "target": 7}) == 1.0
+    assert score("<answer>(3 + 3 / 7) * 7</answer>", {"numbers": [3, 3, 7, 7], "target": 24}) == 1.0
+    assert score("<answer>7 / 2</answer>", {"numbers": [7, 2], "target": 3}) == 0.0         # 3.5, not 3
+    assert score("<answer>4 / (5 - 5)</answer>", {"numbers": [4, 5, 5], "target": 0}) == 0.0
+
+
+def test_unary_minus_and_parentheses():
+    assert score("<answer>-(4 - 25) * 5 - 25</answer>", {"numbers": [4, 25, 5, 25], "target": 80}) == 1.0
+    assert evaluate("-(3 - 10)") == (Fraction(7), [3, 10])
+
+
+def test_answer_tag_wins_and_the_last_one_counts():
+    text = "Try <answer>25 * 3</answer>... no. Final: <answer>(25 - 5) * 4</answer>\n25 * 3"
+    assert extract_expression(text) == "(25 - 5) * 4"
+    assert score(text) == 1.0
+
+
+def test_last_expression_line_without_tags():
+    text = "We need 80.\n25 - 5 = 20, and 20 * 4 = 80.\n(25 - 5) * 4 = 80\nThat's it!"
+    assert extract_expression(text) == "(25 - 5) * 4"
+    assert score(text) == 1.0
+    assert score("The answer is eighty.") == 0.0
+    assert score("80") == 0.0       # a lone number is no expression
+
+
+def test_unicode_operators_and_an_equation_form():
+    assert score("<answer>(25 \u2212 5) \u00d7 4</answer>") == 1.0
+    assert score("<answer>80 = (25 - 5) * 4</answer>") == 1.0
+
+
+def test_long_or_deep_expressions_are_rejected_not_crashing():
+    deep = "(" * 500 + "25" + ")" * 500
+    assert score(f"<answer>{deep}</answer>") == 0.0
+    assert score_expression("+".join(["25"] * 200), [25] * 200, 5000) == 0.0   # over the length cap
+
+
+def test_no_eval(tmp_path):
+    marker = tmp_path / "executed"
+    attack = f"<answer>__import__('pathlib').Path({str(marker)!r}).touch()</answer>"
+    assert score(attack) == 0.0
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("row", [{}, {"numbers": [1, 2]}, {"target": 3}, {"numbers": [], "target": 3},
+                                 {"numbers": "1 2", "target": 3}, {"numbers": [1, "2"], "target": 3},
+                                 {"numbers": [1, 2], "target": 3.0}, {"numbers": [True, 2], "target": 3},
+                                 {"numbers": [1, 2], "target": "3"}, None])
+def test_malformed_rows_are_skipped(row):
+    assert score("<answer>1 + 2</answer>", row) is None
+
+
+def test_rows_required():
+    with pytest.raises(ValueError):
+        countdown_reward(["1 + 2"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Generator and shipped data
+
+def test_generator_is_deterministic_and_solvable():
+    a, b = generate_countdown(50, seed=7), generate_countdown(50, seed=7)
+    assert a == b and a != generate_countdown(50, seed=8)
+    for inst in a:
+        assert 3 <= len(inst["numbers"]) <= 4 and inst["target"] not in inst["numbers"]
+        assert 10 <= inst["target"] <= 999
+        assert countdown_reward([f"<answer>{inst['solution']}</answer>"], rows=[inst]) == [1.0]
+        assert str(inst["target"]) in inst["prompt"]
+
+
+def test_shipped_countdown_file_matches_its_generator():
+    spec = importlib.util.spec_from_file_location("make_data", ROOT / "scripts" / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    text = (ROOT / "data" / "countdown.jsonl").read_text(encoding="utf-8")
+    assert text == make_data.render(make_data.countdown())
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert len(rows) >= 200
+    solutions = [f"Reasoning...\n<answer>{r['solution']}</answer>" for r in rows]
+    assert countdown_reward(solutions, rows=rows) == [1.0] * len(rows)
+    off_by_one = [{**r, "target": r["target"] + 1} for r in rows]
+    assert countdown_reward(solutions, rows=off_by_one) == [0.0] * len(rows)

@@ -1,0 +1,400 @@
+"""The hostile-code suite: programs a policy may write during RL, run through the sandbox and the code reward.
+
+Every case must (1) get its correct score (0 for all of these), (2) leave the host as it was, and
+(3) let the caller carry on; after every test no process of the run may be left (`no_leftovers`).
+The suite runs with the full sandbox and again without namespaces (the common situation in a
+container that forbids unshare), where only rlimits and the unprivileged uid protect. Cases that
+depend on one layer skip, saying so, when this machine cannot provide it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+
+from lowmem_grpo.rewards.code import code_binary_reward, code_reward, run_tests
+from lowmem_grpo.rewards.sandbox import (SANDBOX_UID_BASE, SANDBOX_UID_SPAN, run_python, sandbox_info)
+
+MODES = [pytest.param(True, id="namespaces"), pytest.param(False, id="no-namespaces")]
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-4, 4) == 0"]
+
+
+def protections(namespaces: bool) -> set:
+    return set(sandbox_info(namespaces=namespaces)["protections"])
+
+
+def require_any(namespaces: bool, *layers: str) -> None:
+    """Skip unless at least one of `layers` is active on this machine in this mode."""
+    active = protections(namespaces)
+    if not active.intersection(layers):
+        pytest.skip(f"needs one of {layers}; active here: {sorted(active)}; "
+                    f"unavailable: {sorted(sandbox_info(namespaces=namespaces)['unavailable'])}")
+
+
+def score(solution: str, tests=ADD_TESTS, namespaces: bool = True, **kw) -> float:
+    kw.setdefault("timeout", 0.5)
+    return code_reward([solution], prompts=[""], rows=[{"tests": list(tests)}], workers=1,
+                       namespaces=namespaces, **kw)[0]
+
+
+def _live(procs):
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def sandbox_processes():
+    """Live processes running as a sandbox uid (zombies are dead: they only wait for init to reap them)."""
+    found = []
+    for p in psutil.process_iter(["uids"]):
+        uids = p.info["uids"]
+        if uids and SANDBOX_UID_BASE <= uids.real < SANDBOX_UID_BASE + SANDBOX_UID_SPAN:
+            found.append(p)
+    return _live(found)
+
+
+def sandbox_dirs() -> set:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("lowmem-sandbox-")}
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """After each test: no new live descendant of this process, no process of a sandbox uid, no
+    sandbox directory left; and the sandbox still works (the caller can carry on)."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    dirs_before = sandbox_dirs()
+    yield
+    deadline = time.monotonic() + 2.0
+    while True:
+        new = [p for p in _live(me.children(recursive=True)) if p.pid not in before]
+        stray = sandbox_processes()
+        if not new and not stray or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not new, f"processes left behind: {[(p.pid, p.name()) for p in new]}"
+    assert not stray, f"sandbox-uid processes left behind: {[p.pid for p in stray]}"
+    assert sandbox_dirs() <= dirs_before, "a sandbox directory was not removed"
+    after = run_python("print(6 * 7)", 10)
+    assert after.ok and after.stdout.strip() == "42", after
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox's own contract
+
+def test_normal_program_output_status_and_stdin():
+    res = run_python("import sys\ndata = sys.stdin.read()\nprint(data.upper())\nprint('err', file=sys.stderr)\n"
+                     "sys.exit(3)", 10, stdin="hello")
+    assert res.returncode == 3 and res.killed_reason is None and not res.timed_out
+    assert res.stdout == "HELLO\n" and res.stderr == "err\n"
+    assert res.protections, "the run must report which protections were active"
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_environment_is_minimal_and_identity_unprivileged(namespaces):
+    res = run_python("import os, json\nprint(json.dumps({'env': sorted(os.environ), 'uid': os.getuid(), "
+                     "'pid': os.getpid(), 'cwd': os.getcwd()}))", 10, namespaces=namespaces)
+    import json
+    info = json.loads(res.stdout)
+    assert info["env"] == ["HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"]
+    if "uid" in res.protections:
+        assert SANDBOX_UID_BASE <= info["uid"] < SANDBOX_UID_BASE + SANDBOX_UID_SPAN or info["uid"] == 65534
+    if "pidns" in res.protections:
+        assert info["pid"] == 2     # PID 1 is the namespace's init; the program comes next
+    if "private_tmp" in res.protections:
+        assert info["cwd"] == "/tmp/sandbox"
+    assert os.getcwd() != info["cwd"]
+
+
+def test_timeout_kills_and_reports():
+    res = run_python("import time\nprint('start', flush=True)\ntime.sleep(60)", 1.0)
+    assert res.timed_out and res.killed_reason == "timeout" and res.returncode is not None and res.returncode < 0
+    assert res.stdout == "start\n"        # output before the kill is kept
+    assert res.duration_s < 10
+
+
+def test_cpu_limit():
+    res = run_python("while True:\n    pass", 20, cpu_s=1)
+    assert res.killed_reason == "cpu_limit" and not res.timed_out
+
+
+def test_output_cap_kills_an_endless_print():
+    res = run_python("import os\nwhile True:\n    os.write(1, b'x' * 65536)", 20, max_output_bytes=100_000)
+    assert res.killed_reason == "output_limit" and res.stdout_truncated
+    assert len(res.stdout) == 100_000 and set(res.stdout) == {"x"}
+
+
+def test_output_cap_can_truncate_instead_of_killing():
+    res = run_python("import sys\nfor _ in range(200):\n    sys.stderr.write('y' * 1000)\nprint('done')", 20,
+                     max_output_bytes=5000, kill_on_output_limit=False)
+    assert res.ok and res.stdout == "done\n" and res.stderr_truncated and len(res.stderr) == 5000
+
+
+def test_memory_limit():
+    res = run_python("b = bytearray(512 * 2**20)\nprint('allocated')", 20, memory_mb=256)
+    assert "allocated" not in res.stdout and "MemoryError" in res.stderr
+
+
+def test_file_size_limit():
+    res = run_python("f = open('big', 'wb')\nf.write(b'0' * (3 * 2**20))\nf.close()\nprint('wrote')", 20, file_size_mb=1)
+    assert "wrote" not in res.stdout and "File too large" in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile programs, through the code reward
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_correct_solution_still_scores(namespaces):
+    assert score("def add(a, b):\n    return a + b", namespaces=namespaces) == 1.0
+    assert score("def add(a, b):\n    return 3", namespaces=namespaces) == 0.5
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_fork_bomb(namespaces):
+    require_any(namespaces, "pidns", "uid", "rlimit:nproc")
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n" \
+           "def add(a, b):\n    return a + b"
+    assert score(bomb, namespaces=namespaces, max_procs=16, total_timeout=3) == 0.0
+    res = run_python("import os\nn = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n    except OSError:\n"
+                     "        break\n    if pid == 0:\n        import time; time.sleep(60)\n    n += 1\nprint(n)",
+                     5, namespaces=namespaces, max_procs=16)
+    assert int(res.stdout) <= 16      # RLIMIT_NPROC stopped it
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_infinite_loops(namespaces):
+    assert score("def add(a, b):\n    while True:\n        pass", namespaces=namespaces) == 0.0
+    # catches the harness's timeout exception and keeps looping: only the wall clock ends it
+    stubborn = "def add(a, b):\n    while True:\n        try:\n            while True:\n                pass\n" \
+               "        except BaseException:\n            pass"
+    assert score(stubborn, namespaces=namespaces, total_timeout=1.5) == 0.0
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_ten_gigabyte_allocation(namespaces):
+    before = psutil.virtual_memory().available
+    assert score("def add(a, b):\n    x = bytearray(10 * 2**30)\n    return a + b", namespaces=namespaces) == 0.0
+    assert score("x = [0] * (10 * 2**30 // 8)\ndef add(a, b):\n    return a + b", namespaces=namespaces) == 0.0
+    assert psutil.virtual_memory().available > before - 2**30
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_huge_output(namespaces):
+    assert score("def add(a, b):\n    while True:\n        print('x' * 10000)", namespaces=namespaces) == 0.0
+    res = run_python("while True:\n    print('spam' * 1000)", 10, namespaces=namespaces)
+    assert res.killed_reason == "output_limit" and len(res.stdout) <= 1 << 20
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_writing_and_deleting_files_outside(tmp_path, namespaces):
+    require_any(namespaces, "uid", "private_tmp")
+    canary = tmp_path / "canary.txt"
+    canary.write_text("original")
+    listing = sorted(os.listdir(tmp_path))
+    vandal = f"""
+import os, shutil
+def attack():
+    done = []
+    for action in (lambda: open({str(canary)!r}, 'w').write('pwned'),
+                   lambda: os.remove({str(canary)!r}),
+                   lambda: open({str(tmp_path / 'new.txt')!r}, 'w').write('new'),
+                   lambda: shutil.rmtree({str(tmp_path)!r}),
+                   lambda: open('/etc/lowmem_pwned', 'w').write('x'),
+                   lambda: os.chmod({str(canary)!r}, 0o777)):
+        try:
+            action()
+            done.append(True)
+        except Exception:
+            done.append(False)
+    return done
+"""
+    assert score(vandal, ["assert any(attack())"], namespaces=namespaces) == 0.0
+    assert canary.read_text() == "original"
+    assert sorted(os.listdir(tmp_path)) == listing
+    assert not os.path.exists("/etc/lowmem_pwned")
+
+
+def test_private_tmp_hides_host_tmp():
+    require_any(True, "private_tmp")
+    name = f"/tmp/lowmem-canary-{secrets.token_hex(8)}"
+    res = run_python(f"open({name!r}, 'w').write('x')\nimport os\nprint(sorted(os.listdir('/tmp')))", 10)
+    assert res.ok and res.stdout.strip() == str(sorted([name[5:], "sandbox"]))   # its own, empty /tmp
+    assert not os.path.exists(name)
+
+
+def test_trainer_directory_and_homes_are_hidden(monkeypatch):
+    """The datasets (tests, reference solutions) in the trainer's working directory are out of sight."""
+    require_any(True, "hidden_paths")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    probe = f"import os\nprint(os.path.exists({os.path.join(root, 'data')!r}), os.listdir({root!r}), " \
+            f"os.listdir('/root') if os.path.isdir('/root') else [])"
+    res = run_python(probe, 10)
+    assert res.ok and res.stdout.strip() == "False [] []", res
+    shown = run_python(probe, 10, hide_paths=[])
+    assert shown.ok and shown.stdout.startswith("True") or "Permission denied" in shown.stderr
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_parent_environment_is_not_readable(monkeypatch, namespaces):
+    require_any(namespaces, "uid", "private_proc")
+    token = secrets.token_hex(16)
+    monkeypatch.setenv("LOWMEM_SECRET_CANARY", token)
+    snoop = f"""
+import os
+def leak():
+    found = [repr(dict(os.environ))]
+    paths = ['/proc/self/environ', '/proc/1/environ', '/proc/{os.getpid()}/environ', '/proc/{os.getppid()}/environ']
+    paths += ['/proc/%s/environ' % p for p in os.listdir('/proc') if p.isdigit()]
+    for path in paths:
+        try:
+            with open(path, 'rb') as f:
+                found.append(f.read().decode('latin-1'))
+        except OSError:
+            pass
+    return '\\n'.join(found)
+"""
+    assert score(snoop, ["assert 'LOWMEM_SECRET_CANARY' in leak()"], namespaces=namespaces) == 0.0
+    res = run_python(snoop + "\nprint(leak())", 10, namespaces=namespaces)
+    assert res.ok and "'PATH'" in res.stdout      # it did run and print what it found
+    assert token not in res.stdout and token not in res.stderr
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_no_network_to_loopback(namespaces):
+    require_any(namespaces, "netns")
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted, stop = [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            accepted.append(conn.recv(100))
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        client = f"""
+import socket
+def call():
+    s = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)
+    s.sendall(b'exfiltrate')
+    return True
+"""
+        assert score(client, ["assert call()"], namespaces=namespaces) == 0.0
+        res = run_python(client + "\nprint(call())", 10, namespaces=namespaces)
+        assert "Network is unreachable" in res.stderr
+        # the server itself works: this process can connect
+        socket.create_connection(("127.0.0.1", port), timeout=2).sendall(b"host")
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+    assert accepted == [b"host"]
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_signalling_the_parent_and_the_test_process(namespaces):
+    require_any(namespaces, "uid", "pidns")
+    me = os.getpid()
+    killer = f"""
+import os, signal
+def attack():
+    for action in (lambda: os.kill(os.getppid(), signal.SIGKILL),
+                   lambda: os.kill({me}, signal.SIGTERM),
+                   lambda: os.killpg(os.getpgid({me}), signal.SIGKILL),
+                   lambda: os.kill({os.getppid()}, signal.SIGKILL)):
+        try:
+            action()
+        except Exception:
+            pass
+    return 'alive'
+"""
+    assert score(killer, ["assert attack() == 'the parent is dead'"], namespaces=namespaces) == 0.0
+    # kill(-1): every process the program may signal (on Linux, not itself)
+    res = run_python(killer + "\nprint(attack())\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
+                     "print('still here')", 10, namespaces=namespaces)
+    assert res.stdout.splitlines() == ["alive", "still here"]
+    assert psutil.pid_exists(me) and psutil.Process(os.getppid()).is_running()
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_sleeping_past_the_timeout(namespaces):
+    assert score("import time\ndef add(a, b):\n    time.sleep(100)", namespaces=namespaces) == 0.0
+    ignores_alarm = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\ntime.sleep(100)\n" \
+                    "def add(a, b):\n    return a + b"
+    assert score(ignores_alarm, namespaces=namespaces, total_timeout=1.5) == 0.0
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_daemonized_child_is_killed(namespaces):
+    """A child that leaves the process group (setsid) and outlives the program must still die."""
+    require_any(namespaces, "pidns", "uid")
+    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n" \
+             "    os._exit(0)\ndef add(a, b):\n    return a + b"
+    assert score(escape, namespaces=namespaces) == 1.0     # the solution itself is right: full score
+    # no_leftovers checks that the sleeping grandchild is gone
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_forging_the_harness_protocol(namespaces):
+    forgers = [
+        "import os\nos._exit(0)",
+        "import sys\nsys.exit(0)",
+        "print('0 pass')\nprint('1 pass')\nimport os\nos._exit(0)",
+        # write fake verdicts to every descriptor it can find, then leave before the tests
+        "import os\nfor fd in range(3, 64):\n    for i in range(2):\n        try:\n"
+        "            os.write(fd, b'%d pass\\n' % i)\n        except OSError:\n            pass\nos._exit(0)",
+        "import os\nos.close(1)\nos.close(2)\ndef add(a, b):\n    return 0",
+        "def add(a, b):\n    raise SystemExit(0)",
+    ]
+    assert code_binary_reward(forgers, rows=[{"tests": ADD_TESTS}] * len(forgers), timeout=1, workers=2,
+                              namespaces=namespaces) == [0.0] * len(forgers)
+
+
+def test_probe_reports_layers():
+    info = sandbox_info()
+    assert info["python"] and os.path.isabs(info["python"])
+    assert {"rlimit:cpu", "rlimit:as", "rlimit:fsize", "no_new_privs"} <= set(info["protections"])
+    if os.geteuid() == 0 and "uid" not in info["protections"]:
+        assert "uid" in info["unavailable"]
+    run = run_tests("def f():\n    return 1", ["assert f() == 1"])
+    assert run.passed == [True] and set(info["protections"]) <= set(run.sandbox.protections)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop only exists for root")
+def test_root_never_falls_back_to_running_programs_as_root(tmp_path, monkeypatch):
+    """If the sandbox uid cannot run any interpreter, the sandbox refuses instead of keeping root."""
+    from lowmem_grpo.rewards import sandbox
+
+    if sandbox_info()["uid_range"] is None:
+        pytest.skip("no unprivileged uid available")
+    private = tmp_path / "private"          # pytest's tmp dirs are 0700: the sandbox uid cannot enter
+    private.mkdir(mode=0o700)
+    (private / "python3").symlink_to(sandbox_info()["python"])
+    monkeypatch.setattr(sandbox, "_plans", {})
+    monkeypatch.setattr(sandbox, "_interpreter_candidates", lambda: [str(private / "python3")])
+    with pytest.raises(sandbox.SandboxError, match="drop_privileges=False"):
+        run_python("print('ran as root')", 10)
+    assert run_python("import os\nprint(os.getuid())", 10, drop_privileges=False).stdout.strip() == "0"
