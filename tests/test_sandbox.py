@@ -239,7 +239,8 @@ def test_trainer_directory_and_homes_are_hidden(monkeypatch):
     require_any(True, "hidden_paths")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.chdir(root)
-    probe = f"import os\nprint(os.path.exists({os.path.join(root, 'data')!r}), os.listdir({root!r}), " \
+    probe = f"import os\nprint(os.path.exists({os.path.join(root, 'data')!r}), " \
+            f"os.listdir({root!r}) if os.path.isdir({root!r}) else [], " \
             f"os.listdir('/root') if os.path.isdir('/root') else [])"
     res = run_python(probe, 10)
     assert res.ok and res.stdout.strip() == "False [] []", res
