@@ -10,17 +10,15 @@ import click
 
 from .recipe import RecipeError, load_recipe
 
-USER_ERRORS: tuple = (RecipeError,)
-
-
 def _user_errors() -> tuple:
     from .data import DataError
     from .export import ExportError
     from .model import ModelLoadError
     from .rewards import RewardError
+    from .rollout.base import EngineError
     from .train import TrainingError
 
-    return (RecipeError, DataError, ExportError, ModelLoadError, RewardError, TrainingError)
+    return (RecipeError, DataError, EngineError, ExportError, ModelLoadError, RewardError, TrainingError)
 
 
 def _run(fn):

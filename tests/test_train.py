@@ -122,3 +122,11 @@ def test_cli_train_resume_export(tiny_model_dir, tiny_data, tmp_path):
     assert (tmp_path / "exp" / "adapter" / "adapter_config.json").is_file()
     p = _cli("export", str(tmp_path / "nothing"), "--out", str(tmp_path / "exp2"))
     assert p.returncode == 2 and "not a run directory" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_unavailable_engine_is_a_clear_error(tiny_model_dir, tiny_data, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run",
+                                                           generation={"engine": "vllm"}))
+    p = _cli("train", str(recipe))
+    assert p.returncode == 2 and "generation.engine=vllm is not available" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -34,13 +34,19 @@ class RolloutEngine(Protocol):
         ...
 
 
+class EngineError(Exception):
+    """A rollout engine that cannot be used here (not installed, not built, wrong machine)."""
+
+
 def make_engine(name: str, model, tokenizer, recipe=None) -> RolloutEngine:
     if name == "hf":
         from .hf import HFEngine
 
         return HFEngine(model, tokenizer)
     if name == "vllm":
-        from .vllm import VLLMEngine  # imported here: vllm is an optional, GPU-first dependency
-
+        try:
+            from .vllm import VLLMEngine  # imported here: vllm is an optional, GPU-first dependency
+        except ImportError as exc:
+            raise EngineError(f"generation.engine=vllm is not available ({exc}); use generation.engine: hf") from None
         return VLLMEngine(model, tokenizer, recipe)
-    raise ValueError(f"unknown rollout engine {name!r}; allowed: hf, vllm")
+    raise EngineError(f"generation.engine={name!r} is unknown; allowed: hf, vllm")
