@@ -103,7 +103,7 @@ def eval_cmd(recipe, adapter, overrides):
         if not r.data.eval_path:
             raise RecipeError(recipe, [("data.eval_path", "is required for eval")])
         model, tok = load_policy(r.model, r.lora, adapter_path=adapter)
-        examples = PromptSet(r.data.eval_path, r.data, tok).examples[: r.train.eval_max_prompts]
+        examples = PromptSet(r.data.eval_path, r.data, tok, limit=r.train.eval_max_prompts).examples
         res = evaluate(make_engine(r.generation.engine, model, tok, r), tok, Rewards(r.rewards), examples,
                        r.generation.max_new_tokens)
         click.echo(f"held-out accuracy: {100 * res['accuracy']:.1f}% ({res['n']} prompts, mean reward {res['mean_reward']:.3f})")

@@ -60,13 +60,13 @@ class Example:
 
 
 class PromptSet:
-    """The usable rows of one file, rendered and tokenized once."""
+    """The usable rows of one file, rendered and tokenized once. `limit`: read only the first N rows."""
 
-    def __init__(self, path: str, cfg: DataConfig, tokenizer):
+    def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: int | None = None):
         self.path, self.cfg = path, cfg
         self.examples: list[Example] = []
         self.skipped: list[str] = []
-        for i, row in enumerate(read_rows(path), 1):
+        for i, row in enumerate(read_rows(path)[:limit], 1):
             try:
                 self.examples.append(self._render(row, tokenizer))
             except DataError as exc:

@@ -85,7 +85,7 @@ def _probe_ids(tokenizer, vocab_size: int, data_cfg=None) -> list[torch.Tensor]:
     for path in (getattr(data_cfg, "eval_path", ""), getattr(data_cfg, "train_path", "")):
         if path and Path(path).is_file():
             try:
-                return [torch.tensor([e.prompt_ids]) for e in PromptSet(path, data_cfg, tokenizer).examples[:4]]
+                return [torch.tensor([e.prompt_ids]) for e in PromptSet(path, data_cfg, tokenizer, limit=4).examples]
             except DataError:
                 pass
     g = torch.Generator().manual_seed(0)

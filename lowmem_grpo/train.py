@@ -119,6 +119,7 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 def make_optimizer(params, cfg):
+    """torch AdamW, or bitsandbytes AdamW8bit (GPU-only: its kernels are CUDA; not run in CI)."""
     if cfg.name == "adamw_8bit":
         import bitsandbytes as bnb
 

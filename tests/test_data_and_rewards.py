@@ -85,3 +85,9 @@ def test_skips_are_nan_and_counted():
 def test_math_reward_builtin():
     res = _rewards("math")(["so 47", "48", "no idea"], ["p"] * 3, [{"answer": "47"}] * 3)
     assert res.total.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_limit_reads_only_the_first_rows(tmp_path, tok):
+    f = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)] + [{"prompt": "x"}])
+    ps = PromptSet(str(f), DataConfig(train_path=str(f)), tok, limit=3)
+    assert [e.row["answer"] for e in ps.examples] == ["1", "2", "3"]  # the bad 6th row is never reached
