@@ -16,9 +16,10 @@ def _user_errors() -> tuple:
     from .model import ModelLoadError
     from .rewards import RewardError
     from .rollout.base import EngineError
+    from .memory import MemoryModelError
     from .train import TrainingError
 
-    return (RecipeError, DataError, EngineError, ExportError, ModelLoadError, RewardError, TrainingError)
+    return (RecipeError, DataError, EngineError, ExportError, ModelLoadError, RewardError, TrainingError, MemoryModelError)
 
 
 def _run(fn):
@@ -84,6 +85,35 @@ def export(run_dir, out_dir, dtype, adapter_only, step):
     from .export import export_run
 
     _run(lambda: export_run(run_dir, out_dir, dtype=dtype, merged=not adapter_only, step=step))
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--memory", "memory", default=None, metavar="SIZE",
+              help="Memory to fit in, e.g. 8GiB or 12GB (default: this machine's GPU, or its RAM with --device cpu).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="Where the run will train: cuda predicts torch's allocated peak, cpu the process RSS.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+def estimate(recipe, memory, device, overrides):
+    """Predict a run's peak memory (a breakdown), and the largest micro-batch that fits, without loading weights."""
+    from . import memory as mm
+
+    def go():
+        r = load_recipe(recipe, list(overrides))
+        budget = mm.parse_size(memory) if memory else mm.device_budget(device)
+        est, shape, workload = mm.estimate_recipe(r, device)
+        click.echo(f"{recipe}: {r.model.name_or_path} (vocab {shape.vocab_size:,}, hidden {shape.hidden_size}, "
+                   f"{shape.num_layers} layers), {device}")
+        click.echo("\n".join(est.lines()))
+        if budget is None:
+            click.echo("no budget: pass --memory SIZE (no GPU on this machine)")
+            return
+        advice = mm.advise(shape, workload, budget)
+        click.echo("\n".join(advice.lines))
+        if not advice.fits:
+            sys.exit(1)
+
+    _run(go)
 
 
 @main.command(name="eval")

@@ -27,8 +27,10 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _tile_logits(h, weight, bias, v0, v1, inv_temp):
     z = h @ weight[v0:v1].to(h.dtype).T
     if bias is not None:
-        z = z + bias[v0:v1].to(h.dtype)
-    return z * inv_temp
+        z += bias[v0:v1].to(h.dtype)
+    if inv_temp != 1.0:
+        z *= inv_temp
+    return z
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
@@ -47,13 +49,22 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             s = torch.zeros(r1 - r0, dtype=acc, device=hidden.device)
             sz = torch.zeros_like(s) if want_entropy else None  # sum exp(z - m) * z, for the entropy
             for v0 in range(0, vocab, chunk_vocab):
+                # In-place ops keep one tile alive (two with entropy): the tile is the kernel's whole
+                # extra memory, so it is not copied.
                 z = _tile_logits(h, weight, bias, v0, min(vocab, v0 + chunk_vocab), inv_temp)
                 m_new = torch.maximum(m, z.max(dim=1).values)
                 scale = torch.exp(m - m_new)
-                e = torch.exp(z - m_new[:, None])
-                s = s * scale + e.sum(dim=1)
+                z -= m_new[:, None]                       # z - m
                 if want_entropy:
-                    sz = sz * scale + (e * z).sum(dim=1)
+                    e = torch.exp(z)
+                    # sum e * z_orig = sum e * (z - m) + m * sum e; a batched dot avoids a third tile
+                    ez = (e.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+                    e_sum = e.sum(dim=1)
+                    sz = sz * scale + ez + m_new * e_sum
+                    del e
+                else:
+                    e_sum = z.exp_().sum(dim=1)
+                s = s * scale + e_sum
                 m = m_new
             lse[r0:r1] = m + torch.log(s)
             t = targets[r0:r1]
@@ -88,8 +99,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             h, g, t = hidden[r0:r1].to(acc), g_all[r0:r1], targets[r0:r1]
             for v0 in range(0, vocab, chunk_vocab):
                 v1 = min(vocab, v0 + chunk_vocab)
-                z = _tile_logits(h, weight, bias, v0, v1, inv_temp)
-                dz = -torch.exp(z - lse[r0:r1, None]) * g[:, None]  # -p * g
+                dz = _tile_logits(h, weight, bias, v0, v1, inv_temp)
+                dz.sub_(lse[r0:r1, None]).exp_().mul_(-g[:, None])  # -p * g, in place: one tile
                 inside = (t >= v0) & (t < v1)
                 rows = inside.nonzero(as_tuple=True)[0]
                 dz[rows, t[rows] - v0] += g[rows]  # + 1[j = t] * g
@@ -114,7 +125,7 @@ def selective_log_softmax(
     bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     chunk_rows: int = 1024,
-    chunk_vocab: int = 32768,
+    chunk_vocab: int = 8192,
     return_entropy: bool = False,
 ):
     """log p(targets) for each row of `hidden` [n, d] under the head `weight` [vocab, d] (+ `bias`).

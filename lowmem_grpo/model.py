@@ -103,6 +103,8 @@ def attach_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = True):
 
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
     """(peft model, tokenizer): the policy and, with adapters disabled, the reference."""
+    if getattr(model_cfg, "backend", "transformers") == "unsloth":
+        return load_unsloth_policy(model_cfg, lora_cfg, adapter_path)
     tokenizer = load_tokenizer(model_cfg)
     base = load_base_model(model_cfg)
     if adapter_path:
@@ -113,6 +115,41 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Opti
         model = PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
     else:
         model = attach_lora(base, lora_cfg, model_cfg.gradient_checkpointing)
+    return model, tokenizer
+
+
+LORA_LINEAR_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
+    """model.backend: unsloth. Unsloth's FastLanguageModel (its kernels, its 4-bit loading) with peft LoRA
+    adapters, as (peft model, tokenizer) like load_policy. NVIDIA GPU only: Unsloth refuses to import
+    without one. UNTESTED (no GPU was available when this was written); the CPU suite checks only the
+    error below. The result is a peft model, so reference_mode, the chunked log-probs and the vLLM engine
+    (which calls its q/k/v... modules) apply unchanged in principle."""
+    if not torch.cuda.is_available():
+        raise ModelLoadError("model.backend=unsloth needs an NVIDIA GPU (Unsloth refuses to import without one); "
+                             "use model.backend: transformers")
+    try:
+        from unsloth import FastLanguageModel
+    except Exception as exc:  # ImportError, or Unsloth's own refusal to run on this machine
+        raise ModelLoadError(f"model.backend=unsloth is not available ({type(exc).__name__}: {exc}); install it on a GPU "
+                             "machine with pip install -e '.[unsloth]', or use model.backend: transformers") from None
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_cfg.name_or_path, load_in_4bit=model_cfg.load_in_4bit, dtype=DTYPES[model_cfg.compute_dtype],
+        trust_remote_code=model_cfg.trust_remote_code)
+    if adapter_path:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+    else:
+        targets = LORA_LINEAR_NAMES if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
+        model = FastLanguageModel.get_peft_model(
+            model, r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
+            target_modules=targets, use_gradient_checkpointing="unsloth" if model_cfg.gradient_checkpointing else False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
     return model, tokenizer
 
 

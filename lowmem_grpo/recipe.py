@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -30,6 +30,9 @@ class ModelConfig(_Section):
     double_quant: bool = Field(True, description="bitsandbytes nested quantization of the 4-bit scales (saves ~0.4 bit/param).")
     gradient_checkpointing: bool = Field(True, description="Recompute decoder activations in backward instead of storing them.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
+    backend: Literal["transformers", "unsloth"] = Field(
+        "transformers", description="Load through transformers + bitsandbytes + peft, or Unsloth's FastLanguageModel "
+        "(NVIDIA GPU and the unsloth extra only; untested: no GPU was available).")
 
 
 class LoraConfig(_Section):
@@ -73,19 +76,67 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (log-probs in the loss use the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling cut; 0 disables it.")
+    kv_cache_memory_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="engine=vllm: bytes of KV cache, allocated once at start-up (vLLM would "
+        "otherwise take most of the GPU, or of the machine on CPU); too small only makes vLLM preempt and recompute.")
+
+
+class FieldProblems(ValueError):
+    """Cross-field problems of one section, each as (field, message), so that errors name the field."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{k}: {m}" for k, m in problems))
 
 
 class AlgorithmConfig(_Section):
-    """Spec sections 1-2. Variants (issue 'GRPO family') extend this section."""
+    """Spec sections 1-7. The defaults are GRPO as DeepSeekMath wrote it (spec 1)."""
 
     advantage: Literal["mean_std", "mean", "sign", "rloo"] = Field("mean_std", description="Group advantage (spec 2): GRPO's mean_std, Dr. GRPO's mean, sign, or rloo.")
-    beta: float = Field(0.04, ge=0, description="Weight of the k3 KL penalty to the reference (adapters off); 0 skips the reference pass.")
+    kl_target: Literal["ref", "mirror", "both", "none"] = Field(
+        "ref", description="KL penalty (spec 4): to the reference (adapters off), to the policy that sampled the batch (mirror; needs mu > 1), both, or none (no reference pass).")
+    beta: float = Field(0.04, ge=0, description="Weight of the KL to the reference; must be > 0 when kl_target is ref or both.")
+    beta_mirror: float = Field(0.04, ge=0, description="Weight of the KL to the sampling policy; used when kl_target is mirror or both, where it must be > 0.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL estimator (Schulman 2020): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
+    clip: Literal["ratio", "target"] = Field(
+        "ratio", description="Surrogate clip (spec 6): ratio window [1 - epsilon_low, 1 + epsilon_high], or target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0); target needs mu > 1.")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
     aggregation: Literal["sequence_mean", "token_mean", "constant", "sum"] = Field(
         "sequence_mean", description="How token losses become one number (spec 5).")
     mu: int = Field(1, ge=1, le=64, description="Optimizer updates per batch of rollouts; > 1 computes old log-probs once, without grad.")
+    early_stop_unclipped_fraction: float = Field(
+        0.0, ge=0, le=1, description="mu > 1 (spec 7): stop a batch's updates once the fraction of tokens with A != 0 not yet clipped falls below this; 0: off.")
+    early_stop_min_improvement: Optional[float] = Field(
+        None, ge=0, description="mu > 1 (spec 7): stop a batch's updates once one improved the objective on the batch by less than this; null: off.")
     skip_zero_std_groups: bool = Field(False, description="Skip groups whose rewards are all equal (they give no policy gradient).")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "AlgorithmConfig":
+        problems = []
+        one = "with mu = 1 the only update starts at the sampling policy (r = 1)"
+        if self.kl_target in ("mirror", "both") and self.mu == 1:
+            problems.append(("kl_target", f"{self.kl_target!r} penalises KL to the policy that sampled the batch, but "
+                                          f"{one}: nothing to compare; set mu > 1, or kl_target ref or none"))
+        if self.kl_target in ("ref", "both") and self.beta == 0:
+            problems.append(("beta", f"must be > 0 with kl_target {self.kl_target!r}; "
+                                     "for no KL to the reference set kl_target: none"))
+        if self.kl_target in ("mirror", "both") and self.beta_mirror == 0:
+            problems.append(("beta_mirror", f"must be > 0 with kl_target {self.kl_target!r}"))
+        if self.clip == "target":
+            if self.mu == 1:
+                problems.append(("clip", f"'target' never binds: {one}, short of every target; set mu > 1"))
+            for name in ("epsilon_low", "epsilon_high"):  # compared with the default: a saved recipe lists every field
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    problems.append((name, "is a bound of the ratio clip, which clip: target does not use"))
+        for name, on in (("early_stop_unclipped_fraction", self.early_stop_unclipped_fraction > 0),
+                         ("early_stop_min_improvement", self.early_stop_min_improvement is not None)):
+            if on and self.mu == 1:
+                problems.append((name, "stops the later of a batch's mu updates; with mu = 1 there are none: set mu > 1"))
+        if problems:
+            raise FieldProblems(problems)
+        return self
 
 
 class OptimizerConfig(_Section):
@@ -103,9 +154,12 @@ class TrainConfig(_Section):
     prompts_per_step: int = Field(4, ge=1, description="Prompts per batch; the batch holds prompts_per_step * num_generations completions.")
     micro_batch_size: int = Field(4, ge=1, description="Completions per forward/backward; gradients accumulate over micro-batches.")
     logprob_chunk_tokens: int = Field(1024, ge=1, description="Rows (tokens) per tile of the chunked log-prob kernel.")
-    logprob_chunk_vocab: int = Field(32768, ge=1, description="Vocabulary columns per tile of the chunked log-prob kernel.")
+    logprob_chunk_vocab: int = Field(8192, ge=1, description="Vocabulary columns per tile of the chunked log-prob kernel (a tile is chunk_tokens x chunk_vocab fp32: 32 MiB at the defaults).")
+    preflight: bool = Field(True, description="Before step 1, one forward/backward at the longest prompt + max_new_tokens and a full micro-batch, so an out-of-memory shows at once, with advice.")
     eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps; 0: only at the end.")
     eval_max_prompts: int = Field(200, ge=1, description="Held-out prompts used per evaluation (greedy decoding).")
+    update_diagnostics: bool = Field(
+        True, description="After each step, recompute the batch's log-probs (one no-grad forward) to log how far preferred and dispreferred completions moved (spec 8).")
 
 
 class OutputConfig(_Section):
@@ -174,6 +228,11 @@ def _problems_from(exc: ValidationError, data: dict) -> list[tuple[str, str]]:
         loc = [str(p) for p in err["loc"]]
         # For Literal-or-list unions pydantic reports one error per branch; keep the message a user reads.
         key = ".".join(p for p in loc if not p.startswith(("literal[", "list[")))
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldProblems):  # a section's cross-field check: one problem per named field
+            problems += [(f"{key}.{field}" if key else field, m) for field, m in cause.problems
+                         if (f"{key}.{field}" if key else field, m) not in problems]
+            continue
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             section = ".".join(loc[:-1])

@@ -5,9 +5,10 @@ One step (../shared/design.md):
   2. reward     one float per completion (NaN = skipped), weighted over the reward functions
   3. advantage  one scalar per completion from its group (advantages.py)
   4. pack       completions -> micro-batches of flat per-token tensors with aggregation weights
-  5. no-grad    old log-probs (mu > 1) and reference log-probs (beta > 0, adapters disabled)
-  6. update     mu x: over micro-batches, log-probs with grad -> loss (loss.py) -> backward; clip; step
-  7. log        metrics row; checkpoint every N steps
+  5. no-grad    old log-probs (mu > 1) and reference log-probs (kl_target ref/both, adapters disabled)
+  6. update     mu x (or fewer: spec 7 early stop): over micro-batches, log-probs with grad -> loss (loss.py)
+                -> backward; clip; step. Then, no grad, how far the batch's completions moved (spec 8)
+  7. log        metrics row (diagnostics.py); checkpoint every N steps
 
 This file orchestrates; the maths lives in loss.py / advantages.py / logprobs.py.
 """
@@ -24,11 +25,13 @@ from typing import Optional
 import torch
 
 from . import checkpoint as ckpt
+from . import diagnostics as diag
 from .advantages import group_advantages, zero_std_groups
 from .data import PromptSet, batch_indices
 from .logprobs import selective_log_softmax
 from .loss import aggregate, aggregation_weights, grpo_token_loss
-from .metrics import MetricsWriter, summary_line
+from .memory import return_freed_memory_to_os
+from .metrics import MetricsWriter, read_metrics, summary_line
 from .model import eval_mode, hidden_states, lm_head_params, load_policy, reference_mode, trainable_parameters
 from .recipe import Recipe, recipe_to_yaml
 from .rewards import Rewards
@@ -55,10 +58,13 @@ class MicroBatch:
     seq_ids: torch.Tensor         # [n_tok] index of the completion in the whole batch
     logp_old: Optional[torch.Tensor] = None
     logp_ref: Optional[torch.Tensor] = None
+    logp_start: Optional[torch.Tensor] = None  # log-probs before the batch's first update (spec 8 diagnostics)
+    logp_sampler: Optional[torch.Tensor] = None  # [n_tok] the rollout engine's own log-probs, when it reports them
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, micro_batch_size: int,
-         aggregation: str, max_completion_length: int, pad_id: int) -> list[MicroBatch]:
+         aggregation: str, max_completion_length: int, pad_id: int,
+         sampler_logprobs: Optional[list[list[float]]] = None) -> list[MicroBatch]:
     lengths = torch.tensor([len(c) for c in completions])
     seq_of_token = torch.repeat_interleave(torch.arange(len(completions)), lengths)
     all_weights = aggregation_weights(seq_of_token, lengths, aggregation, max_completion_length)
@@ -83,8 +89,21 @@ def pack(prompts: list[list[int]], completions: list[list[int]], advantages: tor
         batches.append(MicroBatch(ids, mask, torch.tensor(rows, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                                   torch.tensor(tgt, dtype=torch.long), torch.tensor(adv, dtype=torch.float32),
                                   all_weights[tok0: tok0 + n_tok], torch.tensor(sid, dtype=torch.long)))
+        if sampler_logprobs is not None:
+            batches[-1].logp_sampler = torch.tensor([x for i in idx for x in sampler_logprobs[i]], dtype=torch.float32)
         tok0 += n_tok
     return batches
+
+
+def sampler_agreement(batches: list[MicroBatch]) -> dict:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's, both at the
+    rollout's weights (old log-probs with mu > 1, else those of the first update): mean and max |diff|."""
+    diffs = [((mb.logp_old if mb.logp_old is not None else mb.logp_start).detach().float().cpu() - mb.logp_sampler).abs()
+             for mb in batches if mb.logp_sampler is not None and (mb.logp_old is not None or mb.logp_start is not None)]
+    if not diffs or not sum(d.numel() for d in diffs):
+        return {}
+    d = torch.cat(diffs)
+    return {"rollout/logprob_abs_diff": float(d.mean()), "rollout/logprob_abs_diff_max": float(d.max())}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,6 +180,8 @@ class Trainer:
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                  adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
         self.model.train()
+        if not next(self.model.parameters()).is_cuda:
+            return_freed_memory_to_os()
         self.train_set = PromptSet(recipe.data.train_path, recipe.data, self.tokenizer)
         self.eval_set = PromptSet(recipe.data.eval_path, recipe.data, self.tokenizer) if recipe.data.eval_path else None
         self.rewards = Rewards(recipe.rewards)
@@ -180,6 +201,10 @@ class Trainer:
         else:
             (self.run_dir / "recipe.yaml").write_text(recipe_to_yaml(recipe))
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if start_ckpt else None)
+        # The success rate of the reference, for spec 4's p*: step 1 samples from fresh adapters, i.e. from
+        # pi_ref. A resumed run reads it back from step 1's metrics row.
+        self.p_ref = next((row.get("success_rate") for row in read_metrics(self.run_dir) if row.get("step") == 1
+                           and "loss" in row), None) if start_ckpt else None
         if self.train_set.skipped:
             log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
 
@@ -208,27 +233,43 @@ class Trainer:
                     with reference_mode(self.model):
                         mb.logp_ref = completion_logprobs(self.model, mb, temp, t.logprob_chunk_tokens, t.logprob_chunk_vocab)
 
-    def update(self, batches: list[MicroBatch]) -> dict:
-        """One optimizer step over all micro-batches (gradient accumulation)."""
+    def update(self, batches: list[MicroBatch], prev_objective: Optional[float] = None) -> dict:
+        """One optimizer step over all micro-batches (gradient accumulation). With mu > 1, spec 7's early stop
+        may find the batch spent after this pass (forward and backward): then no step is taken, and the row
+        holds only why ("update/stop") and the unclipped fraction that was measured."""
         a, t = self.recipe.algorithm, self.recipe.train
         temp = self.recipe.generation.temperature
         params = trainable_parameters(self.model)
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, kl_sum, ent_sum, n_tok, clip_lo, clip_hi = 0.0, 0.0, 0.0, 0, 0, 0
+        total_loss, ent_sum, n_tok, clip_lo, clip_hi, n_signed, n_unclipped = 0.0, 0.0, 0, 0, 0, 0, 0
+        kl_sum = {"ref": 0.0, "mirror": 0.0}
         for mb in batches:
             logp, entropy = completion_logprobs(self.model, mb, temp, t.logprob_chunk_tokens, t.logprob_chunk_vocab,
                                                 return_entropy=True)
+            if mb.logp_start is None:
+                mb.logp_start = logp.detach().cpu()
             logp_old = mb.logp_old if mb.logp_old is not None else logp.detach()  # mu = 1: ratio == 1
-            tl = grpo_token_loss(logp, logp_old, mb.logp_ref, mb.advantages.to(logp.device), beta=a.beta,
-                                 eps_low=a.epsilon_low, eps_high=a.epsilon_high)
+            adv = mb.advantages.to(logp.device)
+            tl = grpo_token_loss(logp, logp_old, mb.logp_ref, adv, beta=a.beta, eps_low=a.epsilon_low,
+                                 eps_high=a.epsilon_high, clip=a.clip, kl_target=a.kl_target,
+                                 beta_mirror=a.beta_mirror, kl_estimator=a.kl_estimator)
             loss = aggregate(tl.loss, mb.weights.to(logp.device))
             loss.backward()
             total_loss += loss.item()
             n_tok += logp.numel()
             ent_sum += entropy.sum().item()
-            kl_sum += tl.kl.sum().item() if tl.kl is not None else 0.0
+            kl_sum["ref"] += tl.kl_ref.sum().item() if tl.kl_ref is not None else 0.0
+            kl_sum["mirror"] += tl.kl_mirror.sum().item() if tl.kl_mirror is not None else 0.0
             clip_lo += int(tl.clipped_low.sum())
             clip_hi += int(tl.clipped_high.sum())
+            n_signed += int((adv != 0).sum())
+            n_unclipped += int(((adv != 0) & ~tl.clipped_low & ~tl.clipped_high).sum())
+        unclipped = n_unclipped / n_signed if n_signed else None
+        stop = diag.early_stop_reason(unclipped, -total_loss, prev_objective, a.early_stop_unclipped_fraction,
+                                      a.early_stop_min_improvement)
+        if stop is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"update/stop": stop, "update/unclipped_fraction": unclipped}
         grad_norm = torch.nn.utils.clip_grad_norm_(
             params, self.recipe.optimizer.max_grad_norm if self.recipe.optimizer.max_grad_norm > 0 else float("inf"))
         finite = math.isfinite(total_loss) and bool(torch.isfinite(grad_norm))
@@ -236,10 +277,46 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": total_loss, "grad_norm": float(grad_norm), "kl": kl_sum / max(1, n_tok) if a.beta > 0 else None,
-                "entropy": ent_sum / max(1, n_tok), "clip/low": clip_lo / max(1, n_tok),
+        kl = {k: v / max(1, n_tok) if on else None
+              for (k, v), on in zip(kl_sum.items(), (a.kl_target in ("ref", "both"), a.kl_target in ("mirror", "both")))}
+        return {"loss": total_loss, "grad_norm": float(grad_norm), "kl": kl["ref"], "kl/ref": kl["ref"],
+                "kl/mirror": kl["mirror"], "entropy": ent_sum / max(1, n_tok), "clip/low": clip_lo / max(1, n_tok),
                 "clip/high": clip_hi / max(1, n_tok), "clip/fraction": (clip_lo + clip_hi) / max(1, n_tok),
-                "nonfinite": not finite}
+                "update/unclipped_fraction": unclipped, "update/stop": None, "nonfinite": not finite}
+
+    def run_updates(self, batches: list[MicroBatch]) -> dict:
+        """The mu updates of one batch (fewer when spec 7's early stop fires), then what they did (spec 8)."""
+        a = self.recipe.algorithm
+        row, ran, prev = {}, 0, None
+        for _ in range(a.mu):
+            out = self.update(batches, prev_objective=prev)
+            row.update(out)
+            if out["update/stop"] is not None:
+                break
+            ran, prev = ran + 1, -out["loss"]
+        for _ in range(a.mu - ran):
+            self.scheduler.step()  # updates not run still tick the schedule, which counts steps * mu updates
+        row["update/mu_ran"] = ran
+        if self.recipe.train.update_diagnostics:
+            row.update(self.update_diagnostics(batches))
+        return row
+
+    def update_diagnostics(self, batches: list[MicroBatch]) -> dict:
+        """Spec 8, on the batch just used: the change of each completion's sequence log-prob from before its
+        first update to now, for A > 0 and A < 0 (one no-grad forward)."""
+        t, temp = self.recipe.train, self.recipe.generation.temperature
+        ids, before, after, adv = [], [], [], []
+        with torch.no_grad(), eval_mode(self.model):
+            for mb in batches:
+                after.append(completion_logprobs(self.model, mb, temp, t.logprob_chunk_tokens, t.logprob_chunk_vocab).cpu())
+                ids.append(mb.seq_ids)
+                before.append(mb.logp_start)
+                adv.append(mb.advantages)
+        ids = torch.cat(ids)
+        n = int(ids.max()) + 1 if ids.numel() else 0
+        seq_adv = torch.zeros(n, dtype=torch.float64).index_copy_(0, ids, torch.cat(adv).to(torch.float64))
+        return diag.logp_change(diag.sequence_sums(torch.cat(before), ids, n),
+                                diag.sequence_sums(torch.cat(after), ids, n), seq_adv)
 
     def train_step(self) -> dict:
         r, g, a = self.recipe, self.recipe.generation, self.recipe.algorithm
@@ -254,20 +331,36 @@ class Trainer:
         flat = zero_std_groups(rewards)
         keep = [i for i in range(len(completions))
                 if not math.isnan(result.total[i]) and not (a.skip_zero_std_groups and flat[i // g.num_generations])]
-        row = self._rollout_metrics(completions, result, rewards, flat)
+        row = dict.fromkeys(diag.STEP_KEYS)  # every key in every row; None where it does not apply
+        row.update(self._rollout_metrics(completions, result, rewards, flat, advantages.view_as(rewards)))
+        row.update(self._p_star(row["success_rate"], result.total))
         if keep:
             batches = pack([examples[completions[i].prompt_index].prompt_ids for i in keep],  # 4. pack
                            [completions[i].token_ids for i in keep], advantages[keep],
-                           r.train.micro_batch_size, a.aggregation, g.max_new_tokens, self.tokenizer.pad_token_id)
-            self.no_grad_logprobs(batches, need_old=a.mu > 1, need_ref=a.beta > 0)  # 5. no-grad passes
-            for _ in range(a.mu):                                               # 6. update(s)
-                row.update(self.update(batches))
+                           r.train.micro_batch_size, a.aggregation, g.max_new_tokens, self.tokenizer.pad_token_id,
+                           sampler_logprobs=[completions[i].logprobs for i in keep]
+                           if all(completions[i].logprobs is not None for i in keep) else None)
+            self.no_grad_logprobs(batches, need_old=a.mu > 1,                   # 5. no-grad passes
+                                  need_ref=a.kl_target in ("ref", "both"))
+            row.update(self.run_updates(batches))                               # 6. update(s)
+            row.update(sampler_agreement(batches))
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                     "time/step_s": time.perf_counter() - t0, "memory/peak_mib": peak_memory_mib(),
                     "sample": texts[0] if texts else ""})
         return row
 
-    def _rollout_metrics(self, completions, result, rewards, flat) -> dict:
+    def _p_star(self, success_rate: float, total: torch.Tensor) -> dict:
+        """Spec 4: where exact KL-regularised GRPO would take the success rate, from the reference's rate.
+        Only for a reference KL and binary rewards, the recurrence's assumptions."""
+        a = self.recipe.algorithm
+        if self.step == 0 and self.p_ref is None:
+            self.p_ref = success_rate
+        if a.kl_target not in ("ref", "both") or self.p_ref is None or not diag.is_binary(total):
+            return {"kl/p_ref": None, "kl/p_star": None}
+        return {"kl/p_ref": self.p_ref,
+                "kl/p_star": diag.kl_fixed_point(self.p_ref, a.beta, a.advantage, self.recipe.generation.num_generations)}
+
+    def _rollout_metrics(self, completions, result, rewards, flat, advantages=None) -> dict:
         lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
         total = result.total
         valid = ~torch.isnan(total)
@@ -282,9 +375,50 @@ class Trainer:
         for name, values in result.per_function.items():
             ok = ~torch.isnan(values)
             row[f"reward/{name}"] = float(values[ok].mean()) if ok.any() else None
+            row[f"reward/{name}/std"] = float(values[ok].std()) if ok.sum() > 1 else None
+        if advantages is not None:
+            row.update(diag.rollout_diagnostics(primary >= 1.0, ~torch.isnan(primary), advantages))
         for name, n in result.errors.items():
             row[f"reward_errors/{name}"] = n
         return row
+
+    # -- preflight -----------------------------------------------------------------------------------
+
+    def preflight(self) -> dict:
+        """One forward/backward of a full micro-batch at the longest prompt + max_new_tokens, before step 1,
+        so that an out-of-memory shows in the first minute with the memory model's advice rather than
+        after an hour (unsloth#1624). Leaves no trace: RNG state restored, gradients dropped."""
+        from .memory import advise, device_budget, estimate, fmt, ModelShape, workload_from_recipe
+
+        r, g = self.recipe, self.recipe.generation
+        longest = max(self.train_set.examples, key=lambda e: len(e.prompt_ids)).prompt_ids
+        n = min(r.train.micro_batch_size, r.train.prompts_per_step * g.num_generations)
+        filler = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        mb = pack([longest] * n, [[filler] * g.max_new_tokens] * n, torch.ones(n), n, r.algorithm.aggregation,
+                  g.max_new_tokens, self.tokenizer.pad_token_id)[0]
+        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
+        shape = ModelShape.from_config(self.model.config)
+        workload = workload_from_recipe(r, len(longest), device)
+        predicted = estimate(shape, workload).peak
+        cuda = [torch.cuda.current_device()] if device == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda):
+                logp, _ = completion_logprobs(self.model, mb, g.temperature, r.train.logprob_chunk_tokens,
+                                              r.train.logprob_chunk_vocab, return_entropy=True)
+                aggregate(logp, mb.weights.to(logp.device)).backward()
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            budget = device_budget(device)
+            advice = advise(shape, workload, budget).lines if budget else []
+            raise TrainingError(
+                f"preflight: a micro-batch of {n} x ({len(longest)} prompt + {g.max_new_tokens} completion) tokens "
+                f"ran out of memory ({type(exc).__name__}). Memory model: {fmt(predicted)} predicted"
+                + (f" of {fmt(budget)}" if budget else "") + ".\n" + "\n".join(advice)) from None
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+        peak = peak_memory_mib()
+        self.log(f"[lowmem-grpo] preflight ok: micro-batch {n} x {len(longest) + g.max_new_tokens} tokens, "
+                 f"peak so far {peak:.0f} MiB (memory model, whole run: {predicted / 2**20:.0f} MiB)")
+        return {"peak_mib": peak, "predicted_mib": predicted / 2**20}
 
     # -- evaluation ----------------------------------------------------------------------------------
 
@@ -298,6 +432,8 @@ class Trainer:
 
     def fit(self) -> dict:
         r = self.recipe
+        if r.train.preflight:
+            self.preflight()
         first_eval = None
         if self.step == 0:
             first_eval = self.evaluate()

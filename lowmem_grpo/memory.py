@@ -1,0 +1,365 @@
+"""A memory model: predicted peak memory of a run, as a breakdown a user can act on.
+
+The peak is the memory that lives for the whole run (runtime, base weights, LoRA parameters, optimizer
+state) plus the largest of three phases, which never overlap:
+
+  rollout   the engine's KV cache for prompts_per_step x G sequences, the sampling logits, the prefill
+  eval      the same for greedy decoding of up to 64 held-out prompts at once
+  train     LoRA gradients, one micro-batch's checkpointed layer inputs, one layer's recomputation in
+            backward (its activations and their gradients), and one tile of the log-prob kernel
+
+Every term is a count of tensors the code really allocates (sizes from the model's config and the
+recipe), not a fit to measurements; scripts/bench_memory.py prints the prediction beside the measured
+peak. On CPU the peak is the process's RSS, so the runtime term is the resident size of Python and the
+libraries once a first step has run: imports (~230 MiB), the code and allocator pages that loading a
+model, generating and the first backward touch (~300 MiB); measured on Linux x86-64, torch 2.13 CPU.
+On CUDA the prediction is torch.cuda.max_memory_allocated, which excludes the CUDA context (~0.5 GiB
+more in nvidia-smi).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+GiB, MiB = 2**30, 2**20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CPU_RUNTIME_BYTES = 530 * MiB   # Python + libraries resident after the first training step (see docstring)
+EVAL_BATCH = 64                 # train.evaluate decodes this many held-out prompts at once
+LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class MemoryModelError(Exception):
+    pass
+
+
+@dataclass
+class ModelShape:
+    """What the memory model needs from a decoder-only (LLaMA/Qwen/Mistral-style) config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        try:
+            heads = config.num_attention_heads
+            hidden = config.hidden_size
+            return cls(
+                vocab_size=config.vocab_size, hidden_size=hidden, num_layers=config.num_hidden_layers,
+                num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                head_dim=getattr(config, "head_dim", None) or hidden // heads,
+                intermediate_size=config.intermediate_size,
+                tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
+            )
+        except AttributeError as exc:
+            raise MemoryModelError(f"the memory model knows decoder-only LLaMA-style configs; this one lacks {exc}") from None
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer in one decoder layer."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass
+class Workload:
+    """The recipe's numbers that set memory, in one place (see `workload_from_recipe`)."""
+
+    quantized: bool = True
+    double_quant: bool = True
+    compute_bytes: int = 2
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = LORA_LINEARS
+    optimizer: str = "adamw"
+    prompts_per_step: int = 4
+    num_generations: int = 8
+    micro_batch_size: int = 4
+    prompt_tokens: int = 512
+    completion_tokens: int = 256
+    chunk_tokens: int = 1024
+    chunk_vocab: int = 8192
+    gradient_checkpointing: bool = True
+    eval_prompts: int = 0
+    engine: str = "hf"
+    kv_cache_bytes: Optional[int] = None  # vLLM: the recipe's explicit KV budget
+    device: str = "cuda"
+
+
+@dataclass
+class Estimate:
+    static: dict[str, int]
+    phases: dict[str, dict[str, int]]
+    peak_phase: str = ""
+    peak: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        names = list(self.static) + [n for parts in self.phases.values() for n in parts]
+        w = max(len(n) for n in names) + 4
+        out = [f"  {name:<{w}} {fmt(b):>10}" for name, b in self.static.items()]
+        for phase, parts in self.phases.items():
+            mark = "  <- peak" if phase == self.peak_phase else ""
+            out.append(f"  {phase + ' phase':<{w}} {fmt(sum(parts.values())):>10}{mark}")
+            out += [f"    {name:<{w - 2}} {fmt(b):>10}" for name, b in parts.items()]
+        out.append(f"  {'predicted peak':<{w}} {fmt(self.peak):>10}  (static + {self.peak_phase} phase)")
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+def fmt(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+
+
+def parse_size(text: str) -> int:
+    """'8GiB', '8GB', '7.5G', '512MiB', '1e9' -> bytes (GB and G are read as GiB, as GPU makers mean)."""
+    t = text.strip().upper().replace(" ", "")
+    for suffix, mult in (("GIB", GiB), ("GB", GiB), ("G", GiB), ("MIB", MiB), ("MB", MiB), ("M", MiB), ("B", 1)):
+        if t.endswith(suffix):
+            t, m = t[: -len(suffix)], mult
+            break
+    else:
+        m = 1
+    try:
+        return int(float(t) * m)
+    except ValueError:
+        raise MemoryModelError(f"cannot read a memory size from {text!r}; write e.g. 8GiB or 512MiB") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The terms
+# ----------------------------------------------------------------------------------------------------
+
+def base_weight_bytes(s: ModelShape, w: Workload) -> int:
+    """Linear layers at 4 bits (+ one absmax per 64 weights: fp32, or 8-bit plus a second-level fp32 per 256
+    blocks with double quantization), everything else (embeddings, an untied head, norms) in compute dtype."""
+    linear = sum(i * o for i, o in s.linears().values()) * s.num_layers
+    if w.quantized:
+        absmax = linear / 64 * (1 + 4 / 256) if w.double_quant else linear / 64 * 4
+        linear_b = linear / 2 + absmax
+    else:
+        linear_b = linear * w.compute_bytes
+    head = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size
+    bias = s.num_layers * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim if s.attention_bias else 0
+    other = s.vocab_size * s.hidden_size + head + (2 * s.num_layers + 1) * s.hidden_size + bias
+    return int(linear_b + other * w.compute_bytes)
+
+
+def lora_params(s: ModelShape, w: Workload) -> int:
+    targets = LORA_LINEARS if w.lora_targets == ("all-linear",) else w.lora_targets
+    return sum(w.lora_r * (i + o) for name, (i, o) in s.linears().items() if name in targets) * s.num_layers
+
+
+def optimizer_bytes_per_param(name: str) -> float:
+    # AdamW: exp_avg and exp_avg_sq in fp32. 8-bit AdamW: one byte each (+ block scales, ~1%).
+    return 8.0 if name == "adamw" else 2.02
+
+
+def kv_cache_bytes(s: ModelShape, w: Workload, seqs: int, tokens: int) -> int:
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * tokens * seqs * w.compute_bytes
+
+
+def decode_phase(s: ModelShape, w: Workload, seqs: int, label: str) -> dict[str, int]:
+    """transformers generate: a KV cache for every sequence, the prefill's activations, and per decode step
+    fp32 logits of the last position plus the sampler's copies (processed scores, probabilities)."""
+    tokens = w.prompt_tokens + w.completion_tokens
+    if w.engine == "vllm" and w.kv_cache_bytes is not None:
+        kv = w.kv_cache_bytes
+    else:
+        kv = kv_cache_bytes(s, w, seqs, tokens)
+    prefill = seqs * w.prompt_tokens * (4 * s.hidden_size + 3 * s.intermediate_size) * w.compute_bytes
+    logits = 3 * seqs * s.vocab_size * 4
+    return {f"{label} KV cache ({seqs} seqs x {tokens} tok)": kv, f"{label} prefill activations": prefill,
+            f"{label} sampling logits": logits}
+
+
+def train_phase(s: ModelShape, w: Workload, n_lora: int) -> dict[str, int]:
+    b, t, h, i = w.micro_batch_size, w.prompt_tokens + w.completion_tokens, s.hidden_size, s.intermediate_size
+    cb = w.compute_bytes
+    qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    # Inside one decoder layer, what autograd keeps for backward: the norms' outputs, q/k/v, the attention
+    # output, gate/up and their product in the MLP, the LoRA branches' r-wide intermediates; backward then
+    # holds one hidden-size and one intermediate-size gradient at a time. sdpa's flash path keeps one
+    # logsumexp per head and row (no T x T matrix).
+    per_token_layer = (4 * h + qkv + 3 * i + 7 * w.lora_r) + (h + i)  # saved for backward + gradients in flight
+    one_layer = b * t * per_token_layer * cb
+    if w.quantized:
+        one_layer += max(x * y for x, y in s.linears().values()) * cb  # bitsandbytes dequantizes one weight at a time
+    layers_kept = s.num_layers if w.gradient_checkpointing else s.num_layers * per_token_layer / h
+    checkpointed = int(b * t * h * cb * (layers_kept + 2))  # + embeddings output and final norm output
+    n_tok = b * w.completion_tokens
+    rows = min(w.chunk_tokens, n_tok)
+    # The kernel works in place: forward keeps two fp32 tiles alive (logits and their exp, for the entropy),
+    # backward one. A head stored in a narrower dtype is cast to fp32 one vocabulary chunk at a time.
+    tile = 2 * rows * min(w.chunk_vocab, s.vocab_size) * 4
+    if cb != 4:
+        tile += min(w.chunk_vocab, s.vocab_size) * h * 4
+    kernel_io = n_tok * h * (4 + 4) + n_tok * 4 * 8  # hidden rows in fp32 + their grad; per-token vectors
+    return {"LoRA gradients (fp32)": n_lora * 4, f"checkpointed layer inputs (micro-batch {b} x {t} tok)": checkpointed,
+            "one layer's recomputation + grads": int(one_layer), f"log-prob tile ({rows} x {min(w.chunk_vocab, s.vocab_size)})": tile,
+            "log-prob rows and grads": kernel_io}
+
+
+def estimate(s: ModelShape, w: Workload) -> Estimate:
+    n_lora = lora_params(s, w)
+    static = {}
+    if w.device == "cpu":
+        static["runtime (python + torch, CPU RSS)"] = CPU_RUNTIME_BYTES
+    static["base weights" + (" (NF4 linears)" if w.quantized else "")] = base_weight_bytes(s, w)
+    static[f"LoRA parameters ({n_lora / 1e6:.1f}M, fp32)"] = n_lora * 4
+    static[f"optimizer state ({w.optimizer})"] = int(n_lora * optimizer_bytes_per_param(w.optimizer))
+    phases = {"rollout": decode_phase(s, w, w.prompts_per_step * w.num_generations, "rollout")}
+    if w.eval_prompts:
+        phases["eval"] = decode_phase(s, w, min(EVAL_BATCH, w.eval_prompts), "eval")
+    phases["train"] = train_phase(s, w, n_lora)
+    peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
+    est = Estimate(static, phases, peak_phase, sum(static.values()) + sum(phases[peak_phase].values()))
+    if w.device == "cuda":
+        est.notes.append("CUDA: this is torch's allocated peak; nvidia-smi shows ~0.5 GiB more (CUDA context)")
+    return est
+
+
+# ----------------------------------------------------------------------------------------------------
+# From a recipe, and advice when it does not fit
+# ----------------------------------------------------------------------------------------------------
+
+def workload_from_recipe(recipe, prompt_tokens: int, device: str) -> Workload:
+    r = recipe
+    targets = ("all-linear",) if r.lora.target_modules == "all-linear" else tuple(r.lora.target_modules)
+    return Workload(
+        quantized=r.model.load_in_4bit, double_quant=r.model.double_quant,
+        compute_bytes=DTYPE_BYTES[r.model.compute_dtype], lora_r=r.lora.r, lora_targets=targets,
+        optimizer=r.optimizer.name, prompts_per_step=r.train.prompts_per_step,
+        num_generations=r.generation.num_generations, micro_batch_size=r.train.micro_batch_size,
+        prompt_tokens=prompt_tokens, completion_tokens=r.generation.max_new_tokens,
+        chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
+        gradient_checkpointing=r.model.gradient_checkpointing,
+        eval_prompts=r.train.eval_max_prompts if r.data.eval_path else 0, engine=r.generation.engine,
+        kv_cache_bytes=getattr(r.generation, "kv_cache_memory_bytes", None), device=device)
+
+
+@dataclass
+class Advice:
+    fits: bool
+    lines: list[str]
+    micro_batch_size: Optional[int] = None
+    chunk_tokens: Optional[int] = None
+
+
+def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
+    """The largest micro-batch and log-prob tile that fit in `budget`, or the recipe fields to change."""
+    from dataclasses import replace
+
+    est = estimate(s, w)
+    if est.peak <= budget:
+        best_mb = w.micro_batch_size
+        for mb in range(w.micro_batch_size, w.prompts_per_step * w.num_generations + 1):
+            if estimate(s, replace(w, micro_batch_size=mb)).peak <= budget:
+                best_mb = mb
+        lines = [f"fits: predicted peak {fmt(est.peak)} of {fmt(budget)} ({100 * est.peak / budget:.0f}%)."]
+        if best_mb > w.micro_batch_size:
+            lines.append(f"train.micro_batch_size could go up to {best_mb} (fewer forward/backward passes per step).")
+        return Advice(True, lines, best_mb, w.chunk_tokens)
+    # Does not fit: shrink what the user can shrink without changing the algorithm, in that order.
+    for mb in range(w.micro_batch_size - 1, 0, -1):
+        for ct in (w.chunk_tokens, 512, 256, 128):
+            if ct <= w.chunk_tokens and estimate(s, replace(w, micro_batch_size=mb, chunk_tokens=ct)).peak <= budget:
+                return Advice(False, [f"does not fit: predicted peak {fmt(est.peak)} > {fmt(budget)}.",
+                                      f"set train.micro_batch_size: {mb}" + (f" and train.logprob_chunk_tokens: {ct}" if ct != w.chunk_tokens else "")
+                                      + " (same result, more passes)."], mb, ct)
+    smallest = estimate(s, replace(w, micro_batch_size=1, chunk_tokens=128))
+    parts = dict(smallest.static)
+    parts.update(smallest.phases[smallest.peak_phase])
+    biggest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    lines = [f"does not fit even with train.micro_batch_size: 1 and train.logprob_chunk_tokens: 128 "
+             f"(predicted {fmt(smallest.peak)} > {fmt(budget)}). Largest terms:"]
+    lines += [f"  {name}: {fmt(b)}" for name, b in biggest]
+    lines.append("change one of: " + ", ".join(_fields_for(name, w) for name, _ in biggest))
+    return Advice(False, lines)
+
+
+def _fields_for(term: str, w: Workload) -> str:
+    if term.startswith("base weights"):
+        return "model.load_in_4bit: true" if not w.quantized else "a smaller model.name_or_path"
+    if "KV cache" in term or "sampling" in term or "prefill" in term:
+        if term.startswith("eval"):
+            return "train.eval_max_prompts (fewer held-out prompts decoded at once)"
+        return "train.prompts_per_step / generation.num_generations / generation.max_new_tokens"
+    if term.startswith("optimizer"):
+        return "optimizer.name: adamw_8bit or a smaller lora.r"
+    if term.startswith(("LoRA", "optimizer")):
+        return "a smaller lora.r"
+    if term.startswith("runtime"):
+        return "(fixed cost of the runtime)"
+    return "generation.max_new_tokens / data.max_prompt_tokens (shorter sequences)" + (
+        "" if w.gradient_checkpointing else " or model.gradient_checkpointing: true")
+
+
+def device_budget(device: str) -> Optional[int]:
+    """Total memory of this machine's GPU (cuda) or RAM (cpu); None when there is no such device."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
+    """Tokens in the longest training prompt, read from the data when it can be (else the recipe's cap)."""
+    from .data import DataError, PromptSet
+    from .model import ModelLoadError, load_tokenizer
+
+    try:
+        tokenizer = tokenizer or load_tokenizer(recipe.model)
+        examples = PromptSet(recipe.data.train_path, recipe.data, tokenizer).examples
+        return max(len(e.prompt_ids) for e in examples), f"longest prompt in {recipe.data.train_path}"
+    except (DataError, ModelLoadError, OSError) as exc:
+        return recipe.data.max_prompt_tokens, f"data.max_prompt_tokens (could not read the prompts: {exc})"
+
+
+def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None) -> tuple[Estimate, ModelShape, Workload]:
+    """The memory model for a recipe: the model's config (no weights loaded) and its longest prompt."""
+    from transformers import AutoConfig
+
+    from .model import ModelLoadError
+
+    try:
+        config = AutoConfig.from_pretrained(recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model.name_or_path={recipe.model.name_or_path!r}: cannot read its config ({exc})") from None
+    shape = ModelShape.from_config(getattr(config, "get_text_config", lambda: config)())
+    note = None
+    if prompt_tokens is None:
+        prompt_tokens, note = longest_prompt(recipe)
+    workload = workload_from_recipe(recipe, prompt_tokens, device)
+    est = estimate(shape, workload)
+    if note:
+        est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
+    return est, shape, workload
+
+
+def return_freed_memory_to_os() -> bool:
+    """CPU runs on Linux/glibc: give freed activation buffers back to the OS at once.
+
+    glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), after which blocks of
+    that size come from the heap and stay resident when freed; a training step's activations then keep
+    the process's RSS far above what is live (measured: 1,771 vs 835 MiB peak at 1,024 tokens in
+    scripts/bench_memory.py's model). A fixed threshold (mallopt M_MMAP_THRESHOLD) turns the dynamic rule
+    off. Returns False where this is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD = -3; blocks >= 1 MiB are mmapped
+    except (OSError, AttributeError):
+        return False

@@ -1,0 +1,269 @@
+"""Peak memory and step time of one GRPO step: lowmem-grpo against TRL's GRPOTrainer, same model, same run.
+
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py [--lengths 128 512 1024] [--skip-trl]
+
+Needs the `bench` extra (pip install -e '.[bench]': TRL). Not a test: figures depend on the machine.
+
+The model is built locally (no download): Qwen2 architecture with Qwen2.5's real vocabulary (151,936) and
+a small hidden size so a step runs on CPU; loaded as a 4-bit NF4 base + LoRA r=16 on all linear layers by
+both trainers. One step = sampling G = 8 completions of exactly L tokens for one prompt through
+transformers generate (EOS suppressed so every completion has length L), the reference pass (beta 0.04,
+adapters off), and one optimizer step with gradient checkpointing. Each configuration runs in its own
+process; the first step warms up, the second is timed; the peak is the process's peak RSS over both.
+
+Also measured, each in its own process: the loss phase alone (log-probs of the 8 x L completion tokens
+from their final hidden states, the GRPO loss, backward) through the chunked kernel and through the naive
+full-logits path, reported as the growth of RSS over the phase.
+
+The memory model's prediction (lowmem_grpo/memory.py) is printed beside each lowmem-grpo peak. The last
+line is for scripts: peak_ratio_vs_trl=X step_time_ratio_vs_trl=Y loss_peak_1024_over_128=Z (X, Y at the
+shortest length).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import psutil  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+G = 8
+VOCAB = 151_936
+SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)
+LORA_R, LORA_ALPHA, BETA, LR = 16, 32, 0.04, 1e-5
+PROMPT = "12+34="
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def build(workdir: Path) -> None:
+    """The benchmark model and a one-row prompt file, saved once."""
+    from lowmem_grpo import tiny
+
+    if (workdir / "model" / "config.json").is_file():
+        return
+    tok = tiny.build_tokenizer()
+    spec = tiny.TinyModelSpec(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=True, **SHAPE)
+    model = tiny.build_model(tok, spec, seed=0)
+    model.save_pretrained(workdir / "model")
+    tok.save_pretrained(workdir / "model")
+    tiny.write_jsonl([{"prompt": PROMPT, "answer": "46"}] * 4, workdir / "prompts.jsonl")
+
+
+def never_eos(model) -> None:
+    # A random model hits EOS at random; both trainers must generate exactly L tokens to be comparable.
+    model.generation_config.eos_token_id = None
+    model.generation_config.suppress_tokens = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Children: one configuration per process
+# ----------------------------------------------------------------------------------------------------
+
+def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
+    import torch
+
+    from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    recipe = recipe_from_dict({
+        "model": {"name_or_path": str(workdir / "model"), "compute_dtype": "float32", "load_in_4bit": True},
+        "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
+        "data": {"train_path": str(workdir / "prompts.jsonl")},
+        "rewards": {"functions": [{"function": "exact"}]},
+        "generation": {"num_generations": G, "max_new_tokens": length, "temperature": 1.0},
+        "algorithm": {"beta": BETA},
+        "optimizer": {"lr": LR},
+        "train": {"steps": 2, "prompts_per_step": 1, "micro_batch_size": micro_batch},
+        "output": {"dir": str(workdir / f"run-lowmem-{length}")},
+    })
+    trainer = Trainer(recipe, log=lambda *a: None)
+    never_eos(trainer.model)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        row = trainer.train_step()
+        trainer.step += 1
+        times.append(time.perf_counter() - t0)
+    assert row["completion/mean_length"] == length, row["completion/mean_length"]
+    prompt_tokens = max(len(e.prompt_ids) for e in trainer.train_set.examples)
+    est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, "cpu"))
+    torch.set_num_threads(1)
+    return {"peak_mib": peak_rss_mib(), "step_s": times[1], "predicted_mib": est.peak / 2**20,
+            "predicted_phase": est.peak_phase}
+
+
+def child_trl(workdir: Path, length: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lowmem_grpo.model import load_base_model, load_tokenizer
+    from lowmem_grpo.recipe import ModelConfig
+
+    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype="float32", load_in_4bit=True)
+    tok = load_tokenizer(cfg)
+    model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
+    never_eos(model)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    timer = StepTimer()
+    args = GRPOConfig(
+        output_dir=str(workdir / f"run-trl-{length}"), per_device_train_batch_size=G, num_generations=G,
+        max_completion_length=length, max_steps=2, beta=BETA, learning_rate=LR, temperature=1.0,
+        gradient_checkpointing=True, use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no",
+        logging_steps=1, seed=0, loss_type="grpo", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    peft_cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules="all-linear", task_type="CAUSAL_LM")
+    ds = Dataset.from_list([{"prompt": tok.bos_token + PROMPT}] * 4)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=ds, processing_class=tok, peft_config=peft_cfg, callbacks=[timer])
+    torch.set_num_threads(1)
+    trainer.train()
+    lengths = [m for m in (h.get("completions/mean_length") for h in trainer.state.log_history) if m is not None]
+    assert lengths and all(abs(m - length) < 1e-6 for m in lengths), lengths
+    return {"peak_mib": peak_rss_mib(), "step_s": timer.times[1]}
+
+
+def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> dict:
+    """Log-probs of G x L completion tokens from their hidden states, the GRPO loss, backward to the hidden
+    states (a frozen head, as under LoRA). Reported: RSS growth over the phase."""
+    import torch
+
+    from lowmem_grpo.logprobs import reference_log_probs, selective_log_softmax
+    from lowmem_grpo.loss import grpo_token_loss
+
+    torch.manual_seed(0)
+    n, d = G * length, SHAPE["hidden_size"]
+    head = torch.randn(VOCAB, d) * 0.02
+    hidden = torch.randn(n, d, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (n,))
+    adv = torch.randn(n)
+    logp_ref = torch.randn(n) - 12.0
+    before = rss_mib()
+    if impl == "chunked":
+        logp = selective_log_softmax(hidden, head, targets, chunk_rows=chunk_tokens, chunk_vocab=chunk_vocab)
+    else:
+        logp = reference_log_probs(hidden, head, targets)
+    tl = grpo_token_loss(logp, logp.detach(), logp_ref, adv, beta=BETA, eps_low=0.2, eps_high=0.2)
+    tl.loss.mean().backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+    return {"phase_mib": peak_rss_mib() - before, "peak_mib": peak_rss_mib()}
+
+
+def run_child(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": " | ".join(tail) or f"exit {proc.returncode}"}
+
+
+# ----------------------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
+    ap.add_argument("--micro-batch", type=int, default=G, help="lowmem-grpo micro_batch_size (TRL does all G at once)")
+    ap.add_argument("--chunk-tokens", type=int, default=1024)
+    ap.add_argument("--chunk-vocab", type=int, default=8192)
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        kind, rest = args.child[0], args.child[1:]
+        if kind == "lowmem":
+            out = child_lowmem(Path(rest[0]), int(rest[1]), int(rest[2]))
+        elif kind == "trl":
+            out = child_trl(Path(rest[0]), int(rest[1]))
+        else:
+            out = child_loss(int(rest[0]), rest[1], int(rest[2]), int(rest[3]))
+        print("RESULT " + json.dumps(out), flush=True)
+        return
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
+    build(workdir)
+    print(f"model: Qwen2, vocab {VOCAB:,}, {SHAPE}, NF4 + LoRA r={LORA_R}; G={G}, beta={BETA}; "
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; lowmem micro_batch_size={args.micro_batch}")
+    print(f"\n{'L':>5} | {'lowmem peak':>11} {'predicted':>10} {'err':>6} | {'TRL peak':>9} | {'peak ratio':>10} | "
+          f"{'lowmem s/step':>13} {'TRL s/step':>10} {'time ratio':>10}")
+    steps = {}
+    for length in args.lengths:
+        ours = run_child(["lowmem", str(workdir), str(length), str(args.micro_batch)])
+        trl = {"error": "skipped"} if args.skip_trl else run_child(["trl", str(workdir), str(length)])
+        steps[length] = (ours, trl)
+        if "error" in ours:
+            print(f"{length:>5} | lowmem-grpo failed: {ours['error']}")
+            continue
+        err = 100 * (ours["predicted_mib"] - ours["peak_mib"]) / ours["peak_mib"]
+        line = f"{length:>5} | {ours['peak_mib']:>7.0f} MiB {ours['predicted_mib']:>6.0f} MiB {err:>+5.0f}% | "
+        if "error" in trl:
+            line += f"{'-':>9} | {'-':>10} | {ours['step_s']:>11.2f} s {'-':>10} {'-':>10}   (TRL: {trl['error']})"
+        else:
+            line += (f"{trl['peak_mib']:>5.0f} MiB | {ours['peak_mib'] / trl['peak_mib']:>9.2f}x | "
+                     f"{ours['step_s']:>11.2f} s {trl['step_s']:>8.2f} s {ours['step_s'] / trl['step_s']:>9.2f}x")
+        print(line, flush=True)
+
+    print(f"\nloss phase alone (log-probs + loss + backward of {G} x L tokens), RSS growth over the phase:")
+    print(f"{'L':>5} | {'chunked':>10} | {'naive (full logits)':>19} | {'naive/chunked':>13}")
+    phase = {}
+    for length in args.lengths:
+        c = run_child(["loss", str(length), "chunked", str(args.chunk_tokens), str(args.chunk_vocab)])
+        # The naive path holds logits, their log_softmax and the logits' gradient: 3 x tokens x vocab fp32.
+        need = 3 * G * length * VOCAB * 4 / 2**20
+        avail = psutil.virtual_memory().available / 2**20
+        if need > 0.8 * avail:
+            n = {"error": f"not run: needs ~{need / 1024:.1f} GiB, {avail / 1024:.1f} GiB available"}
+        else:
+            n = run_child(["loss", str(length), "naive", "0", "0"])
+        phase[length] = c
+        cs = f"{c['phase_mib']:>6.0f} MiB" if "error" not in c else "failed"
+        ns = f"{n['phase_mib']:>15.0f} MiB" if "error" not in n else f"failed ({n['error'][-60:]})"
+        ratio = f"{n['phase_mib'] / c['phase_mib']:>12.1f}x" if "error" not in c and "error" not in n else "-"
+        print(f"{length:>5} | {cs:>10} | {ns:>19} | {ratio:>13}", flush=True)
+
+    short, long_ = min(args.lengths), max(args.lengths)
+    ours, trl = steps[short]
+    peak_ratio = ours["peak_mib"] / trl["peak_mib"] if "error" not in ours and "error" not in trl else float("nan")
+    time_ratio = ours["step_s"] / trl["step_s"] if "error" not in ours and "error" not in trl else float("nan")
+    ok = "error" not in phase[short] and "error" not in phase[long_]
+    loss_ratio = phase[long_]["phase_mib"] / phase[short]["phase_mib"] if ok else float("nan")
+    print(f"\npeak_ratio_vs_trl={peak_ratio:.3f} step_time_ratio_vs_trl={time_ratio:.3f} "
+          f"loss_peak_{long_}_over_{short}={loss_ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
