@@ -93,6 +93,7 @@ class AlgorithmConfig(_Section):
     """Spec sections 1-7. The defaults are GRPO as DeepSeekMath wrote it (spec 1)."""
 
     advantage: Literal["mean_std", "mean", "sign", "rloo"] = Field("mean_std", description="Group advantage (spec 2): GRPO's mean_std, Dr. GRPO's mean, sign, or rloo.")
+    sign_dead_band: float = Field(0.0, ge=0, description="advantage: sign only: rewards within this distance of the group mean get advantage 0.")
     kl_target: Literal["ref", "mirror", "both", "none"] = Field(
         "ref", description="KL penalty (spec 4): to the reference (adapters off), to the policy that sampled the batch (mirror; needs mu > 1), both, or none (no reference pass).")
     beta: float = Field(0.04, ge=0, description="Weight of the KL to the reference; must be > 0 when kl_target is ref or both.")

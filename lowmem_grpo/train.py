@@ -327,7 +327,8 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         result, texts = self.score(examples, completions)                      # 2. reward
         rewards = result.total.view(len(examples), g.num_generations)
-        advantages = group_advantages(rewards, a.advantage).view(-1)           # 3. advantage
+        extra = {"dead_band": a.sign_dead_band} if a.advantage == "sign" else {}
+        advantages = group_advantages(rewards, a.advantage, **extra).view(-1)  # 3. advantage
         flat = zero_std_groups(rewards)
         keep = [i for i in range(len(completions))
                 if not math.isnan(result.total[i]) and not (a.skip_zero_std_groups and flat[i // g.num_generations])]

@@ -31,3 +31,13 @@ def test_equal_rewards_and_skips():
     assert zero_std_groups(r).tolist() == [True, False, True]
     assert (adv[0] == 0).all() and (adv[2] == 0).all()
     assert adv[1, 1] == 0 and adv[1, 0] < 0 < adv[1, 2]
+
+
+def test_sign_dead_band_is_a_recipe_option():
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    cfg = AlgorithmConfig(advantage="sign", sign_dead_band=0.3)
+    r = torch.tensor([[1.0, 0.0, 0.6, 0.45]])  # mean 0.5125
+    adv = group_advantages(r, cfg.advantage, dead_band=cfg.sign_dead_band)
+    assert adv.tolist() == [[1.0, -1.0, 0.0, 0.0]]
+    assert group_advantages(r, "sign").tolist() == [[1.0, -1.0, 1.0, -1.0]]
