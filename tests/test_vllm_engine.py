@@ -360,8 +360,9 @@ def test_dora_falls_back_to_module_calls(V_, vllm_model_dir):
 
 
 def test_engine_leaves_rng_and_threads_alone(V_, vllm_model_dir):
-    """LLM(seed=...) reseeds the global RNGs and vLLM's CPU worker turns torch.set_num_threads into a
-    no-op: both undone."""
+    """LLM(seed=...) reseeds the global RNGs, vLLM's CPU worker turns torch.set_num_threads into a no-op,
+    and vLLM writes LD_PRELOAD, LOCAL_WORLD_SIZE... into os.environ (inherited by every subprocess, reward
+    sandboxes included): all undone."""
     import numpy as np
 
     model, tok = _lora_model(vllm_model_dir)
@@ -373,8 +374,10 @@ def test_engine_leaves_rng_and_threads_alone(V_, vllm_model_dir):
     random.seed(123)
     np.random.seed(123)
     threads = torch.get_num_threads()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     engine = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20, seed=999)
     try:
+        assert {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")} == environ
         got = (torch.rand(3), random.random(), np.random.rand())
         assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
         assert torch.get_num_threads() == threads

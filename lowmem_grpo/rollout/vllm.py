@@ -60,6 +60,7 @@ from typing import Callable, Optional
 # otherwise runs the model in a child process. Set before vllm is imported; vllm reads it lazily.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM is chatty; set it to see its log
+_ENV_BEFORE_VLLM = dict(os.environ)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -75,6 +76,22 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 
 from ..model import _base, disable_cpu_4bit_repack, eval_mode  # noqa: E402
 from .base import Completion, EngineError, SamplingParams  # noqa: E402
+
+
+def _restore_environment(before: dict) -> None:
+    """Undo what vLLM wrote into os.environ (at import and while building an engine: LD_PRELOAD,
+    LD_LIBRARY_PATH, LOCAL_WORLD_SIZE, TORCHINDUCTOR_*, ...), which every subprocess the trainer starts
+    (reward sandboxes, math-verify workers) would inherit. VLLM_* variables stay: vLLM reads them."""
+    for key in set(os.environ) | set(before):
+        if key.startswith("VLLM_") or os.environ.get(key) == before.get(key):
+            continue
+        if key in before:
+            os.environ[key] = before[key]
+        else:
+            del os.environ[key]
+
+
+_restore_environment(_ENV_BEFORE_VLLM)
 
 VLLM_VERSION_CHECKED = "0.32.0"
 QUANTIZATION_NAME = "lowmem_grpo_shared"
@@ -406,6 +423,7 @@ class _ProcessState:
     cuda_rng: Optional[list]
     set_num_threads: Callable
     num_threads: int
+    environ: dict
 
 
 def _save_process_state() -> _ProcessState:
@@ -413,7 +431,7 @@ def _save_process_state() -> _ProcessState:
 
     return _ProcessState(random.getstate(), np.random.get_state(), torch.get_rng_state(),
                          torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                         torch.set_num_threads, torch.get_num_threads())
+                         torch.set_num_threads, torch.get_num_threads(), dict(os.environ))
 
 
 def _restore_process_state(s: _ProcessState) -> None:
@@ -427,6 +445,7 @@ def _restore_process_state(s: _ProcessState) -> None:
     torch.set_num_threads = s.set_num_threads  # vLLM's CPU worker swaps in a no-op
     if torch.get_num_threads() != s.num_threads:
         torch.set_num_threads(s.num_threads)
+    _restore_environment(s.environ)
 
 
 def _write_model_folder(model) -> str:
