@@ -15,7 +15,7 @@ the matmuls. Plain LoRA layers over a dense or 4-bit base take a fast path (the 
 LoRA branch are called directly, no peft dispatch; the LoRA branches of q/k/v and of gate/up are fused
 into two matmuls; the sums are peft's bit for bit, except ~1e-7 for single-row inputs); anything else
 (DoRA and other variants, custom layers) is called as a module, which is always correct. oneDNN's
-`torch.ops.mkldnn._linear_pointwise` on the shared weights was tried for the base matmuls: +3% here,
+`torch.ops.mkldnn._linear_pointwise` on the shared weights was tried for the base matmuls: +4% here,
 not worth an internal op and log-probs that no longer match the trainer's exactly.
 
 Side effects of an in-process engine, each handled here (tests/test_vllm_engine.py):
