@@ -19,7 +19,7 @@ more in nvidia-smi).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 GiB, MiB = 2**30, 2**20
@@ -242,7 +242,7 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str) -> Workload:
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
         gradient_checkpointing=r.model.gradient_checkpointing,
         eval_prompts=r.train.eval_max_prompts if r.data.eval_path else 0, engine=r.generation.engine,
-        kv_cache_bytes=getattr(r.generation, "kv_cache_memory_bytes", None), device=device)
+        kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device)
 
 
 @dataclass
@@ -255,8 +255,6 @@ class Advice:
 
 def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
     """The largest micro-batch and log-prob tile that fit in `budget`, or the recipe fields to change."""
-    from dataclasses import replace
-
     est = estimate(s, w)
     if est.peak <= budget:
         best_mb = w.micro_batch_size
@@ -294,7 +292,7 @@ def _fields_for(term: str, w: Workload) -> str:
         return "train.prompts_per_step / generation.num_generations / generation.max_new_tokens"
     if term.startswith("optimizer"):
         return "optimizer.name: adamw_8bit or a smaller lora.r"
-    if term.startswith(("LoRA", "optimizer")):
+    if term.startswith("LoRA"):
         return "a smaller lora.r"
     if term.startswith("runtime"):
         return "(fixed cost of the runtime)"

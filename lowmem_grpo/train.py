@@ -30,7 +30,7 @@ from .advantages import group_advantages, zero_std_groups
 from .data import PromptSet, batch_indices
 from .logprobs import selective_log_softmax
 from .loss import aggregate, aggregation_weights, grpo_token_loss
-from .memory import return_freed_memory_to_os
+from .memory import ModelShape, advise, device_budget, estimate, fmt, return_freed_memory_to_os, workload_from_recipe
 from .metrics import MetricsWriter, read_metrics, summary_line
 from .model import eval_mode, hidden_states, lm_head_params, load_policy, reference_mode, trainable_parameters
 from .recipe import Recipe, recipe_to_yaml
@@ -389,8 +389,6 @@ class Trainer:
         """One forward/backward of a full micro-batch at the longest prompt + max_new_tokens, before step 1,
         so that an out-of-memory shows in the first minute with the memory model's advice rather than
         after an hour (unsloth#1624). Leaves no trace: RNG state restored, gradients dropped."""
-        from .memory import advise, device_budget, estimate, fmt, ModelShape, workload_from_recipe
-
         r, g = self.recipe, self.recipe.generation
         longest = max(self.train_set.examples, key=lambda e: len(e.prompt_ids)).prompt_ids
         n = min(r.train.micro_batch_size, r.train.prompts_per_step * g.num_generations)

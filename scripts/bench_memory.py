@@ -80,8 +80,6 @@ def never_eos(model) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
-    import torch
-
     from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
     from lowmem_grpo.recipe import recipe_from_dict
     from lowmem_grpo.train import Trainer
@@ -108,7 +106,6 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
     assert row["completion/mean_length"] == length, row["completion/mean_length"]
     prompt_tokens = max(len(e.prompt_ids) for e in trainer.train_set.examples)
     est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, "cpu"))
-    torch.set_num_threads(1)
     return {"peak_mib": peak_rss_mib(), "step_s": times[1], "predicted_mib": est.peak / 2**20,
             "predicted_phase": est.peak_phase}
 

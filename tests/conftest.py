@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import copy
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +74,30 @@ def recipe_dict(model_dir, data, run_dir, **sections) -> dict:
 def write_recipe(path: Path, d: dict) -> Path:
     path.write_text(yaml.safe_dump(d))
     return path
+
+
+QUIET = dict(log=lambda *a: None)
+
+
+def losses_by_step(run_dir) -> dict:
+    from lowmem_grpo.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r.get("loss") is not None}
+
+
+def straight_and_resumed(d: dict, tmp_path: Path, steps: int = 4, stop_at: int = 2):
+    """Run `d` for `steps` straight (tmp_path/full); separately run `stop_at` steps, then resume to `steps`
+    (tmp_path/cut). Returns (losses straight, losses cut + resumed, the resumed Trainer)."""
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    d = copy.deepcopy(d)
+    d["output"]["dir"], d["train"]["steps"] = str(tmp_path / "full"), steps
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    d["output"]["dir"], d["train"]["steps"] = str(tmp_path / "cut"), stop_at
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    d["train"]["steps"] = steps
+    resumed = Trainer(recipe_from_dict(d), run_dir=tmp_path / "cut", resume=True, **QUIET)
+    assert resumed.step == stop_at
+    resumed.fit()
+    return losses_by_step(tmp_path / "full"), losses_by_step(tmp_path / "cut"), resumed

@@ -1,26 +1,18 @@
 """End-to-end training on the tiny model: metrics, checkpoints, resume determinism, export, CLI."""
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from conftest import recipe_dict, write_recipe
+from conftest import QUIET, recipe_dict, straight_and_resumed, write_recipe
 from lowmem_grpo import checkpoint as ckpt
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import recipe_from_dict
 from lowmem_grpo.train import Trainer
 
-QUIET = dict(log=lambda *a: None)
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def test_train_writes_metrics_and_checkpoints(tiny_model_dir, tiny_data, tmp_path):
@@ -54,17 +46,7 @@ def test_resume_gives_identical_losses(tiny_model_dir, tiny_data, tmp_path, mu):
     """Run 4 steps straight; separately run 2, stop, resume to 4: the losses of steps 3-4 must be equal."""
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "full", train={"steps": 4}, output={"save_every": 2},
                     algorithm={"mu": mu, "beta": 0.04})
-    Trainer(recipe_from_dict(d), **QUIET).fit()
-    full = _losses(tmp_path / "full")
-
-    d["output"]["dir"] = str(tmp_path / "cut")
-    d["train"]["steps"] = 2
-    Trainer(recipe_from_dict(d), **QUIET).fit()
-    d["train"]["steps"] = 4
-    resumed = Trainer(recipe_from_dict(d), run_dir=tmp_path / "cut", resume=True, **QUIET)
-    assert resumed.step == 2
-    resumed.fit()
-    cut = _losses(tmp_path / "cut")
+    full, cut, _ = straight_and_resumed(d, tmp_path)
     assert sorted(cut) == [1, 2, 3, 4]
     for step in (3, 4):
         assert cut[step] == full[step], (step, cut[step], full[step])

@@ -16,12 +16,11 @@ import sys
 
 import pytest
 
-from conftest import recipe_dict, write_recipe
+from conftest import QUIET, losses_by_step, recipe_dict, straight_and_resumed, write_recipe
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import recipe_from_dict
 from test_vllm_engine import _import_engine
 
-QUIET = dict(log=lambda *a: None)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,10 +32,6 @@ def _recipe(model_dir, data, run_dir, engine="vllm", **sections):
     d = recipe_dict(model_dir, data, run_dir, generation={"engine": engine, "num_generations": 4, "max_new_tokens": 4,
                                                           "kv_cache_memory_bytes": 32 << 20}, **sections)
     return d
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r.get("loss") is not None}
 
 
 def test_same_completions_same_losses_through_either_engine(vllm_model_dir, tiny_data, tmp_path):
@@ -71,7 +66,7 @@ def test_same_completions_same_losses_through_either_engine(vllm_model_dir, tiny
     t_hf.engine.generate = replayed
     t_hf.fit()
 
-    losses_vllm, losses_hf = _losses(tmp_path / "vllm"), _losses(tmp_path / "hf")
+    losses_vllm, losses_hf = losses_by_step(tmp_path / "vllm"), losses_by_step(tmp_path / "hf")
     assert sorted(losses_vllm) == [1, 2, 3]
     assert losses_vllm == losses_hf
     assert any(v != 0 for v in losses_vllm.values())
@@ -85,21 +80,10 @@ def test_same_completions_same_losses_through_either_engine(vllm_model_dir, tiny
 
 def test_resume_through_vllm_replays_the_same_samples(vllm_model_dir, tiny_data, tmp_path):
     """Sampling draws from torch's global RNG, which checkpoints save: 2 steps + resume to 4 = 4 straight."""
-    from lowmem_grpo.train import Trainer
-
     d = _recipe(vllm_model_dir, tiny_data, tmp_path / "full", train={"steps": 4, "eval_max_prompts": 4},
                 output={"save_every": 2})
-    Trainer(recipe_from_dict(d), **QUIET).fit()
-    full = _losses(tmp_path / "full")
-    d["output"]["dir"] = str(tmp_path / "cut")
-    d["train"]["steps"] = 2
-    Trainer(recipe_from_dict(d), **QUIET).fit()
-    d["train"]["steps"] = 4
-    resumed = Trainer(recipe_from_dict(d), run_dir=tmp_path / "cut", resume=True, **QUIET)
-    assert resumed.step == 2
-    resumed.fit()
+    full, cut, resumed = straight_and_resumed(d, tmp_path)
     resumed.engine.close()
-    cut = _losses(tmp_path / "cut")
     assert sorted(cut) == [1, 2, 3, 4]
     for step in (3, 4):
         assert cut[step] == full[step], (step, cut[step], full[step])
