@@ -50,20 +50,31 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
     tmp = root / f".tmp-{PREFIX}{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    for stale in root.glob(".tmp-*"):  # saves cut short by a crash
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".old-*"):  # deletions cut short by a crash
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp / "adapter")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
     _fsync_tree(tmp)
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
+        _remove(final)
     os.replace(tmp, final)
     _fsync_tree(root)
     for old in complete_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint folder so that a crash midway never leaves a half-deleted one that still looks
+    complete (trainer_state.pt kept, adapter gone): first an atomic rename out of the step- namespace."""
+    doomed = ckpt.with_name(f".old-{ckpt.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(ckpt, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def complete_checkpoints(run_dir) -> list[Path]:

@@ -118,27 +118,50 @@ def estimate(recipe, memory, device, overrides):
 
 @main.command(name="eval")
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--adapter", type=click.Path(file_okay=False), default=None, help="A LoRA adapter folder (e.g. RUN/checkpoints/step-N/adapter or EXPORT/adapter).")
+@click.option("--adapter", type=click.Path(file_okay=False), default=None,
+              help="A run directory (its latest complete checkpoint), a checkpoint or export folder, or an adapter folder.")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False), default=None,
+              help="A merged/standalone model folder (e.g. EXPORT/merged), loaded without an adapter.")
+@click.option("--split", type=click.Choice(["test", "train"]), default="test", show_default=True,
+              help="test: the held-out set (data.eval_path or data.eval_fraction's split); train: the training rows.")
+@click.option("--k", "ks", default="1", show_default=True, metavar="K[,K...]",
+              help="pass@k for each k, from max(k) samples per prompt at generation.temperature.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where samples.jsonl and summary.json go (default: RUN/eval/step-N-SPLIT, or ./eval-RECIPE).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def eval_cmd(recipe, adapter, overrides):
-    """Greedy accuracy of the recipe's model (plus an adapter) on data.eval_path."""
-    from .data import PromptSet
-    from .model import load_policy
-    from .rewards import Rewards
-    from .rollout.base import make_engine
-    from .train import evaluate
+def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides):
+    """Greedy accuracy (as the trainer computes it) and pass@k of a model on a recipe's prompts."""
+    from .evaluate import parse_ks, run_eval
+
+    if adapter and model_dir:
+        raise click.UsageError("give --adapter or --model, not both")
+    try:
+        k_list = parse_ks(ks)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--k") from None
 
     def go():
         r = load_recipe(recipe, list(overrides))
-        if not r.data.eval_path:
-            raise RecipeError(recipe, [("data.eval_path", "is required for eval")])
-        model, tok = load_policy(r.model, r.lora, adapter_path=adapter)
-        examples = PromptSet(r.data.eval_path, r.data, tok, limit=r.train.eval_max_prompts).examples
-        res = evaluate(make_engine(r.generation.engine, model, tok, r), tok, Rewards(r.rewards), examples,
-                       r.generation.max_new_tokens)
-        click.echo(f"held-out accuracy: {100 * res['accuracy']:.1f}% ({res['n']} prompts, mean reward {res['mean_reward']:.3f})")
+        return run_eval(r, name=Path(recipe).stem, adapter=adapter, model_dir=model_dir, split=split, ks=k_list,
+                        out_dir=out_dir, log=click.echo)
 
     _run(go)
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Folder for the PNGs and report.md (default: RUN_DIR/report).")
+def report(run_dir, out_dir):
+    """Plot a run's metrics (PNG) and write a one-page Markdown summary."""
+    from .report import ReportError, render
+
+    try:
+        res = render(run_dir, out_dir)
+    except ReportError as exc:  # a user error: one line, exit 2 (as _run does)
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(f"wrote {res['report']} and {len(res['images'])} plots")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Rows are dicts (one JSON object per line, a CSV row, a Parquet row). The recipe 
 answer fields; the whole row is passed to reward functions, so extra fields (tests, numbers, target)
 reach them untouched. A row missing a field is an error naming the file and row, or a counted skip with
 `data.on_bad_row: skip`.
+
+A source is a file (.jsonl, .csv, .parquet) or a Hugging Face dataset split (`hf:NAME[:CONFIG]@SPLIT`,
+hub.py). Without `data.eval_path`, `data.eval_fraction` holds out a seeded share of the training rows,
+grouped by prompt so that no held-out prompt is also a training prompt (`split_rows`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hub
 from .recipe import DataConfig
 
 
@@ -22,6 +27,11 @@ class DataError(Exception):
 
 
 def read_rows(path: str) -> list[dict]:
+    if hub.is_hub(path):
+        try:
+            return hub.load_rows(path)
+        except ValueError as exc:
+            raise DataError(f"{path}: {exc}") from None
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{path}: file not found")
@@ -60,13 +70,14 @@ class Example:
 
 
 class PromptSet:
-    """The usable rows of one file, rendered and tokenized once. `limit`: read only the first N rows."""
+    """The usable rows of one source, rendered and tokenized once. `limit`: read only the first N rows.
+    `rows`: these rows instead of reading `path` (which then only labels errors)."""
 
-    def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: int | None = None):
+    def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: int | None = None, rows: list | None = None):
         self.path, self.cfg = path, cfg
         self.examples: list[Example] = []
         self.skipped: list[str] = []
-        for i, row in enumerate(read_rows(path)[:limit], 1):
+        for i, row in enumerate((read_rows(path) if rows is None else rows)[:limit], 1):
             try:
                 self.examples.append(self._render(row, tokenizer))
             except DataError as exc:
@@ -81,16 +92,20 @@ class PromptSet:
         for name in (cfg.prompt_field, cfg.answer_field):
             if name not in row or row[name] is None:
                 raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
-        fields = dict(row)
+        fields = {str(k): v for k, v in row.items()}  # format(**) needs string keys (rows given as Python dicts)
         fields["prompt"] = row[cfg.prompt_field]
         try:
             text = cfg.template.format(**fields)
-        except (KeyError, IndexError, ValueError) as exc:
+        # AttributeError / TypeError: "{prompt.x}", "{x[0]}" on a value without them (found by fuzzing)
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
             raise DataError(f"data.template {cfg.template!r} cannot be filled from this row: {exc!r}") from None
         if cfg.chat_template:
             messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
             messages.append({"role": "user", "content": text})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # e.g. a tokenizer with no chat template: transformers raises ValueError
+                raise DataError(f"data.chat_template is true but the tokenizer cannot apply one: {exc}") from None
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -115,3 +130,57 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
         random.Random(f"{seed}:{epoch}").shuffle(order)
         out.append(order[offset])
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Train / held-out sources
+# ----------------------------------------------------------------------------------------------------
+
+def _prompt_key(row, cfg: DataConfig) -> str:
+    """What identifies a prompt: the row's filled template (before any chat template), else the row."""
+    if isinstance(row, dict) and cfg.prompt_field in row:
+        try:
+            return cfg.template.format(**{**row, "prompt": row[cfg.prompt_field]})
+        except (KeyError, IndexError, ValueError):
+            pass
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
+    """(training rows, held-out rows): a seeded (`data.split_seed`) share `data.eval_fraction` of the
+    distinct prompts is held out, with every row of those prompts, so that no held-out prompt is also
+    trained on even when the data repeats a prompt. Both keep the source's row order."""
+    keys = [_prompt_key(r, cfg) for r in rows]
+    distinct = sorted(set(keys))
+    random.Random(f"split:{cfg.split_seed}").shuffle(distinct)
+    n_held = min(len(distinct) - 1, max(1, round(cfg.eval_fraction * len(distinct))))
+    if n_held < 1:
+        raise DataError(f"data.eval_fraction={cfg.eval_fraction}: the training source has {len(distinct)} distinct "
+                        "prompt(s), too few to hold any out and still train on some")
+    held = set(distinct[:n_held])
+    return [r for r, k in zip(rows, keys) if k not in held], [r for r, k in zip(rows, keys) if k in held]
+
+
+def prompt_set(cfg: DataConfig, tokenizer, which: str) -> "PromptSet | None":
+    """The training set (`which='train'`) or the held-out set (`'test'`; None when the recipe has none):
+    `data.eval_path`, else the `data.eval_fraction` split of `data.train_path`. Errors name the field."""
+    if which not in ("train", "test"):
+        raise DataError(f"split {which!r} is unknown; allowed: train, test")
+    if which == "test" and cfg.eval_path:
+        return _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer), "data.eval_path")
+    if which == "test" and not cfg.eval_fraction:
+        return None
+    rows = _named(lambda: read_rows(cfg.train_path), "data.train_path")
+    if cfg.eval_fraction and not cfg.eval_path:
+        train_rows, held = split_rows(rows, cfg)
+        rows = held if which == "test" else train_rows
+    label = cfg.train_path + (f" ({'held-out' if which == 'test' else 'training'} part, data.eval_fraction="
+                              f"{cfg.eval_fraction})" if cfg.eval_fraction and not cfg.eval_path else "")
+    return _named(lambda: PromptSet(label, cfg, tokenizer, rows=rows), "data.train_path")
+
+
+def _named(fn, field: str):
+    try:
+        return fn()
+    except DataError as exc:
+        raise DataError(f"{field}: {exc}") from None

@@ -241,7 +241,7 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str) -> Workload:
         prompt_tokens=prompt_tokens, completion_tokens=r.generation.max_new_tokens,
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
         gradient_checkpointing=r.model.gradient_checkpointing,
-        eval_prompts=r.train.eval_max_prompts if r.data.eval_path else 0, engine=r.generation.engine,
+        eval_prompts=r.train.eval_max_prompts if (r.data.eval_path or r.data.eval_fraction) else 0, engine=r.generation.engine,
         kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device)
 
 

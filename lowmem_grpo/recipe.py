@@ -44,8 +44,8 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file.")
-    eval_path: str = Field("", description="Held-out prompts for evaluation; empty: no evaluation during training.")
+    train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file, or a Hugging Face dataset split as hf:NAME[:CONFIG]@SPLIT (e.g. hf:openai/gsm8k:main@train; needs the data extra).")
+    eval_path: str = Field("", description="Held-out prompts for evaluation (a file or hf:NAME[:CONFIG]@SPLIT); empty: eval_fraction's split of the training rows, or no evaluation.")
     prompt_field: str = Field("prompt", description="Row field holding the question/prompt text.")
     answer_field: str = Field("answer", description="Row field holding the reference answer passed to rewards.")
     template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
@@ -53,6 +53,27 @@ class DataConfig(_Section):
     system_prompt: str = Field("", description="System message used with chat_template.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="A row missing a field: stop with an error naming it, or skip and count it.")
     max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are an error, or skipped with on_bad_row=skip.")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="Without eval_path: hold out this share of the training source's distinct prompts (all their rows) as the held-out set, never trained on; 0: no split.")
+    split_seed: int = Field(0, ge=0, description="Seed of the eval_fraction split (separate from seed, so runs with different seeds share one held-out set).")
+
+    @model_validator(mode="after")
+    def _sources(self) -> "DataConfig":
+        from .hub import HubSpecError, is_hub, parse
+
+        problems = []
+        for name in ("train_path", "eval_path"):
+            value = getattr(self, name)
+            if is_hub(value):
+                try:
+                    parse(value)
+                except HubSpecError as exc:
+                    problems.append((name, str(exc)))
+        if self.eval_fraction and self.eval_path:
+            problems.append(("eval_fraction", "splits the training rows only when eval_path is empty; "
+                                              "set one of eval_path or eval_fraction"))
+        if problems:
+            raise FieldProblems(problems)
+        return self
 
 
 class RewardSpec(_Section):
@@ -161,6 +182,9 @@ class TrainConfig(_Section):
     eval_max_prompts: int = Field(200, ge=1, description="Held-out prompts used per evaluation (greedy decoding).")
     update_diagnostics: bool = Field(
         True, description="After each step, recompute the batch's log-probs (one no-grad forward) to log how far preferred and dispreferred completions moved (spec 8).")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="Stop the run with an error after this many steps in a row whose loss or gradient is NaN/inf "
+        "(each such step is skipped: no optimizer step, no checkpoint); default 3.")
 
 
 class OutputConfig(_Section):
@@ -168,6 +192,16 @@ class OutputConfig(_Section):
     save_every: int = Field(50, ge=1, description="Write a checkpoint every N steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted after a new one is complete.")
     log_every: int = Field(1, ge=1, description="Print a summary line every N steps.")
+    progress: Literal["auto", "bar", "lines"] = Field(
+        "auto", description="auto (default): a live progress bar (rate, ETA) when stderr is a terminal, else only the "
+        "summary lines; bar: always the bar; lines: never the bar.")
+    tensorboard: Literal["auto", True, False] = Field(
+        "auto", description="Write TensorBoard events to RUN/tensorboard: auto (default) = when tensorboard is installed; "
+        "true = required (an error if not installed); false = off.")
+    wandb_project: str = Field("", description="Weights & Biases project to log to (needs `pip install wandb`); empty (default): off.")
+    samples_every: int = Field(
+        10, ge=0, description="Every N steps, log a table of sample completions with their per-function rewards "
+        "(RUN/samples.jsonl, plus TensorBoard/W&B when on); 0: off. Default 10.")
 
 
 class Recipe(_Section):
@@ -187,7 +221,7 @@ class Recipe(_Section):
 # every other problem (pydantic's after-validators only run once the fields themselves are valid).
 REQUIRED = [
     ("model", "name_or_path", "is required: a Hugging Face model id or a local model folder"),
-    ("data", "train_path", "is required: a .jsonl, .csv or .parquet file of prompts"),
+    ("data", "train_path", "is required: a .jsonl, .csv or .parquet file of prompts, or hf:NAME[:CONFIG]@SPLIT"),
 ]
 
 
@@ -229,6 +263,8 @@ def _problems_from(exc: ValidationError, data: dict) -> list[tuple[str, str]]:
         loc = [str(p) for p in err["loc"]]
         # For Literal-or-list unions pydantic reports one error per branch; keep the message a user reads.
         key = ".".join(p for p in loc if not p.startswith(("literal[", "list[")))
+        if err["type"] == "extra_forbidden" and not loc[-1].strip():  # an empty or blank unknown key: show it quoted
+            key = ".".join(loc[:-1] + [repr(loc[-1])])
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, FieldProblems):  # a section's cross-field check: one problem per named field
             problems += [(f"{key}.{field}" if key else field, m) for field, m in cause.problems
@@ -293,7 +329,7 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
         raise RecipeError(str(path), [("<yaml>", f"not valid YAML at {where}: {getattr(exc, 'problem', exc)}")]) from None
     data = data if data is not None else {}
-    for item in overrides or []:
+    for item in overrides or [] if isinstance(data, dict) else []:  # else recipe_from_dict names the top level
         apply_override(data, item, str(path))
     recipe = recipe_from_dict(data, str(path))
     return _resolve_paths(recipe, path.parent)
@@ -306,10 +342,13 @@ def apply_override(data: dict, item: str, source: str = "<override>") -> None:
     parts = key.strip().split(".")
     node = data
     for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise RecipeError(source, [(key, "cannot override inside a non-mapping value")])
-    node[parts[-1]] = yaml.safe_load(raw)
+        node = node.setdefault(p, {}) if isinstance(node, dict) else None
+    if not isinstance(node, dict):  # (checked before indexing: a list or scalar parent raised a raw error; fuzzing)
+        raise RecipeError(source, [(key, "cannot override inside a non-mapping value")])
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise RecipeError(source, [(key, f"value {raw!r} is not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
 
 
 def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
@@ -317,7 +356,7 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     recipe's folder (so `recipes/x.yaml` can name `data/x.jsonl` shipped beside it)."""
     for attr in ("train_path", "eval_path"):
         value = getattr(recipe.data, attr)
-        if value and not Path(value).is_absolute() and not Path(value).exists() and (base / value).exists():
+        if value and not value.startswith("hf:") and not Path(value).is_absolute() and not Path(value).exists() and (base / value).exists():
             setattr(recipe.data, attr, str(base / value))
     return recipe
 

@@ -27,13 +27,16 @@ import torch
 from . import checkpoint as ckpt
 from . import diagnostics as diag
 from .advantages import group_advantages, zero_std_groups
-from .data import PromptSet, batch_indices
+from .data import batch_indices, prompt_set
+from .evaluate import greedy as greedy_eval
 from .logprobs import selective_log_softmax
 from .loss import aggregate, aggregation_weights, grpo_token_loss
 from .memory import ModelShape, advise, device_budget, estimate, fmt, return_freed_memory_to_os, workload_from_recipe
-from .metrics import MetricsWriter, read_metrics, summary_line
+from .metrics import read_metrics, summary_line
+from .progress import Progress
 from .model import eval_mode, hidden_states, lm_head_params, load_policy, reference_mode, trainable_parameters
 from .recipe import Recipe, recipe_to_yaml
+from .sinks import SinkError, open_sinks
 from .rewards import Rewards
 from .rollout.base import SamplingParams, make_engine
 
@@ -182,8 +185,9 @@ class Trainer:
         self.model.train()
         if not next(self.model.parameters()).is_cuda:
             return_freed_memory_to_os()
-        self.train_set = PromptSet(recipe.data.train_path, recipe.data, self.tokenizer)
-        self.eval_set = PromptSet(recipe.data.eval_path, recipe.data, self.tokenizer) if recipe.data.eval_path else None
+        # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set)
+        self.train_set = prompt_set(recipe.data, self.tokenizer, "train")
+        self.eval_set = prompt_set(recipe.data, self.tokenizer, "test")
         self.rewards = Rewards(recipe.rewards)
         self.engine = make_engine(recipe.generation.engine, self.model, self.tokenizer, recipe)
         total_updates = recipe.train.steps * recipe.algorithm.mu
@@ -200,7 +204,17 @@ class Trainer:
             log(f"[lowmem-grpo] resumed from {start_ckpt} at step {self.step}")
         else:
             (self.run_dir / "recipe.yaml").write_text(recipe_to_yaml(recipe))
-        self.metrics = MetricsWriter(self.run_dir, resume_step=self.step if start_ckpt else None)
+        try:  # metrics.jsonl always; TensorBoard / W&B as the recipe asks (sinks.py)
+            self.metrics = open_sinks(self.run_dir, recipe.output, recipe.model_dump(mode="json"),
+                                      resume_step=self.step if start_ckpt else None)
+        except SinkError as exc:
+            raise TrainingError(str(exc)) from None
+        # Skipped (non-finite) steps: in a row now, and in all; a resumed run counts them from its kept rows.
+        self.nonfinite_run, self.nonfinite_total = 0, 0
+        for row in (read_metrics(self.run_dir) if start_ckpt else []):
+            if "loss" in row or "nonfinite" in row:
+                self.nonfinite_run = self.nonfinite_run + 1 if row.get("nonfinite") else 0
+                self.nonfinite_total += bool(row.get("nonfinite"))
         # The success rate of the reference, for spec 4's p*: step 1 samples from fresh adapters, i.e. from
         # pi_ref. A resumed run reads it back from step 1's metrics row.
         self.p_ref = next((row.get("success_rate") for row in read_metrics(self.run_dir) if row.get("step") == 1
@@ -348,7 +362,19 @@ class Trainer:
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
                     "time/step_s": time.perf_counter() - t0, "memory/peak_mib": peak_memory_mib(),
                     "sample": texts[0] if texts else ""})
+        self.last_samples = self._sample_table(examples, completions, texts, result)
         return row
+
+    def _sample_table(self, examples, completions, texts, result, limit: int = 16) -> list[dict]:
+        """The step's first `limit` completions with their rewards, per function (output.samples_every)."""
+        out = []
+        for i, c in enumerate(completions[:limit]):
+            rec = {"prompt": examples[c.prompt_index].prompt_text, "completion": texts[i],
+                   "reward": None if math.isnan(result.total[i]) else float(result.total[i])}
+            for name, values in result.per_function.items():
+                rec[f"reward/{name}"] = None if math.isnan(values[i]) else float(values[i])
+            out.append(rec)
+        return out
 
     def _p_star(self, success_rate: float, total: torch.Tensor) -> dict:
         """Spec 4: where exact KL-regularised GRPO would take the success rate, from the reference's rate.
@@ -440,17 +466,37 @@ class Trainer:
                 self.metrics.write({"step": 0, **{f"eval/{k}": v for k, v in first_eval.items()}})
                 self.log(f"[lowmem-grpo] held-out accuracy at step 0: {100 * first_eval['accuracy']:.1f}%")
         stopped = False
-        with _StopFlag() as stop:
+        progress = Progress(r.train.steps, self.step, r.output.progress, self.log)
+        with _StopFlag() as stop, progress:
             while self.step < r.train.steps:
                 row = self.train_step()
                 self.step += 1
+                bad = bool(row.get("nonfinite"))
+                self.nonfinite_run = self.nonfinite_run + 1 if bad else 0
+                self.nonfinite_total += bad
+                row.update({"nonfinite/consecutive": self.nonfinite_run, "nonfinite/skipped_total": self.nonfinite_total})
                 if r.train.eval_every and self.step % r.train.eval_every == 0 and self.step < r.train.steps:
                     row.update({f"eval/{k}": v for k, v in (self.evaluate() or {}).items()})
                 self.metrics.write(row)
+                if r.output.samples_every and self.step % r.output.samples_every == 0:
+                    self.metrics.samples(self.step, self.last_samples)
+                progress.update(row)
                 if self.step % r.output.log_every == 0:
-                    self.log(summary_line(row))
-                if stop.requested or self.step % r.output.save_every == 0 or self.step == r.train.steps:
+                    progress.log(summary_line(row))
+                if self.nonfinite_run >= r.train.max_nonfinite_steps:
+                    self.metrics.close()
+                    last = ckpt.latest(self.run_dir)
+                    raise TrainingError(
+                        f"{self.nonfinite_run} steps in a row (up to step {self.step}) had a non-finite loss or gradient "
+                        f"(train.max_nonfinite_steps={r.train.max_nonfinite_steps}); stopped. Last good checkpoint: "
+                        + (f"{last} (resume with: lowmem-grpo train --resume {self.run_dir})" if last else "none")
+                        + ". Try a lower optimizer.lr, or optimizer.max_grad_norm > 0.")
+                # A skipped (non-finite) step writes no checkpoint: the latest one stays the last good step's.
+                if not bad and (stop.requested or self.step % r.output.save_every == 0 or self.step == r.train.steps):
                     self.save()
+                elif bad:
+                    progress.log(f"[lowmem-grpo] step {self.step}: non-finite loss or gradient, update skipped "
+                             f"({self.nonfinite_run} in a row)")
                 if stop.requested:
                     stopped = True
                     break
@@ -465,25 +511,17 @@ class Trainer:
         return {"first_eval": first_eval, "final_eval": final, "stopped": stopped, "step": self.step}
 
     def save(self) -> Path:
+        # Never persist a broken state: resume would start from it.
+        if not all(bool(torch.isfinite(p).all()) for p in trainable_parameters(self.model)):
+            raise TrainingError(f"step {self.step}: the trainable weights hold NaN/inf; no checkpoint written "
+                                f"(last good: {ckpt.latest(self.run_dir)})")
         return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                          keep_last=self.recipe.output.keep_last)
 
 
 def evaluate(engine, tokenizer, rewards: Rewards, examples, max_new_tokens: int, batch_size: int = 64) -> dict:
-    """Greedy completions on held-out prompts. accuracy: the fraction whose first reward function scores
-    >= 1 (a correct answer for the built-in verifiable rewards); skipped rows are not counted."""
-    correct, counted, reward_sum = 0, 0, 0.0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i: i + batch_size]
-        completions = engine.generate([e.prompt_ids for e in chunk], SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
-        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = rewards(texts, [e.prompt_text for e in chunk], [e.row for e in chunk])
-        primary = result.per_function[rewards.names[0]]
-        ok = ~torch.isnan(primary)
-        correct += int((primary[ok] >= 1.0).sum())
-        counted += int(ok.sum())
-        reward_sum += float(torch.nan_to_num(result.total).sum())
-    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted}
+    """Greedy accuracy on held-out prompts: evaluate.greedy, the one implementation `lowmem-grpo eval` shares."""
+    return greedy_eval(engine, tokenizer, rewards, examples, max_new_tokens, batch_size=batch_size)
 
 
 def peak_memory_mib() -> float:

@@ -15,6 +15,9 @@ Also measured, each in its own process: the loss phase alone (log-probs of the 8
 from their final hidden states, the GRPO loss, backward) through the chunked kernel and through the naive
 full-logits path, reported as the growth of RSS over the phase.
 
+Each process's floor (peak RSS once its trainer is built, before step 1: runtime, imports, the 4-bit model)
+is printed too, and the step's own cost above it: at small L the floor is most of either peak.
+
 The memory model's prediction (lowmem_grpo/memory.py) is printed beside each lowmem-grpo peak. The last
 line is for scripts: peak_ratio_vs_trl=X step_time_ratio_vs_trl=Y loss_peak_1024_over_128=Z (X, Y at the
 shortest length).
@@ -96,6 +99,7 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
         "output": {"dir": str(workdir / f"run-lowmem-{length}")},
     })
     trainer = Trainer(recipe, log=lambda *a: None)
+    loaded = peak_rss_mib()  # runtime, imports, 4-bit model, LoRA, optimizer: before any step
     never_eos(trainer.model)
     times = []
     for _ in range(2):
@@ -106,7 +110,7 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
     assert row["completion/mean_length"] == length, row["completion/mean_length"]
     prompt_tokens = max(len(e.prompt_ids) for e in trainer.train_set.examples)
     est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, "cpu"))
-    return {"peak_mib": peak_rss_mib(), "step_s": times[1], "predicted_mib": est.peak / 2**20,
+    return {"peak_mib": peak_rss_mib(), "loaded_mib": loaded, "step_s": times[1], "predicted_mib": est.peak / 2**20,
             "predicted_phase": est.peak_phase}
 
 
@@ -147,10 +151,11 @@ def child_trl(workdir: Path, length: int) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                           train_dataset=ds, processing_class=tok, peft_config=peft_cfg, callbacks=[timer])
     torch.set_num_threads(1)
+    loaded = peak_rss_mib()
     trainer.train()
     lengths = [m for m in (h.get("completions/mean_length") for h in trainer.state.log_history) if m is not None]
     assert lengths and all(abs(m - length) < 1e-6 for m in lengths), lengths
-    return {"peak_mib": peak_rss_mib(), "step_s": timer.times[1]}
+    return {"peak_mib": peak_rss_mib(), "loaded_mib": loaded, "step_s": timer.times[1]}
 
 
 def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> dict:
@@ -233,6 +238,17 @@ def main() -> None:
             line += (f"{trl['peak_mib']:>5.0f} MiB | {ours['peak_mib'] / trl['peak_mib']:>9.2f}x | "
                      f"{ours['step_s']:>11.2f} s {trl['step_s']:>8.2f} s {ours['step_s'] / trl['step_s']:>9.2f}x")
         print(line, flush=True)
+
+    # Both processes pay a floor before their first step: torch, transformers, peft and bitsandbytes (whose
+    # import calls torch.compile, which loads dynamo/inductor/sympy: ~120 MiB) and the 4-bit model. The
+    # step's own cost is the peak above that floor.
+    print("\nabove each process's floor (peak RSS once the trainer is built, before step 1):")
+    for length, (ours, trl) in steps.items():
+        if "error" in ours or "error" in trl:
+            continue
+        a, b = ours["peak_mib"] - ours["loaded_mib"], trl["peak_mib"] - trl["loaded_mib"]
+        print(f"{length:>5} | lowmem-grpo floor {ours['loaded_mib']:>5.0f} MiB, step +{a:>5.0f} MiB | TRL floor "
+              f"{trl['loaded_mib']:>5.0f} MiB, step +{b:>5.0f} MiB | step ratio {a / b:.2f}x", flush=True)
 
     print(f"\nloss phase alone (log-probs + loss + backward of {G} x L tokens), RSS growth over the phase:")
     print(f"{'L':>5} | {'chunked':>10} | {'naive (full logits)':>19} | {'naive/chunked':>13}")

@@ -11,6 +11,10 @@ import torch
 import yaml
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the Hugging Face hub: `datasets` and `huggingface_hub` fail at once instead of retrying
+# for half a minute (set before either is imported; subprocesses inherit it).
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
 # tests/ on the path of subprocesses too, so that recipes can name "user_rewards:<fn>".
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 torch.set_num_threads(1)

@@ -122,6 +122,19 @@ def test_parse_size_rejects_garbage():
         mm.parse_size("lots")
 
 
+def test_eval_counts_for_a_held_out_file_or_split(tiny_model_dir, tiny_data, tmp_path):
+    from lowmem_grpo.memory import workload_from_recipe
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")
+    with_file = workload_from_recipe(recipe_from_dict(d), 8, "cpu")
+    d["data"]["eval_path"] = ""
+    without = workload_from_recipe(recipe_from_dict(d), 8, "cpu")
+    d["data"]["eval_fraction"] = 0.1
+    with_split = workload_from_recipe(recipe_from_dict(d), 8, "cpu")
+    assert with_file.eval_prompts > 0 and with_split.eval_prompts == with_file.eval_prompts
+    assert without.eval_prompts == 0
+
+
 def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
     path = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run"))
     res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB"])

@@ -137,3 +137,12 @@ def test_shipped_countdown_file_matches_its_generator():
     assert countdown_reward(solutions, rows=rows) == [1.0] * len(rows)
     off_by_one = [{**r, "target": r["target"] + 1} for r in rows]
     assert countdown_reward(solutions, rows=off_by_one) == [0.0] * len(rows)
+
+
+def test_field_names_follow_the_dataset():
+    """Jiayi-Pan/Countdown-Tasks-3to4 names its numbers `nums`: the kwargs map the columns."""
+    row = {"nums": [4, 6, 1], "target": 24}
+    assert countdown_reward(["<answer>4 * 6 * 1</answer>"], rows=[row], numbers_field="nums") == [1.0]
+    assert countdown_reward(["<answer>4 * 6 * 1</answer>"], rows=[row]) == [None]   # no `numbers`: skip, not 0
+    assert countdown_reward(["<answer>4 * 6</answer>"], rows=[{"n": [4, 6, 1], "t": 24}], numbers_field="n",
+                            target_field="t", use_all=True) == [0.0]

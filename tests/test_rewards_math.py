@@ -86,6 +86,11 @@ TABLE = [
     ("\\boxed{\\text{B}}", "B", 1.0),
     ("Adding up, she has 18 eggs left.\n#### 18", "She lays 16, eats 3 and bakes 4: 16 - 3 - 4 = 9... no: 18.\n#### 18", 1.0),
     ("\\boxed{5/6}", "so the answer is $\\boxed{\\frac{5}{6}}$.", 1.0),
+    # GSM8K's own answer field: calculator annotations, then '#### N' (the gold is N, not the last number seen)
+    ("So she sold \\boxed{72} clips.", "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+     "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72", 1.0),
+    ("She sold \\boxed{24} clips.", "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", 0.0),
+    ("The total is 1,080 dollars.", "He pays 12 * 90 = <<12*90=1080>>1080 dollars.\n#### 1080", 1.0),
 ]
 
 

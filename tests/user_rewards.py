@@ -30,3 +30,9 @@ def has_digit(completions, **_):
     """Binary (1 if the completion holds a digit): a random tiny model's groups are mixed, so spec 3/4's
     binary-reward diagnostics have something to measure."""
     return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+def even_code_sum(completions, **_):
+    """Binary and about even odds whatever the model: 1 if the completion's character codes sum to an even
+    number. Any change of a greedy token can flip it, so two agreeing accuracies mean the same completions."""
+    return [float(sum(map(ord, c)) % 2 == 0) for c in completions]

@@ -70,7 +70,10 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
             continue
         if isinstance(s, bool) or not isinstance(s, (int, float)) and not hasattr(s, "__float__"):
             raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}), expected a number or None")
-        v = float(s)
+        try:  # e.g. a numpy array of several numbers has __float__ but refuses it (found by fuzzing)
+            v = float(s)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}), not a number: {exc}") from None
         if not isfinite(v):
             raise RewardError(f"reward {name!r}: score {i} is {v}, expected a finite number or None")
         out.append(v)

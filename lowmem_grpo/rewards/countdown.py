@@ -99,10 +99,10 @@ def evaluate(expression: str) -> tuple[Fraction, list[int]]:
         raise _Rejected("expression nested too deeply") from None
 
 
-def _row(row) -> Optional[tuple[list[int], int]]:
+def _row(row, numbers_field: str = "numbers", target_field: str = "target") -> Optional[tuple[list[int], int]]:
     if not isinstance(row, dict):
         return None
-    numbers, target = row.get("numbers"), row.get("target")
+    numbers, target = row.get(numbers_field), row.get(target_field)
     if not isinstance(numbers, (list, tuple)) or not numbers:
         return None
     if not all(type(n) is int for n in numbers) or type(target) is not int:
@@ -126,14 +126,16 @@ def score_expression(expression: Optional[str], numbers: list[int], target: int,
     return 1.0 if value == target else 0.0
 
 
-def countdown_reward(completions, *, prompts=None, rows=None, use_all: bool = False, **_) -> list[Optional[float]]:
+def countdown_reward(completions, *, prompts=None, rows=None, use_all: bool = False, numbers_field: str = "numbers",
+                     target_field: str = "target", **_) -> list[Optional[float]]:
     """1.0 when the completion's final expression reaches the row's target by the rules, 0.0 when not,
-    None when the row is malformed."""
+    None when the row is malformed. `numbers_field` / `target_field`: the row's field names (the hub's
+    Jiayi-Pan/Countdown-Tasks-3to4 calls its numbers `nums`)."""
     if rows is None:
         raise ValueError("countdown reward needs the dataset rows (numbers and target)")
     out: list[Optional[float]] = []
     for completion, row in zip(completions, rows):
-        parsed = _row(row)
+        parsed = _row(row, numbers_field, target_field)
         if parsed is None:
             out.append(None)
             continue

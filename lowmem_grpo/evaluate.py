@@ -1,0 +1,201 @@
+"""Evaluation: greedy accuracy (the trainer's `eval/accuracy`) and pass@k from sampled completions.
+
+One implementation: `Trainer.evaluate` calls `greedy` on its held-out prompts, and `lowmem-grpo eval`
+(`run_eval`) calls the same `greedy` on the same prompts (`data.prompt_set`, first
+`train.eval_max_prompts`), through the same rollout engine and `Rewards`, so a checkpoint's number
+there equals the trainer's number for it.
+
+A completion is correct when the recipe's first reward function scores it >= 1 (a right answer for the
+built-in verifiable rewards); a completion that function skips (None) is not counted.
+
+pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"): per prompt, n completions
+sampled at generation.temperature, c of them correct; pass@k = 1 - C(n-c, k) / C(n, k), the unbiased
+estimate of "at least one of k samples is correct", averaged over prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .rollout.base import SamplingParams
+
+BATCH = 64   # prompts per generate call in greedy eval (memory.py's EVAL_BATCH models the same)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 - C(n-c, k) / C(n, k), computed as 1 - prod_{i=n-c+1..n} (1 - k/i): no large binomials, no
+    cancellation. n samples, c correct, 1 <= k <= n."""
+    if not (isinstance(n, int) and isinstance(c, int) and isinstance(k, int)):
+        raise TypeError("pass_at_k takes integers n, c, k")
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0   # every k-subset holds a correct sample
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _judged(rewards, result, i: int) -> tuple[dict, Optional[float], Optional[bool]]:
+    """Per-function scores, total and correctness of completion i (None where skipped)."""
+    per = {name: (None if math.isnan(v[i]) else float(v[i])) for name, v in result.per_function.items()}
+    total = float(result.total[i])
+    primary = per[rewards.names[0]]
+    return per, (None if math.isnan(total) else total), (None if primary is None else primary >= 1.0)
+
+
+def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = BATCH,
+           records: Optional[list] = None) -> dict:
+    """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
+    with skips as 0, over all prompts) and n (prompts counted). `records` gets one dict per prompt."""
+    correct, counted, reward_sum = 0, 0, 0.0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i: i + batch_size]
+        completions = engine.generate([e.prompt_ids for e in chunk],
+                                      SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        result = rewards(texts, [e.prompt_text for e in chunk], [e.row for e in chunk])
+        primary = result.per_function[rewards.names[0]]
+        ok = ~torch.isnan(primary)
+        correct += int((primary[ok] >= 1.0).sum())
+        counted += int(ok.sum())
+        reward_sum += float(torch.nan_to_num(result.total).sum())
+        if records is not None:
+            for j, (c, text) in enumerate(zip(completions, texts)):
+                per, total, ok_j = _judged(rewards, result, j)
+                records.append({"mode": "greedy", "prompt_index": i + j, "sample": 0, "prompt": chunk[j].prompt_text,
+                                "completion": text, "rewards": per, "total": total, "correct": ok_j,
+                                "truncated": c.truncated})
+    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted}
+
+
+def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Sequence[int],
+            batch_size: int = BATCH, records: Optional[list] = None) -> dict:
+    """params.n samples per prompt; pass@k for each k in `ks` (<= params.n), averaged over the prompts
+    with at least k scored samples (a prompt whose samples the first reward skips is left out)."""
+    if not ks or max(ks) > params.n:
+        raise ValueError(f"every k must be <= the samples per prompt ({params.n}); got {list(ks)}")
+    per_prompt: list[tuple[int, int]] = []   # (scored samples, correct samples)
+    step = max(1, batch_size // params.n)
+    for i in range(0, len(examples), step):
+        chunk = examples[i: i + step]
+        completions = engine.generate([e.prompt_ids for e in chunk], params)
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        result = rewards(texts, [chunk[c.prompt_index].prompt_text for c in completions],
+                         [chunk[c.prompt_index].row for c in completions])
+        counts = [[0, 0] for _ in chunk]
+        for j, c in enumerate(completions):
+            per, total, ok = _judged(rewards, result, j)
+            if ok is not None:
+                counts[c.prompt_index][0] += 1
+                counts[c.prompt_index][1] += int(ok)
+            if records is not None:
+                records.append({"mode": "sample", "prompt_index": i + c.prompt_index, "sample": j % params.n,
+                                "prompt": chunk[c.prompt_index].prompt_text, "completion": texts[j], "rewards": per,
+                                "total": total, "correct": ok, "truncated": c.truncated})
+        per_prompt += [tuple(x) for x in counts]
+    out: dict = {"samples_per_prompt": params.n, "temperature": params.temperature}
+    for k in sorted(set(ks)):
+        scores = [pass_at_k(n, c, k) for n, c in per_prompt if n >= k]
+        out[f"pass@{k}"] = sum(scores) / len(scores) if scores else None
+        out[f"pass@{k}/prompts"] = len(scores)
+    return out
+
+
+def parse_ks(text: str) -> list[int]:
+    """'1,8' -> [1, 8]; ValueError naming what is wrong."""
+    try:
+        ks = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--k {text!r}: expected a comma-separated list of positive integers, e.g. 1,8") from None
+    if not ks or ks[0] < 1:
+        raise ValueError(f"--k {text!r}: expected a comma-separated list of positive integers, e.g. 1,8")
+    return ks
+
+
+# ----------------------------------------------------------------------------------------------------
+# `lowmem-grpo eval`: what to load, what to run, what to write
+# ----------------------------------------------------------------------------------------------------
+
+def resolve_adapter(path: str) -> tuple[Path, Optional[Path]]:
+    """(adapter folder, run directory or None) for --adapter: a run directory (its latest complete
+    checkpoint), a checkpoint folder, an export folder (with adapter/), or an adapter folder."""
+    from . import checkpoint as ckpt
+    from .model import ModelLoadError
+
+    p = Path(path)
+    if (p / "adapter_config.json").is_file():
+        return p, None
+    if (p / "adapter" / "adapter_config.json").is_file():
+        return p / "adapter", None
+    if (p / "checkpoints").is_dir():
+        latest = ckpt.latest(p)
+        if latest is None:
+            raise ModelLoadError(f"--adapter {path}: the run directory has no complete checkpoint yet")
+        return latest / "adapter", p
+    raise ModelLoadError(f"--adapter {path}: not a run directory (with checkpoints/), a checkpoint or export folder "
+                         "(with adapter/), or an adapter folder (with adapter_config.json)")
+
+
+def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
+    from .model import ModelLoadError, load_base_model, load_policy, load_tokenizer
+
+    if model_dir:
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ModelLoadError(f"--model {model_dir}: not a model folder (no config.json); "
+                                 "give a merged/standalone model, e.g. EXPORT/merged")
+        cfg = recipe.model.model_copy(update={"name_or_path": str(model_dir)})
+        return load_base_model(cfg), load_tokenizer(cfg)
+    return load_policy(recipe.model, recipe.lora, adapter_path=str(adapter) if adapter else None)
+
+
+def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Optional[str] = None,
+             split: str = "test", ks: Sequence[int] = (1,), out_dir: Optional[str] = None, log=print) -> dict:
+    """Greedy accuracy and pass@k of the recipe's model (+ adapter, or a merged model) on `split`;
+    writes OUT/samples.jsonl (one line per completion) and OUT/summary.json, and returns the summary."""
+    from .data import DataError, prompt_set
+    from .rewards import Rewards
+    from .rollout.base import make_engine
+
+    adapter_dir, run_dir = resolve_adapter(adapter) if adapter else (None, None)
+    if out_dir is None:
+        out_dir = (run_dir / "eval" / f"{adapter_dir.parent.name}-{split}") if run_dir else Path(f"eval-{name}")
+    model, tok = _load(recipe, adapter_dir, model_dir)
+    pset = prompt_set(recipe.data, tok, split)
+    if pset is None:
+        raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
+                        "(or use --split train)")
+    examples = pset.examples[: recipe.train.eval_max_prompts]
+    engine, rewards, g = make_engine(recipe.generation.engine, model, tok, recipe), Rewards(recipe.rewards), recipe.generation
+    records: list = []
+    summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
+               "model": str(model_dir or recipe.model.name_or_path), "prompts": len(examples),
+               "max_new_tokens": g.max_new_tokens}
+    summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records))
+    summary["correct"] = sum(1 for r in records if r["correct"])
+    torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
+    params = SamplingParams(n=max(ks), max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
+                            top_k=g.top_k)
+    summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "samples.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["out"] = str(out)
+    for line in summary_lines(summary, ks):
+        log(line)
+    return summary
+
+
+def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:
+    lines = [f"greedy accuracy: {100 * s['accuracy']:.1f}% ({s['correct']}/{s['n']} prompts, "
+             f"mean reward {s['mean_reward']:.3f}) on {s['split']}"]
+    parts = [f"pass@{k}: " + ("n/a" if s[f"pass@{k}"] is None else f"{100 * s[f'pass@{k}']:.1f}%") for k in ks]
+    lines.append("  ".join(parts) + f"  ({s['samples_per_prompt']} samples per prompt at temperature {s['temperature']})")
+    lines.append(f"wrote {s['out']}/samples.jsonl and {s['out']}/summary.json")
+    return lines

@@ -1,0 +1,92 @@
+"""Hugging Face hub datasets as a prompt source: `data.train_path: hf:NAME[:CONFIG]@SPLIT`.
+
+    hf:openai/gsm8k:main@train
+    hf:DigitalLearningGmbH/MATH-lighteval@test
+    hf:Jiayi-Pan/Countdown-Tasks-3to4@train[:20000]      (datasets' split slicing)
+    hf:/data/my_gsm8k@test                                (a local folder of .jsonl/.parquet files)
+
+The rows are read with `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`, so the cache, offline mode
+(HF_DATASETS_OFFLINE=1) and local folders work as in `datasets`. `datasets` is imported only here and
+only when such a source is used (the `data` extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+PREFIX = "hf:"
+FORM = "hf:NAME[:CONFIG]@SPLIT, e.g. hf:openai/gsm8k:main@train"
+
+
+class HubSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    name: str
+    config: Optional[str]
+    split: str
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.name}{':' + self.config if self.config else ''}@{self.split}"
+
+
+def is_hub(source: str) -> bool:
+    return isinstance(source, str) and source.startswith(PREFIX)
+
+
+def parse(source: str) -> HubSpec:
+    """The parts of an `hf:` source; HubSpecError saying what is wrong and the allowed form."""
+    rest = source[len(PREFIX):]
+    head, at, split = rest.rpartition("@")
+    if not at:
+        raise HubSpecError(f"{source!r} names no split; expected {FORM}")
+    # A hub name has at most one '/', never ':', so the first ':' after the last '/' starts the config.
+    slash = head.rfind("/")
+    colon = head.find(":", slash + 1)
+    name, config = (head, None) if colon < 0 else (head[:colon], head[colon + 1:])
+    if not name.strip():
+        raise HubSpecError(f"{source!r} names no dataset; expected {FORM}")
+    if config is not None and not config.strip():
+        raise HubSpecError(f"{source!r} has an empty config after ':'; expected {FORM}")
+    if not split.strip():
+        raise HubSpecError(f"{source!r} has an empty split after '@'; expected {FORM}")
+    return HubSpec(name.strip(), config.strip() if config else None, split.strip())
+
+
+def _offline() -> bool:
+    try:
+        from datasets import config
+
+        return bool(getattr(config, "HF_HUB_OFFLINE", False) or getattr(config, "HF_DATASETS_OFFLINE", False))
+    except Exception:
+        return False
+
+
+def load_rows(source: str) -> list[dict]:
+    """The rows of one split of a hub (or local-folder) dataset, as dicts. Every failure is a
+    ValueError whose message names the dataset and what to do (the caller adds the recipe field)."""
+    spec = parse(source)
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{source}: reading Hugging Face datasets needs the `datasets` package "
+                         "(pip install 'lowmem-grpo[data]')") from None
+    what = f"dataset {spec.name!r}" + (f" (config {spec.config!r})" if spec.config else "") + f", split {spec.split!r}"
+    try:
+        ds = datasets.load_dataset(spec.name, spec.config, split=spec.split)
+    except Exception as exc:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
+        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        mode = "this machine is offline (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE)" if _offline() else "the hub could not be reached or has no such dataset"
+        raise ValueError(
+            f"cannot load the Hugging Face {what}: {type(exc).__name__}: {first}\n"
+            f"  If {mode}: check the name, config and split on huggingface.co/datasets/{spec.name}; "
+            f"or, on a machine with internet, run `python -c \"import datasets; datasets.load_dataset("
+            f"{spec.name!r}{', ' + repr(spec.config) if spec.config else ''}, split={spec.split!r})\"` and copy "
+            f"its cache (~/.cache/huggingface/datasets, or $HF_DATASETS_CACHE) here; or save the split as a "
+            f".jsonl/.parquet file (Dataset.to_json / to_parquet) and point the recipe at that file.") from None
+    if not hasattr(ds, "to_list"):
+        raise ValueError(f"{what}: load_dataset returned {type(ds).__name__}, not one split; name a split after '@'")
+    return ds.to_list()

@@ -1,0 +1,182 @@
+"""`lowmem-grpo report RUN_DIR`: PNG plots of a run's metrics and a one-page Markdown summary.
+
+Reads only RUN/metrics.jsonl (and RUN/recipe.yaml for the header), so it works on a finished run, a
+stopped one, or one still training. Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from .metrics import read_metrics
+
+FIGSIZE = (6.4, 3.6)  # inches; at DPI this is the PNG's size in pixels (no tight bbox, so it is exact)
+DPI = 80
+
+
+class ReportError(Exception):
+    pass
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _smooth(ys: list[float]) -> list[float]:
+    """Trailing mean over ~1/20 of the run: the trend of a noisy per-step curve."""
+    w = max(1, len(ys) // 20)
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y - (ys[i - w] if i >= w else 0.0)
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def _plot_lines(plt, rows, panels, title: str, path: Path) -> Optional[Path]:
+    """panels: one list of (key, label) per subplot. Returns None when no key has data."""
+    if not any(_series(rows, k)[0] for keys in panels for k, _ in keys):
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=FIGSIZE, dpi=DPI, squeeze=False)
+    for ax, keys in zip(axes[0], panels):
+        for key, label in keys:
+            xs, ys = _series(rows, key)
+            if not xs:
+                continue
+            if len(xs) > 40:  # raw faint, trend bold
+                line, = ax.plot(xs, ys, alpha=0.25, linewidth=0.8)
+                ax.plot(xs, _smooth(ys), color=line.get_color(), linewidth=1.5, label=label)
+            else:
+                ax.plot(xs, ys, marker="." if len(xs) < 15 else None, linewidth=1.2, label=label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _plot_success_hist(plt, rows, path: Path) -> Optional[Path]:
+    """Per-prompt success rate over time: each column a step, each row a bin 0, 1/G, ..., 1; colour = the
+    fraction of the step's prompts in that bin. Mass at 0 and 1 gives no gradient (zero-std groups)."""
+    hist = [(r["step"], r["success_rate/hist"]) for r in rows
+            if isinstance(r.get("success_rate/hist"), list) and sum(r["success_rate/hist"]) > 0]
+    if not hist:
+        return None
+    import numpy as np
+
+    g = max(len(h) for _, h in hist) - 1
+    m = np.zeros((g + 1, len(hist)))
+    for j, (_, h) in enumerate(hist):
+        m[: len(h), j] = np.asarray(h, dtype=float) / sum(h)
+    fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+    steps = [s for s, _ in hist]
+    im = ax.imshow(m, aspect="auto", origin="lower", interpolation="nearest", cmap="viridis",
+                   extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5 / g, 1 + 0.5 / g))
+    ax.set_xlabel("step")
+    ax.set_ylabel("per-prompt success rate")
+    fig.colorbar(im, ax=ax, label="fraction of prompts")
+    ax.set_title("Per-prompt success-rate histogram", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _fmt(v, pct=False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}%" if pct else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+
+def render(run_dir, out_dir=None) -> dict:
+    """Write the PNGs and report.md into out_dir (default RUN/report). Returns {"report": path, "images": [...]}."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ReportError(f"{run_dir}: no metrics.jsonl (not a run directory, or the run has not finished a step)")
+    rows = read_metrics(run_dir)
+    steps = [r for r in rows if "loss" in r or "reward/mean" in r]
+    if not steps:
+        raise ReportError(f"{run_dir / 'metrics.jsonl'}: no step rows to plot")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReportError("report needs matplotlib: pip install 'lowmem-grpo[plots]'") from None
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    fn_keys = sorted({k for r in steps for k in r if k.startswith("reward/") and k.count("/") == 1
+                      and k not in ("reward/mean", "reward/std", "reward/skipped")})
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    figures = [
+        ("reward.png", "Reward", [[("reward/mean", "total")] + [(k, k.split("/", 1)[1]) for k in fn_keys]]),
+        ("success.png", "Success rate (train batches) and held-out accuracy",
+         [[("success_rate", "train success rate"), ("eval/accuracy", "held-out accuracy")]]),
+        ("kl.png", "KL divergence", [[("kl/ref", "KL to reference"), ("kl/mirror", "KL to sampler")]]),
+        ("clip.png", "Clipped token fractions", [[("clip/fraction", "all"), ("clip/low", "low"), ("clip/high", "high")]]),
+        ("entropy.png", "Token entropy (nats)", [[("entropy", "entropy")]]),
+        ("lengths.png", "Completion lengths",
+         [[("completion/mean_length", "mean length (tokens)")], [("completion/truncated_fraction", "truncated fraction")]]),
+        ("time_memory.png", "Step time and memory",
+         [[("time/step_s", "step (s)"), ("time/rollout_s", "rollout (s)")], [("memory/peak_mib", "peak memory (MiB)")]]),
+    ]
+    images = []
+    for name, title, panels in figures:
+        rows_for = rows if name == "success.png" else steps  # eval rows carry eval/accuracy
+        if _plot_lines(plt, rows_for, panels, title, out / name):
+            images.append(name)
+        if name == "success.png" and _plot_success_hist(plt, steps, out / "success_hist.png"):
+            images.append("success_hist.png")
+    (out / "report.md").write_text(_markdown(run_dir, rows, steps, evals, images))
+    return {"report": out / "report.md", "images": [out / i for i in images]}
+
+
+def _markdown(run_dir: Path, rows, steps, evals, images) -> str:
+    recipe = {}
+    if (run_dir / "recipe.yaml").is_file():
+        recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+    g = lambda sec, key: (recipe.get(sec) or {}).get(key, "?")
+    last = steps[-1]
+    k = max(1, len(steps) // 10)  # "final" figures: the mean of the last tenth, less noisy than one step
+    tail = lambda key: (lambda xs: sum(xs) / len(xs) if xs else None)(_series(steps[-k:], key)[1])
+    sx, sy = _series(steps, "success_rate")
+    smooth = _smooth(sy) if sy else []
+    best = max(range(len(smooth)), key=smooth.__getitem__) if smooth else None
+    times = _series(steps, "time/step_s")[1]
+    mem = _series(steps, "memory/peak_mib")[1]
+    skipped = last.get("nonfinite/skipped_total")
+    lines = [f"# Run report: {run_dir.name}", "",
+             f"Model `{g('model', 'name_or_path')}`, {g('train', 'steps')} steps planned, {last['step']} run; "
+             f"{g('train', 'prompts_per_step')} prompts x G={g('generation', 'num_generations')} per step; "
+             f"advantage `{g('algorithm', 'advantage')}`, KL `{g('algorithm', 'kl_target')}`, lr {g('optimizer', 'lr')}.", "",
+             "| | value |", "|---|---|",
+             f"| final reward (mean of last {k} steps) | {_fmt(tail('reward/mean'))} |",
+             f"| final success rate (last {k} steps) | {_fmt(tail('success_rate'), pct=True)} |",
+             f"| best success rate (trailing mean) | "
+             + (f"{_fmt(smooth[best], pct=True)} at step {sx[best]}" if best is not None else "-") + " |",
+             f"| final KL to reference | {_fmt(tail('kl/ref'))} |",
+             f"| steps skipped (non-finite) | {_fmt(skipped)} |",
+             f"| mean step time | {_fmt(sum(times) / len(times)) + ' s' if times else '-'} |",
+             f"| total step time | {_fmt(sum(times) / 60) + ' min' if times else '-'} |",
+             f"| peak memory | {f'{max(mem):.0f} MiB' if mem else '-'} |", ""]
+    if evals:
+        lines += ["## Held-out accuracy", "", "| step | accuracy | mean reward | prompts |", "|---|---|---|---|"]
+        lines += [f"| {r['step']} | {_fmt(r['eval/accuracy'], pct=True)} | {_fmt(r.get('eval/mean_reward'))} | "
+                  f"{_fmt(r.get('eval/n'))} |" for r in evals]
+        best_eval = max(evals, key=lambda r: r["eval/accuracy"])
+        lines += ["", f"Best held-out accuracy: {_fmt(best_eval['eval/accuracy'], pct=True)} at step {best_eval['step']}.", ""]
+    lines += ["## Plots", ""] + [f"![{i[:-4]}]({i})" for i in images] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""Prompt sources: Hugging Face datasets (`hf:NAME[:CONFIG]@SPLIT`, read offline from local folders here)
+and the seeded held-out split of the training rows (`data.eval_fraction`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import recipe_dict, write_recipe
+from lowmem_grpo import hub, tiny
+from lowmem_grpo.data import DataError, PromptSet, prompt_set, read_rows, split_rows
+from lowmem_grpo.recipe import DataConfig, RecipeError, recipe_from_dict
+
+
+def test_hf_sources_parse():
+    assert hub.parse("hf:openai/gsm8k:main@train") == hub.HubSpec("openai/gsm8k", "main", "train")
+    assert hub.parse("hf:Jiayi-Pan/Countdown-Tasks-3to4@train[:20000]") == hub.HubSpec(
+        "Jiayi-Pan/Countdown-Tasks-3to4", None, "train[:20000]")
+    assert hub.parse("hf:/data/my_gsm8k@test") == hub.HubSpec("/data/my_gsm8k", None, "test")
+    assert str(hub.parse("hf:openai/gsm8k:main@test")) == "hf:openai/gsm8k:main@test"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("hf:openai/gsm8k", "names no split"),
+    ("hf:@train", "names no dataset"),
+    ("hf:openai/gsm8k:@train", "empty config"),
+    ("hf:openai/gsm8k:main@", "empty split"),
+])
+def test_bad_hf_sources_are_recipe_errors_naming_the_field(tiny_model_dir, tiny_data, tmp_path, value, message):
+    for field in ("train_path", "eval_path"):
+        d = recipe_dict(tiny_model_dir, tiny_data, tmp_path)
+        d["data"][field] = value
+        with pytest.raises(RecipeError) as err:
+            recipe_from_dict(d)
+        assert [k for k, m in err.value.problems if message in m and "hf:NAME[:CONFIG]@SPLIT" in m] == [f"data.{field}"]
+
+
+def test_eval_fraction_with_eval_path_is_a_named_error(tiny_model_dir, tiny_data, tmp_path):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path)
+    d["data"]["eval_fraction"] = 0.1
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(d)
+    assert [k for k, _ in err.value.problems] == ["data.eval_fraction"]
+    d["data"]["eval_fraction"] = 1.0
+    d["data"].pop("eval_path")
+    with pytest.raises(RecipeError, match=r"data.eval_fraction: .*allowed: < 1"):
+        recipe_from_dict(d)
+
+
+def _folder(tmp_path, rows_by_split: dict, parquet: bool = False):
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    for split, rows in rows_by_split.items():
+        if parquet:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(rows), folder / f"{split}.parquet")
+        else:
+            (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.mark.parametrize("parquet", [False, True])
+def test_hub_source_reads_a_local_folder_through_datasets(tmp_path, parquet):
+    train = [{"question": f"q{i}", "answer": f"#### {i}", "nums": [i, i + 1]} for i in range(5)]
+    test = [{"question": "t0", "answer": "#### 7", "nums": [1, 2]}]
+    folder = _folder(tmp_path, {"train": train, "test": test}, parquet)
+    assert read_rows(f"hf:{folder}@train") == train       # lists and strings come back as written
+    assert read_rows(f"hf:{folder}@test") == test
+    assert read_rows(f"hf:{folder}@train[1:3]") == train[1:3]
+    cfg = DataConfig(train_path=f"hf:{folder}@train", prompt_field="question", template="Q: {prompt} {nums}")
+    ps = PromptSet(cfg.train_path, cfg, tiny.build_tokenizer())
+    assert [e.prompt_text for e in ps.examples][:2] == ["Q: q0 [0, 1]", "Q: q1 [1, 2]"]
+    with pytest.raises(DataError, match=r"split 'validation'.*Unknown split"):
+        read_rows(f"hf:{folder}@validation")
+
+
+def test_uncached_hub_dataset_offline_is_a_clear_error(tmp_path):
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1"   # conftest: tests never reach the hub
+    with pytest.raises(DataError) as err:
+        read_rows("hf:lowmem-grpo-tests/no-such-dataset:main@train")
+    msg = str(err.value)
+    assert "dataset 'lowmem-grpo-tests/no-such-dataset' (config 'main'), split 'train'" in msg
+    assert "offline" in msg and "copy its cache" in msg and "jsonl" in msg
+
+
+def test_uncached_hub_dataset_in_train_names_the_field_without_traceback(tiny_model_dir, tiny_data, tmp_path):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")
+    d["data"]["eval_path"] = "hf:lowmem-grpo-tests/nothing@test"
+    recipe = write_recipe(tmp_path / "r.yaml", d)
+    p = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "train", str(recipe)], capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "error: data.eval_path: hf:lowmem-grpo-tests/nothing@test: cannot load the Hugging Face dataset" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_missing_datasets_package_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "datasets", None)   # as on an install without the data extra
+    with pytest.raises(DataError, match=r"needs the `datasets` package \(pip install 'lowmem-grpo\[data\]'\)"):
+        read_rows(f"hf:{tmp_path}@train")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The held-out split
+
+def _rows(n_distinct: int, repeats: int = 1):
+    return [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "copy": c} for i in range(n_distinct) for c in range(repeats)]
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    rows = _rows(200, repeats=3)  # every prompt three times: a row-level split would leak prompts
+    cfg = DataConfig(train_path="x.jsonl", eval_fraction=0.1, split_seed=4)
+    train, held = split_rows(rows, cfg)
+    assert {r["prompt"] for r in train}.isdisjoint({r["prompt"] for r in held})
+    assert len({r["prompt"] for r in held}) == 20 and len(held) == 60         # 10% of the distinct prompts, all rows
+    assert sorted(map(json.dumps, train + held)) == sorted(map(json.dumps, rows))
+    assert [rows.index(r) for r in held] == sorted(rows.index(r) for r in held)  # source order kept
+    assert split_rows(rows, cfg) == (train, held)                             # deterministic
+    other = split_rows(rows, cfg.model_copy(update={"split_seed": 5}))[1]
+    assert {r["prompt"] for r in other} != {r["prompt"] for r in held}        # the seed matters
+
+
+def test_split_needs_enough_prompts():
+    with pytest.raises(DataError, match=r"data.eval_fraction=0.5: .* 1 distinct prompt"):
+        split_rows(_rows(1, repeats=4), DataConfig(train_path="x.jsonl", eval_fraction=0.5))
+
+
+def test_trainer_holds_out_the_split_and_eval_uses_it(tiny_model_dir, tiny_data, tmp_path):
+    from lowmem_grpo.train import Trainer
+    from conftest import QUIET
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 2, "eval_max_prompts": 100})
+    d["data"].pop("eval_path")
+    d["data"]["eval_fraction"] = 0.2
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    train_prompts = {e.prompt_text for e in trainer.train_set.examples}
+    held = [e.prompt_text for e in trainer.eval_set.examples]
+    all_prompts = {json.loads(line)["prompt"] for line in tiny_data[0].read_text().splitlines()}
+    assert len(held) == round(0.2 * len(all_prompts)) and train_prompts.isdisjoint(held)
+    assert train_prompts | set(held) == all_prompts
+    # every prompt a training step draws comes from the training part
+    from lowmem_grpo.data import batch_indices
+
+    drawn = {trainer.train_set.examples[i].prompt_text for s in range(50)
+             for i in batch_indices(len(trainer.train_set), 2, s, 3)}
+    assert drawn <= train_prompts
+    out = trainer.fit()
+    assert out["final_eval"]["n"] == min(len(held), 100)
+    # `lowmem-grpo eval --split test` reads the same held-out prompts
+    assert [e.prompt_text for e in prompt_set(trainer.recipe.data, trainer.tokenizer, "test").examples] == held

@@ -1,0 +1,139 @@
+"""pass@k against brute force, and `lowmem-grpo eval` against the trainer's own held-out number."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+from math import comb
+
+import pytest
+
+from conftest import recipe_dict, write_recipe
+from lowmem_grpo.evaluate import parse_ks, pass_at_k
+from lowmem_grpo.metrics import read_metrics
+
+
+def brute_pass_at_k(n: int, c: int, k: int) -> Fraction:
+    """The fraction of k-subsets of n samples (c of them correct) that hold a correct one, by enumeration."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return Fraction(sum(any(samples[i] for i in s) for s in subsets), len(subsets))
+
+
+def test_pass_at_k_equals_enumeration_of_subsets():
+    checked = 0
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(float(brute_pass_at_k(n, c, k)), abs=1e-12), (n, c, k)
+                checked += 1
+    assert checked == sum(n * (n + 1) for n in range(1, 9))
+
+
+def test_pass_at_k_edge_cases_and_large_n():
+    assert pass_at_k(10, 0, 1) == 0.0 and pass_at_k(10, 0, 10) == 0.0       # nothing correct
+    assert pass_at_k(10, 10, 1) == 1.0 and pass_at_k(5, 1, 5) == 1.0        # every k-subset holds a correct one
+    assert pass_at_k(10, 3, 8) == 1.0                                       # n - c < k
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)                       # pass@1 is the fraction correct
+    # Large n: the product form stays exact to float precision where the binomials are astronomically large.
+    exact = 1 - Fraction(comb(1000 - 7, 500), comb(1000, 500))
+    assert pass_at_k(1000, 7, 500) == pytest.approx(float(exact), rel=1e-12)
+    for bad in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
+        with pytest.raises(ValueError, match="pass_at_k needs"):
+            pass_at_k(*bad)
+
+
+def test_parse_ks():
+    assert parse_ks("8,1, 8") == [1, 8]
+    for bad in ("", "0", "1,x", "-2"):
+        with pytest.raises(ValueError, match="comma-separated list of positive integers"):
+            parse_ks(bad)
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def test_eval_command_reproduces_the_trainers_final_accuracy(tiny_model_dir, tiny_data, tmp_path):
+    """THE parity check: train via the CLI, then `lowmem-grpo eval RUN --k 1` gives exactly the final
+    eval/accuracy (and mean reward, and count) the trainer wrote to metrics.jsonl."""
+    # even_code_sum first: a binary reward that the tiny random model gets right on some prompts and not others,
+    # so that the two accuracies agreeing means the same greedy completions, not two zeros.
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 3, "eval_max_prompts": 40},
+                    rewards={"functions": [{"function": "user_rewards:even_code_sum"}, {"function": "math"}]})
+    recipe = write_recipe(tmp_path / "r.yaml", d)
+    p = _cli("train", str(recipe))
+    assert p.returncode == 0, p.stderr
+    final = [r for r in read_metrics(tmp_path / "run") if "eval/accuracy" in r][-1]
+    assert final["step"] == 3
+    assert 0 < final["eval/accuracy"] < 1, final  # a non-trivial number to reproduce
+
+    p = _cli("eval", str(recipe), "--adapter", str(tmp_path / "run"), "--k", "1,4")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "run" / "eval" / "step-000003-test"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accuracy"] == final["eval/accuracy"]
+    assert summary["mean_reward"] == final["eval/mean_reward"]
+    assert summary["n"] == final["eval/n"] == 40
+    assert f"greedy accuracy: {100 * final['eval/accuracy']:.1f}% ({summary['correct']}/40 prompts" in p.stdout
+    assert summary["adapter"].endswith("step-000003/adapter")
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    greedy = [s for s in samples if s["mode"] == "greedy"]
+    sampled = [s for s in samples if s["mode"] == "sample"]
+    assert len(greedy) == 40 and len(sampled) == 40 * 4
+    assert sum(s["correct"] for s in greedy) == summary["correct"]
+    assert set(greedy[0]["rewards"]) == {"even_code_sum", "math"}
+    # pass@k from the written samples, recomputed independently
+    by_prompt: dict = {}
+    for s in sampled:
+        by_prompt.setdefault(s["prompt_index"], []).append(bool(s["correct"]))
+    for k in (1, 4):
+        want = sum(float(brute_pass_at_k(4, sum(v), k)) for v in by_prompt.values()) / len(by_prompt)
+        assert summary[f"pass@{k}"] == pytest.approx(want, abs=1e-12)
+    assert summary["pass@4"] >= summary["pass@1"]
+
+    # The same checkpoint named as an adapter folder, on the training rows, to another folder.
+    adapter = tmp_path / "run" / "checkpoints" / "step-000003" / "adapter"
+    p = _cli("eval", str(recipe), "--adapter", str(adapter), "--split", "train", "--out", str(tmp_path / "ev-train"))
+    assert p.returncode == 0, p.stderr
+    train_summary = json.loads((tmp_path / "ev-train" / "summary.json").read_text())
+    assert train_summary["split"] == "train" and train_summary["n"] == 40
+    first_train_prompt = json.loads((tmp_path / "ev-train" / "samples.jsonl").read_text().splitlines()[0])["prompt"]
+    assert first_train_prompt == json.loads(tiny_data[0].read_text().splitlines()[0])["prompt"]
+
+
+def test_eval_of_an_exported_merged_model(tiny_model_dir, tiny_data, tmp_path):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 1})
+    recipe = write_recipe(tmp_path / "r.yaml", d)
+    assert _cli("train", str(recipe)).returncode == 0
+    assert _cli("export", str(tmp_path / "run"), "--out", str(tmp_path / "exp")).returncode == 0
+    p = _cli("eval", str(recipe), "--model", str(tmp_path / "exp" / "merged"), "--set", "model.load_in_4bit=false",
+             "--out", str(tmp_path / "ev"))
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["model"] == str(tmp_path / "exp" / "merged") and summary["adapter"] is None
+    assert summary["n"] == 8 and "pass@1" in summary
+
+
+def test_eval_errors_are_named(tiny_model_dir, tiny_data, tmp_path):
+    no_eval = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")
+    no_eval["data"].pop("eval_path")
+    recipe = write_recipe(tmp_path / "r.yaml", no_eval)
+    p = _cli("eval", str(recipe))
+    assert p.returncode == 2 and "--split test: the recipe has no held-out set" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = _cli("eval", str(recipe), "--split", "train", "--adapter", str(tmp_path))
+    assert p.returncode == 2 and f"--adapter {tmp_path}: not a run directory" in p.stderr
+    assert "Traceback" not in p.stderr
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    p = _cli("eval", str(recipe), "--adapter", str(tmp_path / "empty_run"))
+    assert p.returncode == 2 and "has no complete checkpoint yet" in p.stderr
+    p = _cli("eval", str(recipe), "--k", "0,2")
+    assert p.returncode == 2 and "positive integers" in p.stderr
+    p = _cli("eval", str(recipe), "--model", str(tmp_path), "--split", "train")
+    assert p.returncode == 2 and "not a model folder" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,216 @@
+"""A trainer you can leave running: non-finite guards, Ctrl-C, and kill -9 at random moments."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import QUIET, recipe_dict, write_recipe
+from lowmem_grpo import checkpoint as ckpt
+from lowmem_grpo.metrics import read_metrics
+from lowmem_grpo.recipe import recipe_from_dict
+from lowmem_grpo.train import Trainer, TrainingError
+
+
+# -- 6. numerical guards -------------------------------------------------------------------------------------
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    import lowmem_grpo.train as train_mod
+
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 9, "max_nonfinite_steps": 3, "eval_max_prompts": 4},
+                    output={"save_every": 1, "keep_last": 20})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    poisoned = {3, 5, 6, 7}  # 1-based steps whose loss is NaN: one isolated, then three in a row
+    orig = train_mod.aggregate
+    # t.step is the number of finished steps, so step t.step + 1 is the one computing its loss.
+    monkeypatch.setattr(train_mod, "aggregate",
+                        lambda *a, **k: orig(*a, **k) * (float("nan") if t.step + 1 in poisoned else 1.0))
+    with pytest.raises(TrainingError) as err:
+        t.fit()
+    msg = str(err.value)
+    assert "3 steps in a row" in msg and "up to step 7" in msg and "max_nonfinite_steps=3" in msg
+    assert str(run / "checkpoints" / "step-000004") in msg and f"--resume {run}" in msg
+
+    # No checkpoint from a skipped step; the latest is step 4's and holds exactly the weights the model has now
+    # (the skipped steps took no optimizer step).
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step-000001", "step-000002", "step-000004"]
+    latest = ckpt.latest(run)
+    assert ckpt.load_trainer_state(latest)["step"] == 4
+    saved = load_file(latest / "adapter" / "adapter_model.safetensors")
+    live = {n: p.detach() for n, p in t.model.named_parameters() if p.requires_grad}
+    assert len(saved) == len(live) > 0
+    for name, tensor in saved.items():
+        match = [v for k, v in live.items() if k.replace(".default", "").endswith(name.split("base_model.model.")[-1])]
+        assert len(match) == 1, name
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, match[0].cpu()), name
+
+    rows = {r["step"]: r for r in read_metrics(run) if "loss" in r or "nonfinite" in r}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7]
+    assert [rows[s]["nonfinite"] for s in range(1, 8)] == [False, False, True, False, True, True, True]
+    assert [rows[s]["nonfinite/consecutive"] for s in range(1, 8)] == [0, 0, 1, 0, 1, 2, 3]
+    assert [rows[s]["nonfinite/skipped_total"] for s in range(1, 8)] == [0, 0, 1, 1, 2, 3, 4]
+
+    # Resuming (no more NaN) continues from the last good checkpoint and recounts the skips from its rows.
+    monkeypatch.setattr(train_mod, "aggregate", orig)
+    resumed = Trainer(recipe_from_dict(d), run_dir=run, resume=True, **QUIET)
+    assert resumed.step == 4 and resumed.nonfinite_total == 1 and resumed.nonfinite_run == 0
+
+
+# -- 5. kill -9 at random moments, resume each time --------------------------------------------------------
+
+def _spawn(args, log_path: Path) -> subprocess.Popen:
+    # Own session: the kill reaches the trainer and any helper it started, and nothing else.
+    return subprocess.Popen([sys.executable, "-m", "lowmem_grpo.cli", "train", *args], stdout=open(log_path, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def _tmp_dirs(root: Path) -> dict:
+    try:
+        return {(e.name, e.inode()) for e in os.scandir(root) if e.name.startswith(".tmp-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _wait(cond, proc, timeout=60.0, poll=0.0005) -> bool:
+    """Poll cond() until true (True) or the process ends (False)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    raise AssertionError("timed out waiting for the trainer")
+
+
+# Compared bitwise with the uninterrupted run: everything but wall-clock time and memory.
+_VOLATILE = ("time/", "memory/")
+
+
+@pytest.mark.slow
+def test_kill9_at_random_moments_then_resume_matches_straight_run(tiny_model_dir, tiny_data, tmp_path):
+    steps, rng = 30, random.Random(20240607)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": steps, "preflight": False},
+                    output={"save_every": 1, "keep_last": 2})
+    d["data"]["eval_path"] = ""  # no evaluation: the test is about steps, checkpoints and metrics
+    recipe = write_recipe(tmp_path / "r.yaml", d)
+    run, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    # The moments: during start-up (imports, loading, metrics truncation), while stepping, or mid-checkpoint
+    # (a fresh .tmp-step-* folder seen). The first kill waits for a checkpoint, so that there is one to resume.
+    # Start-up takes most of a process's life here (~5 s of imports and loading), so half the moments fall in it.
+    kinds = ["startup"] * 10 + ["stepping"] * 6 + ["checkpoint"] * 4
+    rng.shuffle(kinds)
+    kinds.remove("stepping"); kinds.insert(0, "stepping")
+    killed, mid_checkpoint = [], 0
+    for i, kind in enumerate(kinds):
+        log = tmp_path / f"log{i}.txt"
+        stale = _tmp_dirs(root)
+        proc = _spawn([str(recipe)] if i == 0 else ["--resume", str(run)], log)
+        if kind == "startup":
+            time.sleep(rng.uniform(0.2, 4.0))
+            alive = proc.poll() is None
+        elif kind == "stepping":
+            first = (lambda: ckpt.latest(run) is not None) if i == 0 else (lambda: "| reward" in log.read_text())
+            alive = _wait(first, proc, poll=0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
+            alive = alive and proc.poll() is None
+        else:
+            alive = _wait(lambda: bool(_tmp_dirs(root) - stale), proc)
+        if alive:
+            os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        assert rc in (0, -signal.SIGKILL), (i, kind, rc, log.read_text()[-3000:])
+        if rc == 0:
+            break  # the run finished before this moment came: nothing left to kill
+        killed.append(kind)
+        if kind == "checkpoint" and _tmp_dirs(root) - stale:
+            mid_checkpoint += 1
+        assert ckpt.latest(run) is not None, (i, kind)
+    assert len(killed) == 20, killed  # sized (steps, sleeps) so that every moment lands before the end
+    assert mid_checkpoint >= 1, "no kill landed while a checkpoint was being written"
+
+    p = _spawn(["--resume", str(run)], tmp_path / "final.txt")
+    assert p.wait(timeout=120) == 0, (tmp_path / "final.txt").read_text()[-3000:]
+    assert ckpt.load_trainer_state(ckpt.latest(run))["step"] == steps
+    assert len(ckpt.complete_checkpoints(run)) == 2 and not [n for n in os.listdir(root) if n.startswith(".")]
+
+    d["output"]["dir"] = str(tmp_path / "straight")
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+
+    def rows(path):
+        out = {}
+        for line in (path / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)  # every line whole: a line cut by a kill was dropped on resume
+            assert row["step"] not in out, f"step {row['step']} twice in {path}"
+            out[row["step"]] = {k: v for k, v in row.items() if not k.startswith(_VOLATILE)}
+        return out
+
+    cut, straight = rows(run), rows(tmp_path / "straight")
+    assert sorted(cut) == list(range(1, steps + 1))
+    for step in straight:
+        assert cut[step] == straight[step], step
+    assert any(r["loss"] for r in straight.values())
+
+
+# -- 4. Ctrl-C -----------------------------------------------------------------------------------------------
+
+def _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every: int):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 500, "preflight": False},
+                    output={"save_every": save_every, "keep_last": 2})
+    d["data"]["eval_path"] = ""
+    log = tmp_path / "log.txt"
+    proc = _spawn([str(write_recipe(tmp_path / "r.yaml", d))], log)
+    assert _wait(lambda: log.read_text().count("| reward") >= 3, proc, timeout=120, poll=0.01), log.read_text()
+    return proc, log, tmp_path / "run"
+
+
+def test_first_ctrl_c_finishes_the_step_checkpoints_and_prints_resume(tiny_model_dir, tiny_data, tmp_path):
+    proc, log, run = _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every=1000)  # no periodic checkpoint
+    assert ckpt.latest(run) is None
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "stopping after this step" in out and "Traceback" not in out
+    last = max(r["step"] for r in read_metrics(run))
+    assert f"stopped at step {last}; resume with: lowmem-grpo train --resume {run}" in out
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == [f"step-{last:06d}"]
+    assert ckpt.load_trainer_state(ckpt.latest(run))["step"] == last and 3 <= last < 500
+    resumed = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, **QUIET)
+    assert resumed.step == last
+
+
+def _recipe_of(run: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((run / "recipe.yaml").read_text())
+
+
+def test_second_ctrl_c_aborts_and_keeps_the_last_checkpoint(tiny_model_dir, tiny_data, tmp_path):
+    proc, log, run = _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every=1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    out = log.read_text()
+    assert rc != 0 and "Aborted" in out and "resume with" not in out and "Traceback" not in out, (rc, out[-3000:])
+    # Whatever the second Ctrl-C cut (a step, a save), the latest complete checkpoint loads and resumes.
+    latest = ckpt.latest(run)
+    state = ckpt.load_trainer_state(latest)
+    assert latest.name == f"step-{state['step']:06d}" and state["step"] >= 2  # 3 steps logged, the 3rd maybe unsaved
+    adapter = load_file(latest / "adapter" / "adapter_model.safetensors")
+    assert adapter and all(torch.isfinite(t).all() for t in adapter.values())
+    resumed = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, **QUIET)
+    assert resumed.step == state["step"]
+    assert max(r["step"] for r in read_metrics(run)) == state["step"]  # rows after the checkpoint were dropped
