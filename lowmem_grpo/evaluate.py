@@ -24,7 +24,7 @@ import torch
 
 from .rollout.base import SamplingParams
 
-BATCH = 64   # prompts per generate call in greedy eval (memory.py's EVAL_BATCH models the same)
+BATCH = 64   # prompts per generate call in greedy eval (memory.py models the same)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -22,10 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from .evaluate import BATCH as EVAL_BATCH  # prompts one greedy-eval generate call decodes
+
 GiB, MiB = 2**30, 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_RUNTIME_BYTES = 530 * MiB   # Python + libraries resident after the first training step (see docstring)
-EVAL_BATCH = 64                 # train.evaluate decodes this many held-out prompts at once
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -165,7 +165,7 @@ def _markdown(run_dir: Path, rows, steps, evals, images) -> str:
              "| | value |", "|---|---|",
              f"| final reward (mean of last {k} steps) | {_fmt(tail('reward/mean'))} |",
              f"| final success rate (last {k} steps) | {_fmt(tail('success_rate'), pct=True)} |",
-             f"| best success rate (trailing mean) | "
+             "| best success rate (trailing mean) | "
              + (f"{_fmt(smooth[best], pct=True)} at step {sx[best]}" if best is not None else "-") + " |",
              f"| final KL to reference | {_fmt(tail('kl/ref'))} |",
              f"| steps skipped (non-finite) | {_fmt(skipped)} |",

@@ -450,8 +450,8 @@ class Trainer:
     def evaluate(self) -> Optional[dict]:
         if self.eval_set is None:
             return None
-        return evaluate(self.engine, self.tokenizer, self.rewards, self.eval_set.examples[: self.recipe.train.eval_max_prompts],
-                        self.recipe.generation.max_new_tokens)
+        return greedy_eval(self.engine, self.tokenizer, self.rewards, self.eval_set.examples[: self.recipe.train.eval_max_prompts],
+                           self.recipe.generation.max_new_tokens)
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -517,11 +517,6 @@ class Trainer:
                                 f"(last good: {ckpt.latest(self.run_dir)})")
         return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                          keep_last=self.recipe.output.keep_last)
-
-
-def evaluate(engine, tokenizer, rewards: Rewards, examples, max_new_tokens: int, batch_size: int = 64) -> dict:
-    """Greedy accuracy on held-out prompts: evaluate.greedy, the one implementation `lowmem-grpo eval` shares."""
-    return greedy_eval(engine, tokenizer, rewards, examples, max_new_tokens, batch_size=batch_size)
 
 
 def peak_memory_mib() -> float:

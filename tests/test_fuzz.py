@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 import torch
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
