@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import random
+from types import SimpleNamespace
 import subprocess
 import sys
 import textwrap
@@ -164,6 +165,7 @@ def test_vllm_internals_are_where_we_expect(dense):
     assert callable(internals.parallel_state.destroy_distributed_environment)
     assert hasattr(internals.parallel_state, "_WORLD") and hasattr(internals.parallel_state, "_NODE_COUNT")
     assert internals.cache_config(engine.llm).kv_cache_memory_bytes == 64 << 20  # the KV cache is sized by us
+    assert internals.scheduler_config(engine.llm).max_num_seqs == 256  # no recipe, no max_num_seqs: vLLM's CPU default
     assert [m.padded_vocab for m in engine.binding.embedding_methods] == [64, 64]  # 21 tokens padded to 64
 
 
@@ -392,12 +394,17 @@ def test_engine_leaves_rng_and_threads_alone(V_, vllm_model_dir):
 
 
 def test_a_second_engine_closes_the_first(V_, vllm_model_dir):
+    """Also: a recipe sizes max_num_seqs to a step's sequences; more requests than that run in waves."""
     model, tok = _lora_model(vllm_model_dir)
-    first = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
-    second = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
+    recipe = SimpleNamespace(train=SimpleNamespace(prompts_per_step=16), generation=SimpleNamespace(num_generations=8),
+                             seed=0)
+    first = V_.VLLMEngine(model, tok, recipe, kv_cache_memory_bytes=32 << 20)
+    assert V.vllm_internals().scheduler_config(first.llm).max_num_seqs == 16 * 8
+    second = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=2)
     try:
         assert first.closed and not second.closed
-        prompts = _prompts(tok)
+        assert V.vllm_internals().scheduler_config(second.llm).max_num_seqs == 2
+        prompts = _prompts(tok)  # 4 prompts, 2 at a time
         assert vllm_greedy(second, prompts) == hf_greedy(model, tok, prompts)
     finally:
         second.close()

@@ -32,6 +32,10 @@ Side effects of an in-process engine, each handled here (tests/test_vllm_engine.
 - The KV cache is sized explicitly (`generation.kv_cache_memory_bytes`), else vLLM takes most of the
   machine (CPU) or of the GPU.
 - The prefix cache would serve KV computed with old weights: it is reset before every generate.
+- `max_num_seqs` is what one step decodes at once (prompts_per_step x num_generations, at least a greedy
+  eval batch), not vLLM's default (256 on CPU and small GPUs, 1024 on 70 GB+ GPUs): its warm-up samples
+  max_num_seqs rows of fp32 logits (256 x 151,936 x 4 B = 148 MiB, plus the sampler's copies) on top of
+  the KV budget. Larger requests are decoded in waves.
 
 CUDA: **untested** (no GPU was available when this was written). The path is the same code with
 `enforce_eager=True` (CUDA graphs would freeze the adapter on/off branch and the module calls) and sleep
@@ -74,6 +78,7 @@ from vllm.model_executor.layers.quantization.base_config import (  # noqa: E402
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # noqa: E402
 
+from ..evaluate import BATCH as EVAL_BATCH  # noqa: E402
 from ..model import _base, disable_cpu_4bit_repack, eval_mode  # noqa: E402
 from .base import Completion, EngineError, SamplingParams  # noqa: E402
 
@@ -115,6 +120,7 @@ def vllm_internals() -> SimpleNamespace:
       what destroys torch.distributed's default process group at shutdown (_shutdown swaps it, for the
       duration of a shutdown, for one that only resets the module's `_WORLD` and `_NODE_COUNT`).
     - `cache_config(llm)`: the engine's CacheConfig (llm.llm_engine.vllm_config.cache_config).
+    - `scheduler_config(llm)`: its SchedulerConfig (llm.llm_engine.vllm_config.scheduler_config).
     tests/test_vllm_engine.py::test_vllm_internals_are_where_we_expect checks each against the installed vllm.
     """
     from vllm.distributed import parallel_state
@@ -125,8 +131,11 @@ def vllm_internals() -> SimpleNamespace:
     def cache_config(llm):
         return llm.llm_engine.vllm_config.cache_config
 
+    def scheduler_config(llm):
+        return llm.llm_engine.vllm_config.scheduler_config
+
     return SimpleNamespace(version=vllm.__version__, engine_core=engine_core, parallel_state=parallel_state,
-                           cache_config=cache_config)
+                           cache_config=cache_config, scheduler_config=scheduler_config)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -482,8 +491,12 @@ class VLLMEngine:
     another; a second one closes the first."""
 
     def __init__(self, model, tokenizer, recipe=None, *, kv_cache_memory_bytes: Optional[int] = None,
-                 fast_path: bool = True, seed: Optional[int] = None, max_model_len: Optional[int] = None):
+                 fast_path: bool = True, seed: Optional[int] = None, max_model_len: Optional[int] = None,
+                 max_num_seqs: Optional[int] = None):
         g = getattr(recipe, "generation", None)
+        if max_num_seqs is None and recipe is not None:
+            max_num_seqs = max(recipe.train.prompts_per_step * recipe.generation.num_generations, EVAL_BATCH)
+        self.max_num_seqs = max_num_seqs  # None: vLLM's default
         self.model, self.tokenizer = model, tokenizer
         self.kv_cache_memory_bytes = int(kv_cache_memory_bytes or getattr(g, "kv_cache_memory_bytes", None)
                                          or DEFAULT_KV_CACHE_BYTES)
@@ -509,6 +522,7 @@ class VLLMEngine:
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes, enforce_eager=True,
                         tensor_parallel_size=1, max_model_len=max_model_len,
                         logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
+                        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
                     )
                 finally:
                     _BINDING = None
