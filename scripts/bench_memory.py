@@ -1,6 +1,6 @@
 """Peak memory and step time of one GRPO step: lowmem-grpo against TRL's GRPOTrainer, same model, same run.
 
-    OMP_NUM_THREADS=1 python scripts/bench_memory.py [--lengths 128 512 1024] [--skip-trl]
+    OMP_NUM_THREADS=1 python scripts/bench_memory.py [--lengths 128 512 1024] [--skip-trl] [--hidden 256]
 
 Needs the `bench` extra (pip install -e '.[bench]': TRL). Not a test: figures depend on the machine.
 
@@ -45,7 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 G = 8
 VOCAB = 151_936
-SHAPE = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768)
+# --hidden reaches the child processes through this variable.
+_HIDDEN = int(os.environ.get("BENCH_MEMORY_HIDDEN", "256"))
+SHAPE = dict(hidden_size=_HIDDEN, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=3 * _HIDDEN)
 LORA_R, LORA_ALPHA, BETA, LR = 16, 32, 0.04, 1e-5
 PROMPT = "12+34="
 
@@ -221,6 +223,7 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=1024)
     ap.add_argument("--chunk-vocab", type=int, default=8192)
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--hidden", type=int, default=None, help="model width (default 256; MLP 3x, 4 heads)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -235,6 +238,9 @@ def main() -> None:
         print("RESULT " + json.dumps(out), flush=True)
         return
 
+    if args.hidden and args.hidden != SHAPE["hidden_size"]:  # re-run with the width in the environment
+        os.environ["BENCH_MEMORY_HIDDEN"] = str(args.hidden)
+        sys.exit(subprocess.call([sys.executable, __file__, *[a for a in sys.argv[1:]]]))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
     build(workdir)
     print(f"model: Qwen2, vocab {VOCAB:,}, {SHAPE}, NF4 + LoRA r={LORA_R}; G={G}, beta={BETA}; "
