@@ -45,7 +45,7 @@ class Progress:
         if row:
             parts = [f"{label} {row[k]:{fmt}}" for k, label, fmt in
                      (("reward/mean", "reward", ".3f"), ("success_rate", "solved", ".2f"), ("kl", "kl", ".4f"),
-                      ("rollout/tokens_per_s", "gen tok/s", ".0f"))
+                      ("time/rollout_tokens_per_s", "gen tok/s", ".0f"))
                      if isinstance(row.get(k), (int, float))]
             self.bar.set_postfix_str(", ".join(parts), refresh=False)
         self.bar.update(1)

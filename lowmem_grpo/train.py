@@ -360,7 +360,7 @@ class Trainer:
             row.update(self.run_updates(batches))                               # 6. update(s)
             row.update(sampler_agreement(batches))
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], "time/rollout_s": t_rollout,
-                    "rollout/tokens_per_s": sum(len(c.token_ids) for c in completions) / max(t_rollout, 1e-9),
+                    "time/rollout_tokens_per_s": sum(len(c.token_ids) for c in completions) / max(t_rollout, 1e-9),
                     "time/step_s": time.perf_counter() - t0, "memory/peak_mib": peak_memory_mib(),
                     "sample": texts[0] if texts else ""})
         self.last_samples = self._sample_table(examples, completions, texts, result)

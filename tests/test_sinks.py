@@ -103,7 +103,7 @@ def test_tensorboard_wandb_samples_and_bar(tiny_model_dir, tiny_data, tmp_path, 
     # The bar went to stderr (rate and count), the summary lines through the log, one per step.
     err = capsys.readouterr().err
     assert "GRPO" in err and "4/4" in err and ("step/s" in err or "s/step" in err) and "gen tok/s" in err
-    assert all(r["rollout/tokens_per_s"] > 0 for r in step_rows)  # completions' tokens / the rollout's seconds
+    assert all(r["time/rollout_tokens_per_s"] > 0 for r in step_rows)  # completions' tokens / the rollout's seconds
     assert sum(line.startswith("step ") for line in lines) == 4
 
 
