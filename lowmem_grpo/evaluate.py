@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -48,7 +49,7 @@ def _judged(rewards, result, i: int) -> tuple[dict, Optional[float], Optional[bo
 
 
 def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = BATCH,
-           records: Optional[list] = None) -> dict:
+           records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
     """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
     with skips as 0, over all prompts) and n (prompts counted). `records` gets one dict per prompt."""
     correct, counted, reward_sum = 0, 0, 0.0
@@ -63,6 +64,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         correct += int((primary[ok] >= 1.0).sum())
         counted += int(ok.sum())
         reward_sum += float(torch.nan_to_num(result.total).sum())
+        done(len(chunk))
         if records is not None:
             for j, (c, text) in enumerate(zip(completions, texts)):
                 per, total, ok_j = _judged(rewards, result, j)
@@ -73,7 +75,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
 
 
 def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Sequence[int],
-            batch_size: int = BATCH, records: Optional[list] = None) -> dict:
+            batch_size: int = BATCH, records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
     """params.n samples per prompt; pass@k for each k in `ks` (<= params.n), averaged over the prompts
     with at least k scored samples (a prompt whose samples the first reward skips is left out)."""
     if not ks or max(ks) > params.n:
@@ -97,6 +99,7 @@ def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Se
                                 "prompt": chunk[c.prompt_index].prompt_text, "completion": texts[j], "rewards": per,
                                 "total": total, "correct": ok, "truncated": c.truncated})
         per_prompt += [tuple(x) for x in counts]
+        done(len(chunk))
     out: dict = {"samples_per_prompt": params.n, "temperature": params.temperature}
     for k in sorted(set(ks)):
         scores = [pass_at_k(n, c, k) for n, c in per_prompt if n >= k]
@@ -174,12 +177,23 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
                "model": str(model_dir or recipe.model.name_or_path), "prompts": len(examples),
                "max_new_tokens": g.max_new_tokens}
-    summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records))
+    # A bar on a terminal (prompts done, greedy then sampled): an eval of 1,000+ prompts takes a while.
+    from .progress import use_bar
+
+    bar = None
+    if use_bar("auto"):
+        from tqdm import tqdm
+
+        bar = tqdm(total=2 * len(examples), unit="prompt", desc="eval", file=sys.stderr, dynamic_ncols=True)
+    done = bar.update if bar is not None else (lambda n: None)
+    summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done))
     summary["correct"] = sum(1 for r in records if r["correct"])
     torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
     params = SamplingParams(n=max(ks), max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                             top_k=g.top_k)
-    summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records))
+    summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done))
+    if bar is not None:
+        bar.close()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "samples.jsonl", "w") as f:

@@ -137,3 +137,18 @@ def test_eval_errors_are_named(tiny_model_dir, tiny_data, tmp_path):
     assert p.returncode == 2 and "positive integers" in p.stderr
     p = _cli("eval", str(recipe), "--model", str(tmp_path), "--split", "train")
     assert p.returncode == 2 and "not a model folder" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_eval_shows_progress_on_a_terminal(tiny_model_dir, tiny_data, tmp_path, monkeypatch, capsys):
+    """On a terminal, a bar counts prompts through greedy then sampled decoding; in a log, no bar."""
+    from lowmem_grpo import progress
+    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run"))
+    for tty in (False, True):
+        monkeypatch.setattr(progress, "use_bar", lambda mode, stream=None, tty=tty: tty)
+        s = run_eval(recipe, name="r", ks=(1, 2), out_dir=str(tmp_path / f"ev{tty}"), log=lambda *a: None)
+        err = capsys.readouterr().err
+        n = s["prompts"]
+        assert (f"{2 * n}/{2 * n}" in err and "eval" in err) == tty, err
