@@ -92,13 +92,7 @@ class PromptSet:
         for name in (cfg.prompt_field, cfg.answer_field):
             if name not in row or row[name] is None:
                 raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
-        fields = {str(k): v for k, v in row.items()}  # format(**) needs string keys (rows given as Python dicts)
-        fields["prompt"] = row[cfg.prompt_field]
-        try:
-            text = cfg.template.format(**fields)
-        # AttributeError / TypeError: "{prompt.x}", "{x[0]}" on a value without them (found by fuzzing)
-        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
-            raise DataError(f"data.template {cfg.template!r} cannot be filled from this row: {exc!r}") from None
+        text = fill_template(row, cfg)
         if cfg.chat_template:
             messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
             messages.append({"role": "user", "content": text})
@@ -117,6 +111,17 @@ class PromptSet:
 
     def __len__(self) -> int:
         return len(self.examples)
+
+
+def fill_template(row: dict, cfg: DataConfig) -> str:
+    """`data.template` filled from the row's fields plus {prompt} (the prompt field's value)."""
+    fields = {str(k): v for k, v in row.items()}  # format(**) needs string keys (rows given as Python dicts)
+    fields["prompt"] = row[cfg.prompt_field]
+    try:
+        return cfg.template.format(**fields)
+    # AttributeError / TypeError: "{prompt.x}", "{x[0]}" on a value without them (found by fuzzing)
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        raise DataError(f"data.template {cfg.template!r} cannot be filled from this row: {exc!r}") from None
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -140,8 +145,8 @@ def _prompt_key(row, cfg: DataConfig) -> str:
     """What identifies a prompt: the row's filled template (before any chat template), else the row."""
     if isinstance(row, dict) and cfg.prompt_field in row:
         try:
-            return cfg.template.format(**{**row, "prompt": row[cfg.prompt_field]})
-        except (KeyError, IndexError, ValueError):
+            return fill_template(row, cfg)
+        except DataError:
             pass
     return json.dumps(row, sort_keys=True, default=str)
 
@@ -161,22 +166,35 @@ def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
     return [r for r, k in zip(rows, keys) if k not in held], [r for r, k in zip(rows, keys) if k in held]
 
 
+def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test")) -> dict:
+    """{split: PromptSet or None} for each asked split: 'train', the training set; 'test', the held-out set
+    (None when the recipe has none): `data.eval_path`, else the `data.eval_fraction` split of
+    `data.train_path`, whose source is read once for both. Errors name the field."""
+    for w in which:
+        if w not in ("train", "test"):
+            raise DataError(f"split {w!r} is unknown; allowed: train, test")
+    split = bool(cfg.eval_fraction and not cfg.eval_path)
+    rows = {}
+    if "train" in which or ("test" in which and split):
+        rows["train"] = _named(lambda: read_rows(cfg.train_path), "data.train_path")
+        if split:
+            rows["train"], rows["test"] = split_rows(rows["train"], cfg)
+    out = {}
+    for w in which:
+        if w == "test" and cfg.eval_path:
+            out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer), "data.eval_path")
+        elif w not in rows:
+            out[w] = None
+        else:
+            label = cfg.train_path + (f" ({'held-out' if w == 'test' else 'training'} part, data.eval_fraction="
+                                      f"{cfg.eval_fraction})" if split else "")
+            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, rows=rows[w]), "data.train_path")
+    return out
+
+
 def prompt_set(cfg: DataConfig, tokenizer, which: str) -> "PromptSet | None":
-    """The training set (`which='train'`) or the held-out set (`'test'`; None when the recipe has none):
-    `data.eval_path`, else the `data.eval_fraction` split of `data.train_path`. Errors name the field."""
-    if which not in ("train", "test"):
-        raise DataError(f"split {which!r} is unknown; allowed: train, test")
-    if which == "test" and cfg.eval_path:
-        return _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer), "data.eval_path")
-    if which == "test" and not cfg.eval_fraction:
-        return None
-    rows = _named(lambda: read_rows(cfg.train_path), "data.train_path")
-    if cfg.eval_fraction and not cfg.eval_path:
-        train_rows, held = split_rows(rows, cfg)
-        rows = held if which == "test" else train_rows
-    label = cfg.train_path + (f" ({'held-out' if which == 'test' else 'training'} part, data.eval_fraction="
-                              f"{cfg.eval_fraction})" if cfg.eval_fraction and not cfg.eval_path else "")
-    return _named(lambda: PromptSet(label, cfg, tokenizer, rows=rows), "data.train_path")
+    """One split of prompt_sets."""
+    return prompt_sets(cfg, tokenizer, (which,))[which]
 
 
 def _named(fn, field: str):

@@ -366,6 +366,7 @@ def return_freed_memory_to_os() -> bool:
 
 # Blocks of at least this size are mmapped, so freed ones leave RSS. 4 MiB, not 1: every mmapped block
 # is page-faulted afresh on each use, and at 1 MiB the quickstart's many 1-4 MiB activations made a step
-# 1.6x slower (1.30 vs 0.80 s; 0.71 s with glibc's default) for 127 MiB less peak. At 4 MiB the
-# 1,024-token bench_memory peak is the same as at 1 MiB (854 vs 855 MiB; 1,692 with the default).
+# ~1.9x slower (scripts/bench_cpu_malloc.py: 1.35 vs 0.70 s/step, 0.70 with glibc's default) for ~150 MiB
+# less peak. At 4 MiB the 1,024-token bench_memory peak is the same as at 1 MiB (854 vs 855 MiB; 1,692
+# with the default).
 CPU_MMAP_THRESHOLD = 4 << 20

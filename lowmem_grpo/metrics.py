@@ -11,17 +11,9 @@ from pathlib import Path
 class MetricsWriter:
     def __init__(self, run_dir: Path, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
         self._file = open(self.path, "a")
-
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop rows of steps after the checkpoint: they will be run again."""
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and _row_step(line) is not None and _row_step(line) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
 
     def write(self, row: dict) -> None:
         self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
@@ -31,10 +23,22 @@ class MetricsWriter:
         self._file.close()
 
 
+def truncate_after(path: Path, step: int) -> None:
+    """On resume, drop a JSONL file's rows of steps after the checkpoint (they will be run again) and any
+    line cut by a crash; the file is replaced atomically."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and _row_step(line) is not None and _row_step(line) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
 def _row_step(line: str):
     try:
         return json.loads(line).get("step")
-    except json.JSONDecodeError:  # a line cut by a crash
+    except (json.JSONDecodeError, AttributeError):  # a line cut by a crash, or not an object
         return None
 
 

@@ -329,8 +329,9 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
         raise RecipeError(str(path), [("<yaml>", f"not valid YAML at {where}: {getattr(exc, 'problem', exc)}")]) from None
     data = data if data is not None else {}
-    for item in overrides or [] if isinstance(data, dict) else []:  # else recipe_from_dict names the top level
-        apply_override(data, item, str(path))
+    if isinstance(data, dict):  # else recipe_from_dict names the top level's problem
+        for item in overrides or []:
+            apply_override(data, item, str(path))
     recipe = recipe_from_dict(data, str(path))
     return _resolve_paths(recipe, path.parent)
 

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from .metrics import MetricsWriter, _jsonable
+from .metrics import MetricsWriter, _jsonable, truncate_after
 
 
 class SinkError(Exception):
@@ -51,10 +51,8 @@ class JsonlSink(Sink):
     def __init__(self, run_dir: Path, resume_step: Optional[int]):
         self.metrics = MetricsWriter(run_dir, resume_step=resume_step)
         self.samples_path = Path(run_dir) / "samples.jsonl"
-        if resume_step is not None and self.samples_path.exists():  # tables of steps to be re-run go
-            keep = [ln for ln in self.samples_path.read_text().splitlines() if _step_of(ln) is not None
-                    and _step_of(ln) <= resume_step]
-            self.samples_path.write_text("".join(ln + "\n" for ln in keep))
+        if resume_step is not None:  # tables of steps to be re-run go
+            truncate_after(self.samples_path, resume_step)
 
     def write(self, row: dict) -> None:
         self.metrics.write(row)
@@ -65,13 +63,6 @@ class JsonlSink(Sink):
 
     def close(self) -> None:
         self.metrics.close()
-
-
-def _step_of(line: str):
-    try:
-        return json.loads(line).get("step")
-    except (json.JSONDecodeError, AttributeError):
-        return None
 
 
 def samples_markdown(records: list[dict]) -> str:
@@ -169,10 +160,11 @@ def tensorboard_available() -> bool:
 def open_sinks(run_dir: Path, output, config: dict, resume_step: Optional[int]) -> Sinks:
     """`output`: the recipe's OutputConfig; `config`: the recipe as a dict (for W&B)."""
     sinks: list[Sink] = [JsonlSink(run_dir, resume_step)]
-    if output.tensorboard is True and not tensorboard_available():
+    have_tensorboard = output.tensorboard is not False and tensorboard_available()
+    if output.tensorboard is True and not have_tensorboard:
         raise SinkError("output.tensorboard is true but tensorboard is not installed: pip install tensorboard "
                         "(or pip install 'lowmem-grpo[plots]'), or set output.tensorboard: auto or false")
-    if output.tensorboard is True or (output.tensorboard == "auto" and tensorboard_available()):
+    if have_tensorboard and output.tensorboard in (True, "auto"):
         sinks.append(TensorBoardSink(run_dir, resume_step))
     if output.wandb_project:
         try:

@@ -27,7 +27,7 @@ import torch
 from . import checkpoint as ckpt
 from . import diagnostics as diag
 from .advantages import group_advantages, zero_std_groups
-from .data import batch_indices, prompt_set
+from .data import batch_indices, prompt_sets
 from .evaluate import greedy as greedy_eval
 from .logprobs import selective_log_softmax
 from .loss import aggregate, aggregation_weights, grpo_token_loss
@@ -186,8 +186,8 @@ class Trainer:
         if not next(self.model.parameters()).is_cuda:
             return_freed_memory_to_os()
         # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set)
-        self.train_set = prompt_set(recipe.data, self.tokenizer, "train")
-        self.eval_set = prompt_set(recipe.data, self.tokenizer, "test")
+        sets = prompt_sets(recipe.data, self.tokenizer)
+        self.train_set, self.eval_set = sets["train"], sets["test"]
         self.rewards = Rewards(recipe.rewards)
         self.engine = make_engine(recipe.generation.engine, self.model, self.tokenizer, recipe)
         total_updates = recipe.train.steps * recipe.algorithm.mu
@@ -210,15 +210,15 @@ class Trainer:
         except SinkError as exc:
             raise TrainingError(str(exc)) from None
         # Skipped (non-finite) steps: in a row now, and in all; a resumed run counts them from its kept rows.
+        kept_rows = read_metrics(self.run_dir) if start_ckpt else []
         self.nonfinite_run, self.nonfinite_total = 0, 0
-        for row in (read_metrics(self.run_dir) if start_ckpt else []):
+        for row in kept_rows:
             if "loss" in row or "nonfinite" in row:
                 self.nonfinite_run = self.nonfinite_run + 1 if row.get("nonfinite") else 0
                 self.nonfinite_total += bool(row.get("nonfinite"))
         # The success rate of the reference, for spec 4's p*: step 1 samples from fresh adapters, i.e. from
         # pi_ref. A resumed run reads it back from step 1's metrics row.
-        self.p_ref = next((row.get("success_rate") for row in read_metrics(self.run_dir) if row.get("step") == 1
-                           and "loss" in row), None) if start_ckpt else None
+        self.p_ref = next((row.get("success_rate") for row in kept_rows if row.get("step") == 1 and "loss" in row), None)
         if self.train_set.skipped:
             log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
 
