@@ -346,6 +346,23 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None) ->
     return est, shape, workload
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB: VmHWM on Linux, getrusage's ru_maxrss elsewhere.
+
+    Not ru_maxrss on Linux: across execve the kernel keeps the larger of the old and the new high-water
+    mark, so a process started by a big parent (a benchmark that built the model, pytest) reports the
+    parent's RSS as its own peak until it outgrows it. VmHWM belongs to the new address space alone."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
+
+
 def return_freed_memory_to_os() -> bool:
     """CPU runs on Linux/glibc: give freed activation buffers back to the OS at once.
 

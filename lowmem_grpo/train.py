@@ -31,7 +31,8 @@ from .data import batch_indices, prompt_sets
 from .evaluate import greedy as greedy_eval
 from .logprobs import selective_log_softmax
 from .loss import aggregate, aggregation_weights, grpo_token_loss
-from .memory import ModelShape, advise, device_budget, estimate, fmt, return_freed_memory_to_os, workload_from_recipe
+from .memory import (ModelShape, advise, device_budget, estimate, fmt, peak_rss_mib, return_freed_memory_to_os,
+                     workload_from_recipe)
 from .metrics import read_metrics, summary_line
 from .progress import Progress
 from .model import eval_mode, hidden_states, lm_head_params, load_policy, reference_mode, trainable_parameters
@@ -523,6 +524,4 @@ class Trainer:
 def peak_memory_mib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return peak_rss_mib()

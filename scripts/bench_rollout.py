@@ -18,7 +18,7 @@ tokens/s = generated tokens / wall time of a round, after one warm-up round; eac
 round is reported (the machine may be shared: the best round is the least disturbed). shared_over_hf is
 the median ratio over rounds that alternate the two engines on the same model in one process ("hf|shared":
 both see the same load); own_over_shared compares best rounds. The KV cache of both vLLM configurations is
---kv-mib (the "KV budget"). Peak RSS (ru_maxrss) per subprocess, and anonymous RSS (RssAnon: heap and
+--kv-mib (the "KV budget"). Peak RSS (VmHWM) per subprocess, and anonymous RSS (RssAnon: heap and
 tensors, not the file-backed pages of vLLM's 200+ MB of libraries) at its end; the shared configuration
 then closes its engine and builds a second one, whose RSS growth is the engine's own data (KV cache
 included) once vLLM's code and runtime are loaded.
@@ -34,7 +34,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -45,12 +44,10 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lowmem_grpo.memory import peak_rss_mib  # noqa: E402  (VmHWM: this process's own peak, not its parent's)
+
 SPEC = dict(hidden_size=256, num_layers=12, num_heads=8, num_kv_heads=4, intermediate_size=1024,
             max_position_embeddings=512, vocab_size=2048)  # 12.9M parameters; --hidden/--layers change it
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def anon_rss_mib() -> float:

@@ -181,3 +181,21 @@ def test_preflight_turns_oom_into_advice(tmp_path, tiny_model_dir, tiny_data, mo
     msg = str(err.value)
     assert "preflight" in msg and "micro-batch of 3" in msg and "Memory model" in msg
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="VmHWM is Linux's; elsewhere ru_maxrss")
+def test_peak_rss_is_the_process_own_not_its_parents():
+    """A process started by a big parent must not report the parent's RSS as its peak (ru_maxrss does on
+    Linux: the kernel keeps the old address space's high-water mark across execve)."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(1536 * 2**20)  # touched: 1.5 GiB resident in this (parent) process
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1
+    code = "from lowmem_grpo.memory import peak_rss_mib; print(peak_rss_mib())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    del ballast
+    child = float(out.strip().splitlines()[-1])
+    assert 10 < child < 1024, child  # the child imports torch (~250 MiB), never the parent's 1.5 GiB
+    assert mm.peak_rss_mib() >= 1536  # and this process's own peak did include the ballast
