@@ -54,8 +54,8 @@ PROMPT = "12+34="
 
 
 def reset_peak_rss() -> bool:
-    """Linux: reset this process's RSS high-water mark (VmHWM), so that a phase's peak excludes set-up
-    transients; ru_maxrss cannot be reset. False where /proc/self/clear_refs is not writable."""
+    """Linux: reset this process's RSS high-water mark (VmHWM, which peak_rss_mib reads), so that a
+    phase's peak excludes set-up transients. False where /proc/self/clear_refs is not writable."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
