@@ -1,8 +1,14 @@
 """Peak memory and step time of one GRPO step: lowmem-grpo against TRL's GRPOTrainer, same model, same run.
 
     OMP_NUM_THREADS=1 python scripts/bench_memory.py [--lengths 128 512 1024] [--skip-trl] [--hidden 256]
+    python scripts/bench_memory.py --device cuda --model-config tests/fixtures/model_configs/Qwen2.5-1.5B-Instruct \
+        --lengths 512
 
 Needs the `bench` extra (pip install -e '.[bench]': TRL). Not a test: figures depend on the machine.
+--device cuda is GPU-only and not run in CI: bf16 compute, weights saved in bf16, and every peak is
+torch.cuda.max_memory_allocated (the CUDA context, ~0.5 GiB in nvidia-smi, is not counted, as in the
+memory model). --model-config takes a real model's shape and vocabulary from its config.json, with
+random weights (nothing is downloaded).
 
 The model is built locally (no download): Qwen2 architecture with Qwen2.5's real vocabulary (151,936) and
 a small hidden size so a step runs on CPU; loaded as a 4-bit NF4 base + LoRA r=16 on all linear layers by
@@ -45,11 +51,37 @@ sys.path.insert(0, str(ROOT))
 from lowmem_grpo.memory import peak_rss_mib  # noqa: E402  (VmHWM: this process's own peak, not its parent's)
 
 G = 8
-VOCAB = 151_936
-# --hidden reaches the child processes through this variable.
+# --hidden, --device and --model-config reach the child processes through these variables.
 _HIDDEN = int(os.environ.get("BENCH_MEMORY_HIDDEN", "256"))
-SHAPE = dict(hidden_size=_HIDDEN, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=3 * _HIDDEN)
+DEVICE = os.environ.get("BENCH_MEMORY_DEVICE", "cpu")
+MODEL_CONFIG = os.environ.get("BENCH_MEMORY_CONFIG")  # a folder holding a config.json: that model's shape
+DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"  # the compute dtype (and the saved weights' dtype)
+
+
+def _shape() -> tuple[dict, int, bool]:
+    """(layer shape, vocabulary, tied embeddings): a real model's config.json, or the small CPU default."""
+    if not MODEL_CONFIG:
+        return (dict(hidden_size=_HIDDEN, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=3 * _HIDDEN),
+                151_936, True)
+    c = json.loads((Path(MODEL_CONFIG) / "config.json").read_text())
+    c = c.get("text_config", c)
+    return (dict(hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+                 num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                 intermediate_size=c["intermediate_size"]),
+            c["vocab_size"], bool(c.get("tie_word_embeddings", False)))
+
+
+SHAPE, VOCAB, TIED = _shape()
 LORA_R, LORA_ALPHA, BETA, LR = 16, 32, 0.04, 1e-5
+
+
+def peak_mib() -> float:
+    """This process's peak: VRAM allocated by torch on CUDA, else resident memory (VmHWM)."""
+    if DEVICE == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_mib()
 PROMPT = "12+34="
 
 
@@ -69,15 +101,21 @@ def rss_mib() -> float:
 
 
 def build(workdir: Path) -> None:
-    """The benchmark model and a one-row prompt file, saved once."""
+    """The benchmark model (random weights, saved in the compute dtype) and a one-row prompt file, saved
+    once per shape and dtype."""
+    import torch
+
     from lowmem_grpo import tiny
 
-    if (workdir / "model" / "config.json").is_file():
+    marker = workdir / "model" / "bench_shape.json"
+    want = json.dumps({"shape": SHAPE, "vocab": VOCAB, "tied": TIED, "dtype": DTYPE}, sort_keys=True)
+    if marker.is_file() and marker.read_text() == want:
         return
     tok = tiny.build_tokenizer()
-    spec = tiny.TinyModelSpec(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=True, **SHAPE)
-    model = tiny.build_model(tok, spec, seed=0)
+    spec = tiny.TinyModelSpec(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=TIED, **SHAPE)
+    model = tiny.build_model(tok, spec, seed=0).to(getattr(torch, DTYPE))
     model.save_pretrained(workdir / "model")
+    marker.write_text(want)
     tok.save_pretrained(workdir / "model")
     tiny.write_jsonl([{"prompt": PROMPT, "answer": "46"}] * 4, workdir / "prompts.jsonl")
 
@@ -98,7 +136,7 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
     from lowmem_grpo.train import Trainer
 
     recipe = recipe_from_dict({
-        "model": {"name_or_path": str(workdir / "model"), "compute_dtype": "float32", "load_in_4bit": True},
+        "model": {"name_or_path": str(workdir / "model"), "compute_dtype": DTYPE, "load_in_4bit": True},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
         "data": {"train_path": str(workdir / "prompts.jsonl")},
         "rewards": {"functions": [{"function": "exact"}]},
@@ -109,11 +147,13 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
         "output": {"dir": str(workdir / f"run-lowmem-{length}")},
     })
     trainer = Trainer(recipe, log=lambda *a: None)
-    loaded = peak_rss_mib()  # runtime, imports, 4-bit model, LoRA, optimizer: before any step
-    # The safetensors weights are memory-mapped and become resident as they are first read; every
-    # generation step reads the whole (tied) embedding / LM head. Read it once: the floor any step sits on.
-    float(trainer.model.get_input_embeddings().weight.sum())
-    resident = max(loaded, rss_mib())
+    loaded = peak_mib()  # runtime, imports, 4-bit model, LoRA, optimizer: before any step
+    # On CPU the safetensors weights are memory-mapped and become resident as they are first read; every
+    # generation step reads the whole embedding / LM head. Read it once: the floor any step sits on.
+    for w in {id(m.weight): m.weight for m in (trainer.model.get_input_embeddings(),
+                                                trainer.model.get_output_embeddings())}.values():
+        float(w.float().sum())
+    resident = loaded if DEVICE == "cuda" else max(loaded, rss_mib())
     never_eos(trainer.model)
     times = []
     for _ in range(2):
@@ -123,8 +163,8 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
         times.append(time.perf_counter() - t0)
     assert row["completion/mean_length"] == length, row["completion/mean_length"]
     prompt_tokens = max(len(e.prompt_ids) for e in trainer.train_set.examples)
-    est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, "cpu"))
-    return {"peak_mib": peak_rss_mib(), "loaded_mib": loaded, "resident_mib": resident, "step_s": times[1],
+    est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, DEVICE))
+    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "resident_mib": resident, "step_s": times[1],
             "predicted_mib": est.peak / 2**20,
             "predicted_phase": est.peak_phase}
 
@@ -139,7 +179,7 @@ def child_trl(workdir: Path, length: int) -> dict:
     from lowmem_grpo.model import load_base_model, load_tokenizer
     from lowmem_grpo.recipe import ModelConfig
 
-    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype="float32", load_in_4bit=True)
+    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype=DTYPE, load_in_4bit=True)
     tok = load_tokenizer(cfg)
     model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
     never_eos(model)
@@ -158,7 +198,7 @@ def child_trl(workdir: Path, length: int) -> dict:
     args = GRPOConfig(
         output_dir=str(workdir / f"run-trl-{length}"), per_device_train_batch_size=G, num_generations=G,
         max_completion_length=length, max_steps=2, beta=BETA, learning_rate=LR, temperature=1.0,
-        gradient_checkpointing=True, use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no",
+        gradient_checkpointing=True, use_cpu=DEVICE == "cpu", bf16=DTYPE == "bfloat16", fp16=False, report_to=[], save_strategy="no",
         logging_steps=1, seed=0, loss_type="grpo", disable_tqdm=True, dataloader_num_workers=0,
     )
     peft_cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -166,32 +206,41 @@ def child_trl(workdir: Path, length: int) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                           train_dataset=ds, processing_class=tok, peft_config=peft_cfg, callbacks=[timer])
     torch.set_num_threads(1)
-    loaded = peak_rss_mib()
+    loaded = peak_mib()
     trainer.train()
     lengths = [m for m in (h.get("completions/mean_length") for h in trainer.state.log_history) if m is not None]
     assert lengths and all(abs(m - length) < 1e-6 for m in lengths), lengths
-    return {"peak_mib": peak_rss_mib(), "loaded_mib": loaded, "step_s": timer.times[1]}
+    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "step_s": timer.times[1]}
 
 
 def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> dict:
     """Log-probs of G x L completion tokens from their hidden states, the GRPO loss, backward to the hidden
-    states (a frozen head, as under LoRA). Reported: the peak RSS of the phase above the RSS before it."""
+    states (a frozen head, as under LoRA). Reported: the phase's peak above the memory before it (RSS on
+    CPU, torch's allocated VRAM on CUDA)."""
     import torch
 
     from lowmem_grpo.logprobs import reference_log_probs, selective_log_softmax
     from lowmem_grpo.loss import grpo_token_loss
     from lowmem_grpo.memory import return_freed_memory_to_os
 
-    return_freed_memory_to_os()  # as the trainer does on CPU
+    cuda = DEVICE == "cuda"
+    if not cuda:
+        return_freed_memory_to_os()  # as the trainer does on CPU
     torch.manual_seed(0)
     n, d = G * length, SHAPE["hidden_size"]
-    head = torch.randn(VOCAB, d).mul_(0.02)
-    hidden = torch.randn(n, d, requires_grad=True)
-    targets = torch.randint(0, VOCAB, (n,))
-    adv = torch.randn(n)
-    logp_ref = torch.randn(n) - 12.0
-    before = rss_mib()
-    reset_peak_rss()  # where it cannot (not Linux), set-up transients may count as the phase's
+    kw = {"device": DEVICE, "dtype": getattr(torch, DTYPE)}  # head and hidden states in the compute dtype
+    head = torch.randn(VOCAB, d, **kw).mul_(0.02)
+    hidden = torch.randn(n, d, requires_grad=True, **kw)
+    targets = torch.randint(0, VOCAB, (n,), device=DEVICE)
+    adv = torch.randn(n, device=DEVICE)
+    logp_ref = torch.randn(n, device=DEVICE) - 12.0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**20
+    else:
+        before = rss_mib()
+        reset_peak_rss()  # where it cannot (not Linux), set-up transients may count as the phase's
     if impl == "chunked":
         logp = selective_log_softmax(hidden, head, targets, chunk_rows=chunk_tokens, chunk_vocab=chunk_vocab)
     else:
@@ -199,7 +248,13 @@ def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> d
     tl = grpo_token_loss(logp, logp.detach(), logp_ref, adv, beta=BETA, eps_low=0.2, eps_high=0.2)
     tl.loss.mean().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
-    return {"phase_mib": peak_rss_mib() - before, "peak_mib": peak_rss_mib()}
+    return {"phase_mib": peak_mib() - before, "peak_mib": peak_mib()}
+
+
+def cuda_free_mib() -> float:
+    import torch
+
+    return torch.cuda.mem_get_info()[0] / 2**20
 
 
 def run_child(args: list[str]) -> dict:
@@ -221,6 +276,11 @@ def main() -> None:
     ap.add_argument("--chunk-vocab", type=int, default=8192)
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--hidden", type=int, default=None, help="model width (default 256; MLP 3x, 4 heads)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=DEVICE,
+                    help="cuda: bf16 compute, peaks from torch.cuda.max_memory_allocated (GPU only, not run in CI)")
+    ap.add_argument("--model-config", default=MODEL_CONFIG,
+                    help="a folder with a config.json (e.g. tests/fixtures/model_configs/Qwen2.5-1.5B-Instruct): "
+                         "that model's shape and vocabulary, random weights")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -235,13 +295,23 @@ def main() -> None:
         print("RESULT " + json.dumps(out), flush=True)
         return
 
-    if args.hidden and args.hidden != SHAPE["hidden_size"]:  # re-run with the width in the environment
-        os.environ["BENCH_MEMORY_HIDDEN"] = str(args.hidden)
-        sys.exit(subprocess.call([sys.executable, __file__, *[a for a in sys.argv[1:]]]))
+    if args.hidden and args.model_config:
+        ap.error("--hidden and --model-config both set the model's shape: give one")
+    config = str(Path(args.model_config).resolve()) if args.model_config else None
+    if config and not (Path(config) / "config.json").is_file():
+        ap.error(f"--model-config {args.model_config}: no config.json there")
+    if (args.hidden and args.hidden != _HIDDEN) or args.device != DEVICE or config != MODEL_CONFIG:
+        # Re-run with the shape and device in the environment, where the children read them.
+        os.environ.update({"BENCH_MEMORY_HIDDEN": str(args.hidden or _HIDDEN), "BENCH_MEMORY_DEVICE": args.device})
+        if config:
+            os.environ["BENCH_MEMORY_CONFIG"] = config
+        sys.exit(subprocess.call([sys.executable, __file__, *sys.argv[1:]]))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
     build(workdir)
-    print(f"model: Qwen2, vocab {VOCAB:,}, {SHAPE}, NF4 + LoRA r={LORA_R}; G={G}, beta={BETA}; "
-          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; lowmem micro_batch_size={args.micro_batch}")
+    what = "peak VRAM (torch.cuda.max_memory_allocated)" if DEVICE == "cuda" else "peak RSS"
+    print(f"model: Qwen2, vocab {VOCAB:,}, {SHAPE}, tied embeddings {TIED}, {DTYPE}, NF4 + LoRA r={LORA_R}; G={G}, "
+          f"beta={BETA}; {DEVICE}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; lowmem micro_batch_size="
+          f"{args.micro_batch}; memory: {what}")
     print(f"\n{'L':>5} | {'lowmem peak':>11} {'predicted':>10} {'err':>6} | {'TRL peak':>9} | {'peak ratio':>10} | "
           f"{'lowmem s/step':>13} {'TRL s/step':>10} {'time ratio':>10}")
     steps = {}
@@ -265,24 +335,26 @@ def main() -> None:
     # import calls torch.compile, which loads dynamo/inductor/sympy: ~70 MiB) and the 4-bit model. The
     # step's own cost is the peak above that floor. The first step also pages in the memory-mapped
     # embedding / LM head (generation reads all of it), so "floor + weights read" bounds any trainer's peak.
-    print("\nabove each process's floor (peak RSS once the trainer is built, before step 1):")
+    print(f"\nabove each process's floor ({what} once the trainer is built, before step 1):")
     for length, (ours, trl) in steps.items():
         if "error" in ours or "error" in trl:
             continue
         a, b = ours["peak_mib"] - ours["loaded_mib"], trl["peak_mib"] - trl["loaded_mib"]
         print(f"{length:>5} | lowmem-grpo floor {ours['loaded_mib']:>5.0f} MiB, step +{a:>5.0f} MiB | TRL floor "
               f"{trl['loaded_mib']:>5.0f} MiB, step +{b:>5.0f} MiB | step ratio {a / b:.2f}x", flush=True)
+        if DEVICE == "cuda":
+            continue  # on CUDA the weights were copied to the GPU while loading: the floor holds them
         print(f"{'':>5} | lowmem-grpo floor with the embedding read once: {ours['resident_mib']:.0f} MiB = "
               f"{ours['resident_mib'] / trl['peak_mib']:.3f}x TRL's peak (a step that allocated nothing)", flush=True)
 
-    print(f"\nloss phase alone (log-probs + loss + backward of {G} x L tokens), RSS growth over the phase:")
+    print(f"\nloss phase alone (log-probs + loss + backward of {G} x L tokens), growth over the phase:")
     print(f"{'L':>5} | {'chunked':>10} | {'naive (full logits)':>19} | {'naive/chunked':>13}")
     phase = {}
     for length in args.lengths:
         c = run_child(["loss", str(length), "chunked", str(args.chunk_tokens), str(args.chunk_vocab)])
         # The naive path holds logits, their log_softmax and the logits' gradient: 3 x tokens x vocab fp32.
         need = 3 * G * length * VOCAB * 4 / 2**20
-        avail = psutil.virtual_memory().available / 2**20
+        avail = (cuda_free_mib() if DEVICE == "cuda" else psutil.virtual_memory().available / 2**20)
         if need > 0.8 * avail:
             n = {"error": f"not run: needs ~{need / 1024:.1f} GiB, {avail / 1024:.1f} GiB available"}
         else:
