@@ -22,10 +22,12 @@ def _user_errors() -> tuple:
     return (RecipeError, DataError, EngineError, ExportError, ModelLoadError, RewardError, TrainingError, MemoryModelError)
 
 
-def _run(fn):
+def _run(fn, errors: tuple = ()):
+    """Run a command's body; a user error (bad recipe, data, model, ...) is one line on stderr and exit 2.
+    `errors` replaces the usual set, for commands that must not import the trainer (and torch)."""
     try:
         return fn()
-    except _user_errors() as exc:
+    except (errors or _user_errors()) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
 
@@ -156,11 +158,7 @@ def report(run_dir, out_dir):
     """Plot a run's metrics (PNG) and write a one-page Markdown summary."""
     from .report import ReportError, render
 
-    try:
-        res = render(run_dir, out_dir)
-    except ReportError as exc:  # a user error: one line, exit 2 (as _run does)
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+    res = _run(lambda: render(run_dir, out_dir), errors=(ReportError,))
     click.echo(f"wrote {res['report']} and {len(res['images'])} plots")
 
 

@@ -215,13 +215,16 @@ class Trainer:
         self.nonfinite_run, self.nonfinite_total = 0, 0
         for row in kept_rows:
             if "loss" in row or "nonfinite" in row:
-                self.nonfinite_run = self.nonfinite_run + 1 if row.get("nonfinite") else 0
-                self.nonfinite_total += bool(row.get("nonfinite"))
+                self._count_nonfinite(bool(row.get("nonfinite")))
         # The success rate of the reference, for spec 4's p*: step 1 samples from fresh adapters, i.e. from
         # pi_ref. A resumed run reads it back from step 1's metrics row.
         self.p_ref = next((row.get("success_rate") for row in kept_rows if row.get("step") == 1 and "loss" in row), None)
         if self.train_set.skipped:
             log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        self.nonfinite_run = self.nonfinite_run + 1 if skipped else 0
+        self.nonfinite_total += skipped
 
     # -- phases --------------------------------------------------------------------------------------
 
@@ -474,8 +477,7 @@ class Trainer:
                 row = self.train_step()
                 self.step += 1
                 bad = bool(row.get("nonfinite"))
-                self.nonfinite_run = self.nonfinite_run + 1 if bad else 0
-                self.nonfinite_total += bad
+                self._count_nonfinite(bad)
                 row.update({"nonfinite/consecutive": self.nonfinite_run, "nonfinite/skipped_total": self.nonfinite_total})
                 if r.train.eval_every and self.step % r.train.eval_every == 0 and self.step < r.train.steps:
                     row.update({f"eval/{k}": v for k, v in (self.evaluate() or {}).items()})
@@ -498,7 +500,7 @@ class Trainer:
                     self.save()
                 elif bad:
                     progress.log(f"[lowmem-grpo] step {self.step}: non-finite loss or gradient, update skipped "
-                             f"({self.nonfinite_run} in a row)")
+                                 f"({self.nonfinite_run} in a row)")
                 if stop.requested:
                     stopped = True
                     break

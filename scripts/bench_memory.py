@@ -73,6 +73,7 @@ def _shape() -> tuple[dict, int, bool]:
 
 SHAPE, VOCAB, TIED = _shape()
 LORA_R, LORA_ALPHA, BETA, LR = 16, 32, 0.04, 1e-5
+PROMPT = "12+34="
 
 
 def peak_mib() -> float:
@@ -82,7 +83,6 @@ def peak_mib() -> float:
 
         return torch.cuda.max_memory_allocated() / 2**20
     return peak_rss_mib()
-PROMPT = "12+34="
 
 
 def reset_peak_rss() -> bool:
@@ -115,9 +115,9 @@ def build(workdir: Path) -> None:
     spec = tiny.TinyModelSpec(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=TIED, **SHAPE)
     model = tiny.build_model(tok, spec, seed=0).to(getattr(torch, DTYPE))
     model.save_pretrained(workdir / "model")
-    marker.write_text(want)
     tok.save_pretrained(workdir / "model")
     tiny.write_jsonl([{"prompt": PROMPT, "answer": "46"}] * 4, workdir / "prompts.jsonl")
+    marker.write_text(want)  # last: a build cut short is redone
 
 
 def never_eos(model) -> None:
