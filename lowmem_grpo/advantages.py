@@ -1,4 +1,4 @@
-"""Group advantages (grpo-spec.md section 2): one scalar per completion, from the rewards of its group.
+"""Group advantages (docs/algorithm.md §2): one scalar per completion, from the rewards of its group.
 
 Rewards arrive as a [groups, G] tensor; NaN marks a completion a reward function skipped (for example an
 unparseable gold answer). Skipped completions get advantage 0 and take no part in their group's

@@ -43,8 +43,12 @@ def main():
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. --set train.steps=10.")
 def validate(recipe, overrides):
     """Check a recipe: report every problem at once, with its key path."""
-    r = _run(lambda: load_recipe(recipe, list(overrides)))
+    r = _run(lambda: load_recipe(recipe, list(overrides)), errors=(RecipeError,))   # no trainer (torch) import
     click.echo(f"{recipe}: ok ({r.train.steps} steps, G={r.generation.num_generations}, model {r.model.name_or_path})")
+    from .rewards.code import judging_notes
+
+    for note in judging_notes(r):
+        click.echo(note)
 
 
 @main.command()

@@ -1,4 +1,5 @@
-"""Prompt data: read rows from a file, render prompts, and serve batches in a resumable order.
+"""Prompt data: read rows from a source, render prompts when they are needed, and serve batches in a
+resumable order.
 
 Rows are dicts (one JSON object per line, a CSV row, a Parquet row). The recipe names the prompt and
 answer fields; the whole row is passed to reward functions, so extra fields (tests, numbers, target)
@@ -6,61 +7,45 @@ reach them untouched. A row missing a field is an error naming the file and row,
 `data.on_bad_row: skip`.
 
 A source is a file (.jsonl, .csv, .parquet) or a Hugging Face dataset split (`hf:NAME[:CONFIG]@SPLIT`,
-hub.py). Without `data.eval_path`, `data.eval_fraction` holds out a seeded share of the training rows,
-grouped by prompt so that no held-out prompt is also a training prompt (`split_rows`).
+hub.py), indexed but never read whole into Python objects (sources.py), so a dataset of millions of rows
+costs little memory and start-up time.
+
+A PromptSet renders and tokenizes a row when its batch comes (a small cache keeps recent ones). At
+start-up it checks a bounded sample (`CHECK_HEAD` first rows and `CHECK_SAMPLE` seeded others; every
+row of a smaller source): a bad row there is an error naming the file and row, or a skip that removes the
+row from the set. A bad row first met later is the same error, or a counted skip replaced by the next
+usable row (`PromptSet.examples`), so a step still gets its full batch and the choice depends only on
+the data.
+
+Without `data.eval_path`, `data.eval_fraction` holds out a seeded share of the training rows, grouped by
+prompt so that no held-out prompt is also a training prompt (`split_indices`); only row indices are kept.
 """
 
 from __future__ import annotations
 
-import csv
+import bisect
 import json
+import operator
 import random
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Optional
 
-from . import hub
+import numpy as np
+
 from .recipe import DataConfig
+from .sources import DataChanged, DataError, ListSource, Subset, Unreadable, open_source, read_rows, row_number  # noqa: F401
+
+CHECK_HEAD = 1000      # the first rows checked at start-up
+CHECK_SAMPLE = 1000    # plus this many seeded others (every row of a source of at most the sum)
+CACHE_EXAMPLES = 1024  # rendered examples kept (eval's first prompts; a step's batch)
 
 
-class DataError(Exception):
-    pass
-
-
-def read_rows(path: str) -> list[dict]:
-    if hub.is_hub(path):
-        try:
-            return hub.load_rows(path)
-        except ValueError as exc:
-            raise DataError(f"{path}: {exc}") from None
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{path}: file not found")
-    suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        rows = []
-        with open(p) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-        return rows
-    if suffix == ".csv":
-        with open(p, newline="") as f:
-            return [dict(r) for r in csv.DictReader(f)]
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(f"{path}: reading Parquet needs pyarrow (pip install 'lowmem-grpo[data]')") from None
-        return pq.read_table(p).to_pylist()
-    raise DataError(f"{path}: unknown file type {suffix!r}; allowed: .jsonl, .csv, .parquet")
-
+# ----------------------------------------------------------------------------------------------------
+# Prompt sets
+# ----------------------------------------------------------------------------------------------------
 
 @dataclass
 class Example:
@@ -69,23 +54,129 @@ class Example:
     prompt_ids: list   # its token ids
 
 
-class PromptSet:
-    """The usable rows of one source, rendered and tokenized once. `limit`: read only the first N rows.
-    `rows`: these rows instead of reading `path` (which then only labels errors)."""
+class _Examples(Sequence):
+    """The examples of a PromptSet, rendered when indexed: [i], [a:b] (a list), len, iteration."""
 
-    def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: int | None = None, rows: list | None = None):
-        self.path, self.cfg = path, cfg
-        self.examples: list[Example] = []
+    def __init__(self, ps: "PromptSet"):
+        self._ps = ps
+
+    def __len__(self) -> int:
+        return len(self._ps)
+
+    def __getitem__(self, i):
+        n = len(self._ps)
+        if isinstance(i, slice):
+            return [self._ps._example(j) for j in range(*i.indices(n))]
+        i = operator.index(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"example {i} of a set of {n}")
+        return self._ps._example(i)
+
+    def __iter__(self):
+        for j in range(len(self._ps)):
+            yield self._ps._example(j)
+
+
+class PromptSet:
+    """The usable rows of one source, rendered and tokenized when asked for. `limit`: only the first N
+    rows. `rows`: these rows instead of reading `path` (which then only labels errors). `source`: an
+    opened source (open_source, or a part of one) instead of reading `path`.
+
+    `examples[i]` is the i-th usable row's Example. Rows found bad in the start-up check are not in the
+    set; a row found bad later is an error (on_bad_row=error) or, with skip, counted in `skipped` and
+    replaced by the next usable row, so that `examples[i]` still is one and depends only on the data
+    (a resumed run sees the same prompts). `len(ps)` is fixed at start-up."""
+
+    def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: Optional[int] = None,
+                 rows: Optional[list] = None, source=None):
+        self.path, self.cfg, self.tokenizer = path, cfg, tokenizer
+        if source is None:
+            source = ListSource(path, rows[:limit]) if rows is not None else open_source(path, limit)
+        elif limit is not None and limit < len(source):
+            source = Subset(source, np.arange(max(0, limit)), path)
+        self.source = source
         self.skipped: list[str] = []
-        for i, row in enumerate((read_rows(path) if rows is None else rows)[:limit], 1):
+        self._cache: OrderedDict = OrderedDict()
+        self._late_bad: set = set()
+        n = len(source)
+        if n <= CHECK_HEAD + CHECK_SAMPLE:
+            check = range(n)
+        else:  # a fixed seed: which rows are checked (and so len(ps)) depends only on the data
+            check = sorted([*range(CHECK_HEAD), *random.Random("lowmem-grpo:check").sample(range(CHECK_HEAD, n), CHECK_SAMPLE)])
+        bad, longest = [], None
+        for i in check:
             try:
-                self.examples.append(self._render(row, tokenizer))
-            except DataError as exc:
-                if cfg.on_bad_row == "error":
-                    raise DataError(f"{path}: row {i}: {exc} (set data.on_bad_row: skip to skip such rows)") from None
-                self.skipped.append(f"row {i}: {exc}")
-        if not self.examples:
+                ex = self._render_at(i)
+            except (DataError, Unreadable) as exc:
+                self._bad_row(i, exc)
+                bad.append(i)
+                continue
+            if longest is None or len(ex.prompt_ids) > len(longest.prompt_ids):
+                longest = ex
+            if len(self._cache) < CACHE_EXAMPLES:
+                self._cache[i] = ex
+        self.checked = len(check)
+        self._bad = bad  # sorted source indices not in the set
+        self._len = n - len(bad)
+        self._longest = longest
+        if longest is None:
             raise DataError(f"{path}: no usable rows" + (f" ({len(self.skipped)} skipped, first: {self.skipped[0]})" if self.skipped else ""))
+        self.examples = _Examples(self)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def longest_prompt(self) -> list:
+        """Token ids of the longest prompt among the rows checked at start-up: every row of a source of at
+        most CHECK_HEAD + CHECK_SAMPLE rows, else that sample (reading every row of a large source is what
+        lazy data avoids; no prompt is longer than data.max_prompt_tokens, the hard bound)."""
+        return self._longest.prompt_ids
+
+    def _source_index(self, pos: int) -> int:
+        """Source index of the pos-th row that the start-up check did not find bad."""
+        r = pos
+        while True:
+            nxt = pos + bisect.bisect_right(self._bad, r)
+            if nxt == r:
+                return r
+            r = nxt
+
+    def _example(self, pos: int) -> Example:
+        for _ in range(self._len):
+            r = self._source_index(pos)
+            ex = self._cache.get(r)
+            if ex is not None:
+                self._cache.move_to_end(r)
+                return ex
+            if r not in self._late_bad:
+                try:
+                    ex = self._render_at(r)
+                except (DataError, Unreadable) as exc:
+                    self._bad_row(r, exc)
+                    self._late_bad.add(r)
+                else:
+                    self._cache[r] = ex
+                    if len(self._cache) > CACHE_EXAMPLES:
+                        self._cache.popitem(last=False)
+                    return ex
+            pos = (pos + 1) % self._len  # skip: the next usable row
+        raise DataError(f"{self.path}: no usable rows ({len(self.skipped)} skipped, first: {self.skipped[0]})")
+
+    def _bad_row(self, i: int, exc: Exception) -> None:
+        """Raise the error naming the row (on_bad_row=error), or count the skip."""
+        if isinstance(exc, DataChanged):
+            raise exc
+        number = row_number(self.source, i)
+        if self.cfg.on_bad_row == "error":
+            line = self.source.line(i)
+            where = f"row {number}" + (f" (line {line})" if line not in (None, number) else "")
+            raise DataError(f"{self.path}: {where}: {exc} (set data.on_bad_row: skip to skip such rows)") from None
+        self.skipped.append(f"row {number}: {exc}")
+
+    def _render_at(self, i: int) -> Example:
+        return self._render(self.source.row(i), self.tokenizer)
 
     def _render(self, row: dict, tokenizer) -> Example:
         cfg = self.cfg
@@ -109,9 +200,6 @@ class PromptSet:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
         return Example(row, text, ids)
 
-    def __len__(self) -> int:
-        return len(self.examples)
-
 
 def fill_template(row: dict, cfg: DataConfig) -> str:
     """`data.template` filled from the row's fields plus {prompt} (the prompt field's value)."""
@@ -124,16 +212,43 @@ def fill_template(row: dict, cfg: DataConfig) -> str:
         raise DataError(f"data.template {cfg.template!r} cannot be filled from this row: {exc!r}") from None
 
 
+# ----------------------------------------------------------------------------------------------------
+# Batch order
+# ----------------------------------------------------------------------------------------------------
+
+_EPOCHS: OrderedDict = OrderedDict()  # (n, seed, epoch) -> that epoch's order; the latest few only
+_EPOCHS_KEPT = 2
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s order of rows 0..n-1: a seeded shuffle, computed once and kept (int64, 8 bytes a row).
+    The shuffle is random.Random(f"{seed}:{epoch}").shuffle of list(range(n)), as the trainer has always
+    drawn it, so runs and checkpoints from earlier versions replay the same prompts."""
+    key = (n, seed, epoch)
+    order = _EPOCHS.get(key)
+    if order is None:
+        rows = list(range(n))
+        random.Random(f"{seed}:{epoch}").shuffle(rows)
+        order = _EPOCHS[key] = np.array(rows, dtype=np.int64)
+        while len(_EPOCHS) > _EPOCHS_KEPT:
+            _EPOCHS.popitem(last=False)
+    else:
+        _EPOCHS.move_to_end(key)
+    return order
+
+
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     """Indices of the prompts of batch `step` (0-based): epochs are seeded shuffles of the dataset, so the
     data position is a pure function of (seed, step) and a resumed run sees exactly the same prompts."""
-    out = []
-    start = step * batch_size
-    for pos in range(start, start + batch_size):
+    if n < 1:
+        raise ValueError(f"batch_indices: the set has {n} rows; it needs at least 1")
+    out: list[int] = []
+    pos, end = step * batch_size, (step + 1) * batch_size
+    while pos < end:
         epoch, offset = divmod(pos, n)
-        order = list(range(n))
-        random.Random(f"{seed}:{epoch}").shuffle(order)
-        out.append(order[offset])
+        take = min(end - pos, n - offset)
+        out += epoch_order(n, seed, epoch)[offset:offset + take].tolist()
+        pos += take
     return out
 
 
@@ -151,44 +266,84 @@ def _prompt_key(row, cfg: DataConfig) -> str:
     return json.dumps(row, sort_keys=True, default=str)
 
 
-def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
-    """(training rows, held-out rows): a seeded (`data.split_seed`) share `data.eval_fraction` of the
-    distinct prompts is held out, with every row of those prompts, so that no held-out prompt is also
-    trained on even when the data repeats a prompt. Both keep the source's row order."""
-    keys = [_prompt_key(r, cfg) for r in rows]
-    distinct = sorted(set(keys))
-    random.Random(f"split:{cfg.split_seed}").shuffle(distinct)
-    n_held = min(len(distinct) - 1, max(1, round(cfg.eval_fraction * len(distinct))))
+def split_indices(source, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(training row indices, held-out row indices) of a source, ascending: a seeded (`data.split_seed`)
+    share `data.eval_fraction` of the distinct prompts is held out, with every row of those prompts, so
+    that no held-out prompt is also trained on even when the data repeats a prompt.
+
+    The rows are read once, in order, and only their prompt keys kept (as Arrow binary, not Python
+    strings). Which prompts are held out is what sorting the distinct keys and shuffling them with
+    random.Random(f"split:{split_seed}") picks; UTF-8 bytes sort as the strings do, so the split is the
+    same as when it sorted Python strings. A row that cannot be parsed is an error (on_bad_row=error)
+    or goes to the training part, to be skipped when met."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    chunks, keys, readable, unreadable = [], [], array("q"), array("q")
+    for i, row in source.iter_rows():
+        if isinstance(row, Unreadable):
+            if cfg.on_bad_row == "error":
+                raise DataError(f"{source.path}:{source.line(i)}: {row} (set data.on_bad_row: skip to skip such rows)")
+            unreadable.append(i)
+            continue
+        readable.append(i)
+        keys.append(_prompt_key(row, cfg).encode("utf-8", "surrogatepass"))
+        if len(keys) == 65536:
+            chunks.append(pa.array(keys, type=pa.large_binary()))
+            keys = []
+    chunks.append(pa.array(keys, type=pa.large_binary()))
+    encoded = pc.dictionary_encode(pa.concat_arrays(chunks))
+    distinct, codes = encoded.dictionary, encoded.indices.to_numpy(zero_copy_only=False)
+    m = len(distinct)
+    n_held = min(m - 1, max(1, round(cfg.eval_fraction * m)))
     if n_held < 1:
-        raise DataError(f"data.eval_fraction={cfg.eval_fraction}: the training source has {len(distinct)} distinct "
+        raise DataError(f"data.eval_fraction={cfg.eval_fraction}: the training source has {m} distinct "
                         "prompt(s), too few to hold any out and still train on some")
-    held = set(distinct[:n_held])
-    return [r for r, k in zip(rows, keys) if k not in held], [r for r, k in zip(rows, keys) if k in held]
+    ranks = list(range(m))  # shuffling ranks moves them as it moved the sorted keys
+    random.Random(f"split:{cfg.split_seed}").shuffle(ranks)
+    by_rank = pc.sort_indices(distinct).to_numpy()  # dictionary index of the k-th smallest key
+    held_mask = np.zeros(m, dtype=bool)
+    held_mask[by_rank[np.asarray(ranks[:n_held], dtype=np.int64)]] = True
+    is_held = held_mask[codes]
+    rows = np.frombuffer(readable, dtype=np.int64) if len(readable) else np.zeros(0, dtype=np.int64)
+    train, held = rows[~is_held], rows[is_held]
+    if len(unreadable):
+        train = np.sort(np.concatenate([train, np.frombuffer(unreadable, dtype=np.int64)]))
+    del encoded, distinct, codes
+    pa.default_memory_pool().release_unused()  # the keys' hash table: ~60 MiB at 1M rows, else kept by the pool
+    return train, held
+
+
+def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
+    """split_indices for rows given as a list: (training rows, held-out rows), both in the list's order."""
+    train, held = split_indices(ListSource("rows", rows), cfg)
+    return [rows[i] for i in train.tolist()], [rows[i] for i in held.tolist()]
 
 
 def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test")) -> dict:
     """{split: PromptSet or None} for each asked split: 'train', the training set; 'test', the held-out set
     (None when the recipe has none): `data.eval_path`, else the `data.eval_fraction` split of
-    `data.train_path`, whose source is read once for both. Errors name the field."""
+    `data.train_path`, whose source is opened once for both. Errors name the field."""
     for w in which:
         if w not in ("train", "test"):
             raise DataError(f"split {w!r} is unknown; allowed: train, test")
     split = bool(cfg.eval_fraction and not cfg.eval_path)
-    rows = {}
+    sources = {}
     if "train" in which or ("test" in which and split):
-        rows["train"] = _named(lambda: read_rows(cfg.train_path), "data.train_path")
+        sources["train"] = _named(lambda: open_source(cfg.train_path), "data.train_path")
         if split:
-            rows["train"], rows["test"] = split_rows(rows["train"], cfg)
+            train, held = _named(lambda: split_indices(sources["train"], cfg), "data.train_path")
+            sources["train"], sources["test"] = Subset(sources["train"], train), Subset(sources["train"], held)
     out = {}
     for w in which:
         if w == "test" and cfg.eval_path:
             out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer), "data.eval_path")
-        elif w not in rows:
+        elif w not in sources:
             out[w] = None
         else:
             label = cfg.train_path + (f" ({'held-out' if w == 'test' else 'training'} part, data.eval_fraction="
                                       f"{cfg.eval_fraction})" if split else "")
-            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, rows=rows[w]), "data.train_path")
+            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w]), "data.train_path")
     return out
 
 

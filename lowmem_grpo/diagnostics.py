@@ -1,16 +1,20 @@
-"""What a step did, as pure computations for the metrics row (grpo-spec.md sections 3, 4, 7 and 8).
+"""What a step did, as pure computations for the metrics row (docs/algorithm.md §3, §4, §7 and §8).
 
 No models, no I/O: tensors and floats in, numbers out. train.py calls these and writes the results.
+The rule "solved" lives here too, and training metrics, eval and the report all use it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
-# Inside the square roots of spec 3's weights. STD_EPS (1e-4) is added to the std in advantages.py;
+from .advantages import zero_std_groups
+
+# Inside the square roots of docs/algorithm.md §3's weights. STD_EPS (1e-4) is added to the std in advantages.py;
 # its square keeps the same scale here.
 OMEGA_EPS = 1e-8
 
@@ -23,11 +27,149 @@ STEP_KEYS = (
     "completion/mean_length", "completion/truncated_fraction",
     "update/mu_ran", "update/unclipped_fraction", "update/stop",
     "update/logp_change_pos", "update/logp_change_neg", "update/frac_pos_up", "update/frac_neg_down",
-    "rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max",
+    "rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max", "success_rate/skipped",
 )
 
 
-# -- Spec 3: binary rewards make GRPO a weighted contrastive loss ------------------------------------------
+# -- "Solved": one rule for training metrics, eval, the report and the progress line -----------------------
+
+# A built-in verifiable reward scores a right answer 1.
+SOLVED_THRESHOLD = 1.0
+
+
+@dataclass(frozen=True)
+class Solved:
+    """Per completion: `valid`, the primary reward scored it (None = skipped, excluded from rates and
+    counted); `correct`, valid and at least SOLVED_THRESHOLD."""
+
+    correct: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def counted(self) -> int:
+        return int(self.valid.sum())
+
+    @property
+    def skipped(self) -> int:
+        return int((~self.valid).sum())
+
+    @property
+    def rate(self) -> Optional[float]:
+        """Correct / counted; None when the primary reward skipped every completion."""
+        return int(self.correct.sum()) / self.counted if self.counted else None
+
+    def at(self, i: int) -> Optional[bool]:
+        return bool(self.correct[i]) if bool(self.valid[i]) else None
+
+
+def solved(result) -> Solved:
+    """Which completions of a RewardResult are solved: the primary reward (the recipe's first function)
+    reached SOLVED_THRESHOLD. A completion it skipped is neither right nor wrong."""
+    primary = next(iter(result.per_function.values()))
+    valid = ~torch.isnan(primary)
+    return Solved(valid & (primary >= SOLVED_THRESHOLD), valid)
+
+
+# -- The rollout: rewards, lengths, groups --------------------------------------------------------------------
+
+def rollout_stats(result, lengths: torch.Tensor, truncated: torch.Tensor, group_size: int,
+                  advantages: torch.Tensor) -> dict:
+    """The metrics of one step's completions: rewards per function, success, lengths, group statistics.
+    `result` is the step's RewardResult; lengths/truncated are per completion; advantages [groups, G]."""
+    total = result.total
+    valid = ~torch.isnan(total)
+    done = solved(result)
+    rewards = total.view(-1, group_size)
+    row = {"reward/mean": float(total[valid].mean()) if valid.any() else None,
+           "reward/std": float(total[valid].std()) if valid.sum() > 1 else None,
+           "success_rate": done.rate, "success_rate/skipped": done.skipped,
+           "zero_std_fraction": float(zero_std_groups(rewards).float().mean()),
+           "completion/mean_length": float(lengths.to(torch.float32).mean()),
+           "completion/truncated_fraction": int(truncated.sum()) / truncated.numel(),
+           "reward/skipped": result.skipped}
+    for name, values in result.per_function.items():
+        ok = ~torch.isnan(values)
+        row[f"reward/{name}"] = float(values[ok].mean()) if ok.any() else None
+        row[f"reward/{name}/std"] = float(values[ok].std()) if ok.sum() > 1 else None
+    row.update(rollout_diagnostics(done.correct.view_as(rewards), done.valid.view_as(rewards), advantages))
+    for name, n in result.errors.items():
+        row[f"reward_errors/{name}"] = n
+    return row
+
+
+def sample_table(prompts: Sequence[str], texts: Sequence[str], result, limit: int = 16) -> list[dict]:
+    """The first `limit` completions with their prompt and rewards, total and per function (None = skipped)."""
+    def num(x) -> Optional[float]:
+        return None if math.isnan(x) else float(x)
+
+    return [{"prompt": prompts[i], "completion": texts[i], "reward": num(result.total[i]),
+             **{f"reward/{name}": num(values[i]) for name, values in result.per_function.items()}}
+            for i in range(min(limit, len(texts)))]
+
+
+# -- An update pass: what the loss saw -----------------------------------------------------------------------
+
+@dataclass
+class TokenStats:
+    """One micro-batch's per-token figures from an update pass, detached (inputs of update_stats)."""
+
+    loss: float                        # the micro-batch's aggregated loss (its share of the batch loss)
+    entropy: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    advantages: torch.Tensor
+    kl_ref: Optional[torch.Tensor] = None
+    kl_mirror: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    loss: float                                 # the batch loss (sum of the micro-batches' shares)
+    n_tokens: int
+    entropy: float
+    clip_low: float                             # fractions of all tokens
+    clip_high: float
+    clip_fraction: float
+    kl_ref: Optional[float]                     # mean per token; None when that term is off
+    kl_mirror: Optional[float]
+    unclipped_fraction: Optional[float]         # of the tokens with A != 0, those no clip bound (§7)
+
+    def row(self) -> dict:
+        return {"loss": self.loss, "kl": self.kl_ref, "kl/ref": self.kl_ref, "kl/mirror": self.kl_mirror,
+                "entropy": self.entropy, "clip/low": self.clip_low, "clip/high": self.clip_high,
+                "clip/fraction": self.clip_fraction, "update/unclipped_fraction": self.unclipped_fraction}
+
+
+def update_stats(parts: Sequence[TokenStats], kl_ref_on: bool, kl_mirror_on: bool) -> UpdateStats:
+    """Token-weighted means over the micro-batches of one update pass."""
+    n = sum(p.entropy.numel() for p in parts)
+    per_tok = max(1, n)
+    signed = sum(int((p.advantages != 0).sum()) for p in parts)
+    unclipped = sum(int(((p.advantages != 0) & ~p.clipped_low & ~p.clipped_high).sum()) for p in parts)
+    low = sum(int(p.clipped_low.sum()) for p in parts)
+    high = sum(int(p.clipped_high.sum()) for p in parts)
+
+    def kl(get, on: bool) -> Optional[float]:
+        return sum(get(p).sum().item() if get(p) is not None else 0.0 for p in parts) / per_tok if on else None
+
+    return UpdateStats(loss=sum(p.loss for p in parts), n_tokens=n,
+                       entropy=sum(p.entropy.sum().item() for p in parts) / per_tok,
+                       clip_low=low / per_tok, clip_high=high / per_tok, clip_fraction=(low + high) / per_tok,
+                       kl_ref=kl(lambda p: p.kl_ref, kl_ref_on), kl_mirror=kl(lambda p: p.kl_mirror, kl_mirror_on),
+                       unclipped_fraction=unclipped / signed if signed else None)
+
+
+def sampler_agreement(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's at the same
+    weights: mean and max |difference| over (trainer, sampler) pairs. Empty when there is nothing to compare."""
+    diffs = [(ours.detach().float().cpu() - theirs).abs() for ours, theirs in pairs]
+    if not diffs or not sum(d.numel() for d in diffs):
+        return {}
+    d = torch.cat(diffs)
+    return {"rollout/logprob_abs_diff": float(d.mean()), "rollout/logprob_abs_diff_max": float(d.max())}
+
+
+# -- §3: binary rewards make GRPO a weighted contrastive loss ------------------------------------------
 
 def omega_plus(p: float, eps: float = OMEGA_EPS) -> float:
     """Weight of a correct completion under mean_std at success rate p: (1-p) / sqrt(p(1-p) + eps)."""
@@ -41,7 +183,7 @@ def omega_minus(p: float, eps: float = OMEGA_EPS) -> float:
 
 def omega_sum(p: float, mode: str = "mean_std", group_size: Optional[int] = None, eps: float = OMEGA_EPS) -> float:
     """omega_plus + omega_minus for an advantage mode: how far one exact KL-regularised update moves
-    logit(p), times beta (spec 4). mean_std: 1/sqrt(p(1-p)+eps); mean: 1 (spec 4); rloo is mean scaled
+    logit(p), times beta (docs/algorithm.md §4). mean_std: 1/sqrt(p(1-p)+eps); mean: 1; rloo is mean scaled
     by G/(G-1); sign gives +-1."""
     if mode == "mean_std":
         return omega_plus(p, eps) + omega_minus(p, eps)
@@ -103,7 +245,7 @@ def rollout_diagnostics(correct: torch.Tensor, valid: torch.Tensor, advantages: 
             "omega/plus": plus, "omega/minus": minus}
 
 
-# -- Spec 4: the success-amplification recurrence under a reference KL --------------------------------------
+# -- §4: the success-amplification recurrence under a reference KL --------------------------------------
 
 def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
@@ -119,7 +261,7 @@ def kl_recurrence_step(p_prev: float, p_ref: float, beta: float, mode: str = "me
 
 
 def kl_recurrence(p_ref: float, beta: float, n: int, mode: str = "mean_std", group_size: Optional[int] = None) -> list[float]:
-    """[p_1, ..., p_n] from p_0 = p_ref (spec 4)."""
+    """[p_1, ..., p_n] from p_0 = p_ref (docs/algorithm.md §4)."""
     out, p = [], p_ref
     for _ in range(n):
         p = kl_recurrence_step(p, p_ref, beta, mode, group_size)
@@ -139,7 +281,7 @@ def kl_fixed_point(p_ref: float, beta: float, mode: str = "mean_std", group_size
     return p
 
 
-# -- Spec 7: stopping the mu updates of one batch early -----------------------------------------------------
+# -- §7: stopping the mu updates of one batch early -----------------------------------------------------
 
 def early_stop_reason(unclipped_fraction: Optional[float], objective: float, prev_objective: Optional[float],
                       min_unclipped: float, min_improvement: Optional[float]) -> Optional[str]:
@@ -153,7 +295,7 @@ def early_stop_reason(unclipped_fraction: Optional[float], objective: float, pre
     return None
 
 
-# -- Spec 8: did preferred completions become more likely, dispreferred ones less? --------------------------
+# -- §8: did preferred completions become more likely, dispreferred ones less? --------------------------
 
 def sequence_sums(token_values: torch.Tensor, seq_ids: torch.Tensor, n_seqs: int) -> torch.Tensor:
     """[n_seqs] per-completion sums of a per-token quantity (float64)."""
@@ -173,3 +315,23 @@ def logp_change(before: torch.Tensor, after: torch.Tensor, advantages: torch.Ten
     return {"update/logp_change_pos": mean(delta, pos), "update/logp_change_neg": mean(delta, neg),
             "update/frac_pos_up": mean((delta > 0).to(torch.float64), pos),
             "update/frac_neg_down": mean((delta < 0).to(torch.float64), neg)}
+
+
+def logp_moved(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], seq_ids: Sequence[torch.Tensor],
+               advantages: Sequence[torch.Tensor]) -> dict:
+    """logp_change over a batch given per micro-batch: per-token log-probs before the first update and
+    after the last, each token's completion index in the batch, and its advantage."""
+    ids = torch.cat(list(seq_ids))
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    seq_adv = torch.zeros(n, dtype=torch.float64).index_copy_(0, ids, torch.cat(list(advantages)).to(torch.float64))
+    return logp_change(sequence_sums(torch.cat(list(before)), ids, n), sequence_sums(torch.cat(list(after)), ids, n),
+                       seq_adv)
+
+
+def p_star(p_ref: Optional[float], total: torch.Tensor, kl_target: str, beta: float, mode: str,
+           group_size: int) -> dict:
+    """docs/algorithm.md §4: where exact KL-regularised GRPO would take the success rate, from the
+    reference's. Only under a reference KL and binary rewards, the recurrence's assumptions."""
+    if kl_target not in ("ref", "both") or p_ref is None or not is_binary(total):
+        return {"kl/p_ref": None, "kl/p_star": None}
+    return {"kl/p_ref": p_ref, "kl/p_star": kl_fixed_point(p_ref, beta, mode, group_size)}

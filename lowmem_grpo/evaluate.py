@@ -5,8 +5,9 @@ One implementation: `Trainer.evaluate` calls `greedy` on its held-out prompts, a
 `train.eval_max_prompts`), through the same rollout engine and `Rewards`, so a checkpoint's number
 there equals the trainer's number for it.
 
-A completion is correct when the recipe's first reward function scores it >= 1 (a right answer for the
-built-in verifiable rewards); a completion that function skips (None) is not counted.
+A completion is correct when it is solved (diagnostics.solved: the recipe's first reward function scores
+it >= 1, a right answer for the built-in verifiable rewards); a completion that function skips (None) is
+not counted. Training's success_rate uses the same rule.
 
 pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"): per prompt, n completions
 sampled at generation.temperature, c of them correct; pass@k = 1 - C(n-c, k) / C(n, k), the unbiased
@@ -23,9 +24,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .rollout.base import SamplingParams
-
-BATCH = 64   # prompts per generate call in greedy eval (memory.py models the same)
+from .diagnostics import solved
+from .rollout import make_engine
+from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,15 +41,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def _judged(rewards, result, i: int) -> tuple[dict, Optional[float], Optional[bool]]:
-    """Per-function scores, total and correctness of completion i (None where skipped)."""
+def _record(result, i: int) -> tuple[dict, Optional[float]]:
+    """Per-function scores and total of completion i (None where skipped)."""
     per = {name: (None if math.isnan(v[i]) else float(v[i])) for name, v in result.per_function.items()}
     total = float(result.total[i])
-    primary = per[rewards.names[0]]
-    return per, (None if math.isnan(total) else total), (None if primary is None else primary >= 1.0)
+    return per, (None if math.isnan(total) else total)
 
 
-def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = BATCH,
+def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = EVAL_BATCH,
            records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
     """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
     with skips as 0, over all prompts) and n (prompts counted). `records` gets one dict per prompt."""
@@ -59,23 +59,22 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
                                       SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         result = rewards(texts, [e.prompt_text for e in chunk], [e.row for e in chunk])
-        primary = result.per_function[rewards.names[0]]
-        ok = ~torch.isnan(primary)
-        correct += int((primary[ok] >= 1.0).sum())
-        counted += int(ok.sum())
+        judged = solved(result)
+        correct += int(judged.correct.sum())
+        counted += judged.counted
         reward_sum += float(torch.nan_to_num(result.total).sum())
         done(len(chunk))
         if records is not None:
             for j, (c, text) in enumerate(zip(completions, texts)):
-                per, total, ok_j = _judged(rewards, result, j)
+                per, total = _record(result, j)
                 records.append({"mode": "greedy", "prompt_index": i + j, "sample": 0, "prompt": chunk[j].prompt_text,
-                                "completion": text, "rewards": per, "total": total, "correct": ok_j,
+                                "completion": text, "rewards": per, "total": total, "correct": judged.at(j),
                                 "truncated": c.truncated})
     return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted}
 
 
 def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Sequence[int],
-            batch_size: int = BATCH, records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
+            batch_size: int = EVAL_BATCH, records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
     """params.n samples per prompt; pass@k for each k in `ks` (<= params.n), averaged over the prompts
     with at least k scored samples (a prompt whose samples the first reward skips is left out)."""
     if not ks or max(ks) > params.n:
@@ -89,8 +88,10 @@ def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Se
         result = rewards(texts, [chunk[c.prompt_index].prompt_text for c in completions],
                          [chunk[c.prompt_index].row for c in completions])
         counts = [[0, 0] for _ in chunk]
+        judged = solved(result)
         for j, c in enumerate(completions):
-            per, total, ok = _judged(rewards, result, j)
+            per, total = _record(result, j)
+            ok = judged.at(j)
             if ok is not None:
                 counts[c.prompt_index][0] += 1
                 counts[c.prompt_index][1] += int(ok)
@@ -161,7 +162,6 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     writes OUT/samples.jsonl (one line per completion) and OUT/summary.json, and returns the summary."""
     from .data import DataError, prompt_set
     from .rewards import Rewards
-    from .rollout.base import make_engine
 
     adapter_dir, run_dir = resolve_adapter(adapter) if adapter else (None, None)
     if out_dir is None:
@@ -172,7 +172,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")
     examples = pset.examples[: recipe.train.eval_max_prompts]
-    engine, rewards, g = make_engine(recipe.generation.engine, model, tok, recipe), Rewards(recipe.rewards), recipe.generation
+    rewards, g = Rewards(recipe.rewards, answer_field=recipe.data.answer_field), recipe.generation
     records: list = []
     summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
                "model": str(model_dir or recipe.model.name_or_path), "prompts": len(examples),
@@ -186,14 +186,17 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
 
         bar = tqdm(total=2 * len(examples), unit="prompt", desc="eval", file=sys.stderr, dynamic_ncols=True)
     done = bar.update if bar is not None else (lambda n: None)
-    summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done))
-    summary["correct"] = sum(1 for r in records if r["correct"])
-    torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
-    params = SamplingParams(n=max(ks), max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                            top_k=g.top_k)
-    summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done))
-    if bar is not None:
-        bar.close()
+    engine = make_engine(EngineConfig.from_recipe(recipe), model, tok)
+    try:
+        summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done))
+        summary["correct"] = sum(1 for r in records if r["correct"])
+        torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
+        params = SamplingParams.from_generation(g, n=max(ks))
+        summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done))
+    finally:
+        engine.close()
+        if bar is not None:
+            bar.close()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "samples.jsonl", "w") as f:

@@ -5,9 +5,11 @@
     hf:Jiayi-Pan/Countdown-Tasks-3to4@train[:20000]      (datasets' split slicing)
     hf:/data/my_gsm8k@test                                (a local folder of .jsonl/.parquet files)
 
-The rows are read with `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`, so the cache, offline mode
-(HF_DATASETS_OFFLINE=1) and local folders work as in `datasets`. `datasets` is imported only here and
-only when such a source is used (the `data` extra).
+The split is loaded with `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`, so the cache, offline mode
+(HF_DATASETS_OFFLINE=1) and local folders work as in `datasets`, and kept as its Arrow table, memory-mapped
+from datasets' cache: rows are fetched by index when needed (data.py), never all turned into Python
+objects. Parquet files go the same way (`load_file`). `datasets` is imported only here, and only when
+such a source is used (importing it takes a second or two).
 """
 
 from __future__ import annotations
@@ -65,15 +67,20 @@ def _offline() -> bool:
         return False
 
 
-def load_rows(source: str) -> list[dict]:
-    """The rows of one split of a hub (or local-folder) dataset, as dicts. Every failure is a
-    ValueError whose message names the dataset and what to do (the caller adds the recipe field)."""
-    spec = parse(source)
+def _datasets(what: str):
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{source}: reading Hugging Face datasets needs the `datasets` package "
+        raise ValueError(f"{what}: reading Hugging Face datasets needs the `datasets` package "
                          "(pip install 'lowmem-grpo[data]')") from None
+    return datasets
+
+
+def load(source: str):
+    """One split of a hub (or local-folder) dataset, as a `datasets.Dataset` (memory-mapped Arrow). Every
+    failure is a ValueError whose message names the dataset and what to do (the caller adds the recipe field)."""
+    spec = parse(source)
+    datasets = _datasets(source)
     what = f"dataset {spec.name!r}" + (f" (config {spec.config!r})" if spec.config else "") + f", split {spec.split!r}"
     try:
         ds = datasets.load_dataset(spec.name, spec.config, split=spec.split)
@@ -89,4 +96,21 @@ def load_rows(source: str) -> list[dict]:
             f".jsonl/.parquet file (Dataset.to_json / to_parquet) and point the recipe at that file.") from None
     if not hasattr(ds, "to_list"):
         raise ValueError(f"{what}: load_dataset returned {type(ds).__name__}, not one split; name a split after '@'")
-    return ds.to_list()
+    return ds
+
+
+def load_file(kind: str, path) -> "object":
+    """A data file (kind 'parquet') as a `datasets.Dataset`: converted once into datasets' Arrow cache
+    (reused while the file is unchanged) and memory-mapped from there."""
+    datasets = _datasets(str(path))
+    try:
+        return datasets.load_dataset(kind, data_files=str(path), split="train")
+    except Exception as exc:  # a corrupt or unreadable file: pyarrow and datasets raise many types
+        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        raise ValueError(f"cannot read it as {kind}: {type(exc).__name__}: {first}") from None
+
+
+def load_rows(source: str) -> list[dict]:
+    """The rows of one split of a hub (or local-folder) dataset, as dicts (small splits and tests; the
+    trainer reads rows by index from `load`)."""
+    return load(source).to_list()

@@ -1,4 +1,4 @@
-"""Per-token log-probabilities without ever holding [tokens x vocab] logits.
+"""Per-token log-probabilities without ever holding [tokens x vocab] logits (docs/algorithm.md §10, §11).
 
     log p(t | h) = z_t - logsumexp(z),   z = (h W^T + b) / temperature
 

@@ -1,11 +1,11 @@
-"""The GRPO objective and its family as pure functions on flat per-token tensors (grpo-spec.md 1, 4-6).
+"""The GRPO objective and its family as pure functions on flat per-token tensors (docs/algorithm.md §1, §4-§6).
 
 Every tensor here is [n_tokens]: the log-prob of the sampled token under the policy (`logp`, with grad),
 under the policy that sampled it (`logp_old`) and under the reference (`logp_ref`), and the advantage of
 the token's completion. No logits, no models, no I/O. Each variant is one small function; `grpo_token_loss`
 composes the surrogate (ratio or target clip) and the KL term (ref, mirror, both, none; k1, k2 or k3).
 
-Aggregation (spec 5) is expressed as a per-token weight computed once for the whole batch
+Aggregation (docs/algorithm.md §5) is expressed as a per-token weight computed once for the whole batch
 (`aggregation_weights`); the loss is sum(weight * token_loss). Because the weights are known before the
 first micro-batch, summing micro-batch losses gives exactly the one-batch loss in every mode.
 """
@@ -21,7 +21,7 @@ Bound = Union[float, torch.Tensor]
 
 # -- KL estimators (Schulman 2020, "Approximating KL divergence"), samples from the sampling policy ------
 # Each estimates KL(pi_theta || pi_other) from the sampled tokens' log-probs; `other` is the reference
-# (spec 1, kl_target ref) or the policy that sampled the batch (spec 4, kl_target mirror).
+# (kl_target ref) or the policy that sampled the batch (kl_target mirror): docs/algorithm.md §4.
 
 
 def k1_kl(logp: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,8 @@ def k2_kl(logp: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
 
 
 def k3_kl(logp: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
-    """exp(other - lp) - (other - lp) - 1: k3, >= 0, unbiased; gradient 1 - pi_other/pi (spec 1, eq. 21)."""
+    """exp(other - lp) - (other - lp) - 1: k3, >= 0, unbiased; gradient 1 - pi_other/pi.
+    docs/algorithm.md §1, §4."""
     d = logp_other - logp
     return torch.exp(d) - d - 1.0
 
@@ -44,9 +45,9 @@ KL_ESTIMATORS = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl}
 
 
 def kl_terms(logp, logp_ref, logp_old, *, target: str, beta: float, beta_mirror: float, estimator: str = "k3"):
-    """(penalty, kl_ref, kl_mirror) per token, spec 4: beta * KL to the reference and/or beta_mirror * KL to
-    the policy that sampled the batch. A term that is off (its target not chosen, or its beta 0) is None;
-    penalty is None when both are."""
+    """(penalty, kl_ref, kl_mirror) per token, docs/algorithm.md §4: beta * KL to the reference and/or
+    beta_mirror * KL to the policy that sampled the batch. A term that is off (its target not chosen, or its
+    beta 0) is None; penalty is None when both are."""
     if target not in ("ref", "mirror", "both", "none"):
         raise ValueError(f"unknown kl target {target!r}")
     est = KL_ESTIMATORS[estimator]
@@ -56,7 +57,7 @@ def kl_terms(logp, logp_ref, logp_old, *, target: str, beta: float, beta_mirror:
     return (sum(parts) if parts else None), kl_ref, kl_mirror
 
 
-# -- Clipped surrogates (spec 1 and 6) --------------------------------------------------------------------
+# -- Clipped surrogates (docs/algorithm.md §1, §6) --------------------------------------------------------
 
 
 def pessimistic_clip(ratio: torch.Tensor, advantages: torch.Tensor, low: Bound, high: Bound) -> torch.Tensor:
@@ -69,18 +70,21 @@ def ratio_clip_bounds(eps_low: float, eps_high: float) -> tuple[float, float]:
 
 
 def target_clip_bounds(logp_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spec 6 as ratio bounds: a token reaches its target when pi = pi_old^2 (A < 0: r = pi_old) or
-    pi = sqrt(pi_old) (A > 0: r = pi_old^-1/2). Both targets are probabilities, hence always reachable."""
+    """The target clip (docs/algorithm.md §6) as ratio bounds: a token reaches its target when
+    pi = pi_old^2 (A < 0: r = pi_old) or pi = sqrt(pi_old) (A > 0: r = pi_old^-1/2). Both targets are
+    probabilities, hence always reachable."""
     return torch.exp(logp_old), torch.exp(-0.5 * logp_old)
 
 
 def ratio_clip_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float) -> torch.Tensor:
-    """Spec 1/6 'ratio': min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = exp(logp - logp_old)."""
+    """'ratio' clip: min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = exp(logp - logp_old).
+    docs/algorithm.md §6."""
     return pessimistic_clip(torch.exp(logp - logp_old), advantages, *ratio_clip_bounds(eps_low, eps_high))
 
 
 def target_clip_surrogate(logp, logp_old, advantages) -> torch.Tensor:
-    """Spec 6 'target': the token's gain stops once pi reaches sqrt(pi_old) (A > 0) or pi_old^2 (A < 0)."""
+    """'target' clip: the token's gain stops once pi reaches sqrt(pi_old) (A > 0) or pi_old^2 (A < 0).
+    docs/algorithm.md §6."""
     return pessimistic_clip(torch.exp(logp - logp_old), advantages, *target_clip_bounds(logp_old))
 
 
@@ -120,7 +124,7 @@ class TokenLoss:
 def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_low: float = 0.2,
                     eps_high: float = 0.2, clip: str = "ratio", kl_target: str = "ref", beta_mirror: float = 0.0,
                     kl_estimator: str = "k3") -> TokenLoss:
-    """-(surrogate - KL penalty) per token (spec 1, with the variants of spec 4 and 6)."""
+    """-(surrogate - KL penalty) per token (docs/algorithm.md §1, with the variants of §4 and §6)."""
     loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high)
     penalty, kl_ref, kl_mirror = kl_terms(logp, logp_ref, logp_old, target=kl_target, beta=beta,
                                           beta_mirror=beta_mirror, estimator=kl_estimator)
@@ -136,7 +140,7 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
 
 def aggregation_weights(seq_index: torch.Tensor, seq_lengths: torch.Tensor, mode: str,
                         max_completion_length: int) -> torch.Tensor:
-    """Per-token weights so that sum(w * l) is the spec-5 aggregate over the whole batch.
+    """Per-token weights so that sum(w * l) is the aggregate of docs/algorithm.md §5 over the whole batch.
 
     seq_index [n_tokens]: which completion each token belongs to; seq_lengths [n_seqs]: |o_i| (tokens
     that count; a skipped completion has length 0 and no tokens)."""

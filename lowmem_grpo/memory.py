@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .evaluate import BATCH as EVAL_BATCH  # prompts one greedy-eval generate call decodes
+from .rollout.base import EVAL_BATCH  # prompts one greedy-eval generate call decodes
 
 GiB, MiB = 2**30, 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -319,8 +319,9 @@ def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
 
     try:
         tokenizer = tokenizer or load_tokenizer(recipe.model)
-        examples = PromptSet(recipe.data.train_path, recipe.data, tokenizer).examples
-        return max(len(e.prompt_ids) for e in examples), f"longest prompt in {recipe.data.train_path}"
+        ps = PromptSet(recipe.data.train_path, recipe.data, tokenizer)  # a large source: its start-up sample
+        sample = f" (of the {ps.checked:,} rows checked)" if ps.checked < len(ps.source) else ""
+        return len(ps.longest_prompt()), f"longest prompt in {recipe.data.train_path}{sample}"
     except (DataError, ModelLoadError, OSError) as exc:
         return recipe.data.max_prompt_tokens, f"data.max_prompt_tokens (could not read the prompts: {exc})"
 

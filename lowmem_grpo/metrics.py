@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 
@@ -68,3 +70,28 @@ def summary_line(row: dict) -> str:
     return (f"step {row['step']:>5} | reward {f('reward/mean', '.3f')} | solved {f('success_rate', '.1f', 100, '%')}"
             f" | kl {f('kl', '.4f')} | clip {f('clip/fraction', '.3f')} | len {f('completion/mean_length', '.1f')}"
             f" | loss {f('loss', '+.4f')} | {f('time/step_s', '.2f', suffix='s')} | mem {f('memory/peak_mib', '.0f', suffix=' MiB')}")
+
+
+# The phases of a step, as train.py times them (time/<phase>_s in every step row; None: not run).
+PHASES = ("select", "rollout", "reward", "pack", "no_grad", "update", "diagnostics")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of one step: `with clock("rollout"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def row(self) -> dict:
+        """time/<phase>_s for every phase, and time/step_s since the timer was made."""
+        return {**{f"time/{p}_s": self.seconds.get(p) for p in PHASES},
+                "time/step_s": time.perf_counter() - self._t0}

@@ -8,12 +8,18 @@ decoder only, and `lm_head_params` hands the head's weight to the chunked log-pr
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from .internals import bnb_internals, quiet_bitsandbytes_kernels_warning
 from .recipe import LoraConfig, ModelConfig
+
+# Before bitsandbytes is first imported (by peft, or by transformers loading a 4-bit model), which is when
+# it logs that the optional `kernels` package is absent: a line that reads as an error, and is not one.
+quiet_bitsandbytes_kernels_warning()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,17 +78,17 @@ def disable_cpu_4bit_repack(model) -> int:
     bitsandbytes 0.50.2 (nn/modules.py, Linear4bit.forward) converts the weight to a CPU-packed format on
     the first forward that is in eval mode without grad (our rollouts and reference pass). After that,
     backward through the layer raises (layers with bias) or silently returns no input gradient (layers
-    without), which would freeze every LoRA adapter below it. The flag is a public attribute of
-    Linear4bit; tests/test_model.py::test_4bit_backward_after_eval_forward guards the behaviour.
+    without), which would freeze every LoRA adapter below it. The flag is undocumented: it is set through
+    `bnb_internals()` (lowmem_grpo/internals.py), which checks that Linear4bit still reads it;
+    tests/test_model.py::test_4bit_backward_after_eval_forward guards the behaviour.
     """
-    try:
-        import bitsandbytes as bnb
-    except ImportError:  # pragma: no cover - bitsandbytes is a core dependency
+    if "bitsandbytes" not in sys.modules:  # then the model has no 4-bit layer
         return 0
+    bnb = bnb_internals()
     n = 0
     for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
+        if isinstance(module, bnb.Linear4bit):
+            bnb.disable_cpu_repack(module)
             n += 1
     return n
 
@@ -189,11 +195,37 @@ def lm_head_params(model) -> LMHead:
     return LMHead(weight, getattr(head, "bias", None))
 
 
-def hidden_states(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Final hidden states [batch, seq, d] from the decoder alone: the LM head is never applied here."""
+def hidden_states(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                  position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Final hidden states [batch, seq, d] from the decoder alone: the LM head is never applied here.
+
+    attention_mask: [batch, seq] 0/1 (padding), or [batch, seq, seq] bool, which key each query may see
+    (a group's completions behind one copy of their prompt, docs/algorithm.md §12). transformers takes a
+    4-D mask as it is: bool (True = attend) for sdpa, additive for eager; other kernels take no such mask."""
     decoder = _base(model).get_decoder()
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if attention_mask is not None and attention_mask.dim() == 3:
+        kind = attention_kind(model)
+        if kind == "sdpa":
+            attention_mask = attention_mask[:, None]
+        elif kind == "eager":
+            dtype = next(p.dtype for p in decoder.parameters() if p.is_floating_point())
+            attention_mask = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device).masked_fill_(
+                ~attention_mask, torch.finfo(dtype).min)[:, None]
+        else:
+            raise ValueError(f"a per-query attention mask needs sdpa or eager attention, not {kind!r}")
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def attention_kind(model) -> str:
+    """The model's attention implementation ("sdpa", "eager", "flash_attention_2", ...)."""
+    return getattr(_base(model).config, "_attn_implementation", None) or "eager"
+
+
+def takes_shared_prompts(model) -> bool:
+    """Whether a micro-batch may lay out a group's completions behind one copy of their prompt (§12): the
+    attention implementation must take a per-query mask, and positions must come from position ids."""
+    return attention_kind(model) in ("sdpa", "eager")
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -47,7 +47,7 @@ class DataConfig(_Section):
     train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file, or a Hugging Face dataset split as hf:NAME[:CONFIG]@SPLIT (e.g. hf:openai/gsm8k:main@train; needs the data extra).")
     eval_path: str = Field("", description="Held-out prompts for evaluation (a file or hf:NAME[:CONFIG]@SPLIT); empty: eval_fraction's split of the training rows, or no evaluation.")
     prompt_field: str = Field("prompt", description="Row field holding the question/prompt text.")
-    answer_field: str = Field("answer", description="Row field holding the reference answer passed to rewards.")
+    answer_field: str = Field("answer", description="Row field holding the reference answer; the rewards that read it (math, exact) take it from here alone.")
     template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
     chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template.")
     system_prompt: str = Field("", description="System message used with chat_template.")
@@ -77,9 +77,23 @@ class DataConfig(_Section):
 
 
 class RewardSpec(_Section):
-    function: str = Field(..., description="A built-in reward ('math', 'format', 'exact') or 'package.module:function'.")
+    function: str = Field(..., description="A built-in reward (see the reward options table) or 'package.module:function'.")
     weight: float = Field(1.0, description="Weight of this reward in the sum that makes the total reward.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the reward function.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="The reward's options: a built-in's are checked against its schema (the reward "
+        "options table); a user function gets them as keyword arguments, each one a parameter it accepts.")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _builtin_options(cls, kwargs: dict, info: ValidationInfo) -> dict:
+        # imported here, not at the top: the rewards package uses this module's types
+        from .rewards.options import option_problems
+
+        function = info.data.get("function")
+        problems = option_problems(function, kwargs) if isinstance(function, str) else []
+        if problems:
+            raise FieldProblems(problems)
+        return kwargs
 
 
 class RewardsConfig(_Section):
@@ -94,7 +108,7 @@ class GenerationConfig(_Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Rollout engine: transformers generate, or in-process vLLM on the trainer's modules.")
     num_generations: int = Field(8, ge=2, le=256, description="G: completions sampled per prompt (a group).")
     max_new_tokens: int = Field(256, ge=1, description="Completion length cap; longer completions are cut and flagged truncated.")
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (log-probs in the loss use the same one).")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (log-probs in the loss use the same one; docs/algorithm.md §11).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling cut; 0 disables it.")
     kv_cache_memory_bytes: int = Field(
@@ -111,28 +125,28 @@ class FieldProblems(ValueError):
 
 
 class AlgorithmConfig(_Section):
-    """Spec sections 1-7. The defaults are GRPO as DeepSeekMath wrote it (spec 1)."""
+    """docs/algorithm.md §1-§9. The defaults are GRPO as DeepSeekMath wrote it (docs/algorithm.md §1)."""
 
-    advantage: Literal["mean_std", "mean", "sign", "rloo"] = Field("mean_std", description="Group advantage (spec 2): GRPO's mean_std, Dr. GRPO's mean, sign, or rloo.")
+    advantage: Literal["mean_std", "mean", "sign", "rloo"] = Field("mean_std", description="Group advantage (docs/algorithm.md §2): GRPO's mean_std, Dr. GRPO's mean, sign, or rloo.")
     sign_dead_band: float = Field(0.0, ge=0, description="advantage: sign only: rewards within this distance of the group mean get advantage 0.")
     kl_target: Literal["ref", "mirror", "both", "none"] = Field(
-        "ref", description="KL penalty (spec 4): to the reference (adapters off), to the policy that sampled the batch (mirror; needs mu > 1), both, or none (no reference pass).")
+        "ref", description="KL penalty (docs/algorithm.md §4): to the reference (adapters off), to the policy that sampled the batch (mirror; needs mu > 1), both, or none (no reference pass).")
     beta: float = Field(0.04, ge=0, description="Weight of the KL to the reference; must be > 0 when kl_target is ref or both.")
     beta_mirror: float = Field(0.04, ge=0, description="Weight of the KL to the sampling policy; used when kl_target is mirror or both, where it must be > 0.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="Per-token KL estimator (Schulman 2020): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
+        "k3", description="Per-token KL estimator (Schulman 2020; docs/algorithm.md §4): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
     clip: Literal["ratio", "target"] = Field(
-        "ratio", description="Surrogate clip (spec 6): ratio window [1 - epsilon_low, 1 + epsilon_high], or target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0); target needs mu > 1.")
+        "ratio", description="Surrogate clip (docs/algorithm.md §6): ratio window [1 - epsilon_low, 1 + epsilon_high], or target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0); target needs mu > 1.")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
     aggregation: Literal["sequence_mean", "token_mean", "constant", "sum"] = Field(
-        "sequence_mean", description="How token losses become one number (spec 5).")
-    mu: int = Field(1, ge=1, le=64, description="Optimizer updates per batch of rollouts; > 1 computes old log-probs once, without grad.")
+        "sequence_mean", description="How token losses become one number (docs/algorithm.md §5).")
+    mu: int = Field(1, ge=1, le=64, description="Optimizer updates per batch of rollouts; > 1 computes old log-probs once, without grad (docs/algorithm.md §7).")
     early_stop_unclipped_fraction: float = Field(
-        0.0, ge=0, le=1, description="mu > 1 (spec 7): stop a batch's updates once the fraction of tokens with A != 0 not yet clipped falls below this; 0: off.")
+        0.0, ge=0, le=1, description="mu > 1 (docs/algorithm.md §7): stop a batch's updates once the fraction of tokens with A != 0 not yet clipped falls below this; 0: off.")
     early_stop_min_improvement: Optional[float] = Field(
-        None, ge=0, description="mu > 1 (spec 7): stop a batch's updates once one improved the objective on the batch by less than this; null: off.")
-    skip_zero_std_groups: bool = Field(False, description="Skip groups whose rewards are all equal (they give no policy gradient).")
+        None, ge=0, description="mu > 1 (docs/algorithm.md §7): stop a batch's updates once one improved the objective on the batch by less than this; null: off.")
+    skip_zero_std_groups: bool = Field(False, description="Skip groups whose rewards are all equal (they give no policy gradient; docs/algorithm.md §9).")
 
     @model_validator(mode="after")
     def _combinations(self) -> "AlgorithmConfig":
@@ -175,13 +189,20 @@ class TrainConfig(_Section):
     steps: int = Field(100, ge=1, description="Optimizer steps per mu (i.e. batches of rollouts) to run.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts per batch; the batch holds prompts_per_step * num_generations completions.")
     micro_batch_size: int = Field(4, ge=1, description="Completions per forward/backward; gradients accumulate over micro-batches.")
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="Rows (tokens) per tile of the chunked log-prob kernel.")
+    share_prompts: Literal["auto", "off"] = Field(
+        "auto", description="auto: in the update's passes, a micro-batch's completions of one prompt share one copy of "
+        "it (a per-query attention mask and position ids; same log-probs, fewer tokens) where that saves a fifth of "
+        "the tokens and rows stay <= 512 wide, with sdpa or eager attention (docs/algorithm.md §12); off: one row "
+        "per completion.")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="Rows (tokens) per tile of the chunked log-prob kernel (docs/algorithm.md §10).")
     logprob_chunk_vocab: int = Field(8192, ge=1, description="Vocabulary columns per tile of the chunked log-prob kernel (a tile is chunk_tokens x chunk_vocab fp32: 32 MiB at the defaults).")
     preflight: bool = Field(True, description="Before step 1, one forward/backward at the longest prompt + max_new_tokens and a full micro-batch, so an out-of-memory shows at once, with advice.")
     eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps; 0: only at the end.")
     eval_max_prompts: int = Field(200, ge=1, description="Held-out prompts used per evaluation (greedy decoding).")
-    update_diagnostics: bool = Field(
-        True, description="After each step, recompute the batch's log-probs (one no-grad forward) to log how far preferred and dispreferred completions moved (spec 8).")
+    update_diagnostics_every: int = Field(
+        10, ge=0, description="Every N steps, after the update, recompute the batch's log-probs (one no-grad forward, "
+        "about a tenth of a step) to log how far preferred and dispreferred completions moved (docs/algorithm.md §8); "
+        "other steps' rows hold null there. 0: never. Default 10.")
     max_nonfinite_steps: int = Field(
         3, ge=1, description="Stop the run with an error after this many steps in a row whose loss or gradient is NaN/inf "
         "(each such step is skipped: no optimizer step, no checkpoint); default 3.")

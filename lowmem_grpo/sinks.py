@@ -131,6 +131,7 @@ class Sinks(Sink):
 
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
+        self.closed = False
 
     @property
     def names(self) -> list[str]:
@@ -145,6 +146,10 @@ class Sinks(Sink):
             s.samples(step, records)
 
     def close(self) -> None:
+        """Close every sink once (the trainer closes on every way out, possibly twice)."""
+        if self.closed:
+            return
+        self.closed = True
         for s in self.sinks:
             s.close()
 

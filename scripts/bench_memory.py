@@ -158,11 +158,11 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        row = trainer.train_step()
+        row = trainer.train_step().row
         trainer.step += 1
         times.append(time.perf_counter() - t0)
     assert row["completion/mean_length"] == length, row["completion/mean_length"]
-    prompt_tokens = max(len(e.prompt_ids) for e in trainer.train_set.examples)
+    prompt_tokens = len(trainer.train_set.longest_prompt())
     est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, DEVICE))
     return {"peak_mib": peak_mib(), "loaded_mib": loaded, "resident_mib": resident, "step_s": times[1],
             "predicted_mib": est.peak / 2**20,

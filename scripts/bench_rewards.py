@@ -5,7 +5,7 @@
 Prints seconds for
   * 1,000 math completions with plain numeric answers (the exact fast path; math-verify is not called),
   * 200 math completions with LaTeX answers that need math-verify (through its worker pool, 2 workers),
-  * 64 code completions x 5 tests in the sandbox (2 workers),
+  * 64 code completions x 5 tests in the sandbox (2 workers; half right, half wrong),
   * 1,000 countdown completions.
 Each first call pays one-off start-up costs (the sandbox probe, the math-verify workers); they are timed
 separately ("warm-up") so that the figures show the steady state of a training run.
@@ -26,10 +26,10 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lowmem_grpo.rewards.code import code_reward  # noqa: E402
+from lowmem_grpo.rewards.code import code_reward, count_judging  # noqa: E402
 from lowmem_grpo.rewards.countdown import countdown_reward, generate_countdown  # noqa: E402
 from lowmem_grpo.rewards.math import math_reward  # noqa: E402
-from lowmem_grpo.rewards.sandbox import sandbox_info  # noqa: E402
+from lowmem_grpo.rewards.sandbox import sandbox_info, sandbox_summary  # noqa: E402
 
 
 def timed(label: str, fn):
@@ -70,7 +70,8 @@ def main() -> None:
     timed("code: warm-up (sandbox probe)", lambda: sandbox_info())
     scores = timed("code: 64 completions x 5 tests (sandbox, 2 workers)", lambda: code_reward(code, rows=code_rows))
     assert all(s == 1.0 for s in scores[::2]), scores
-    print(f"  sandbox protections: {', '.join(sandbox_info()['protections'])}")
+    print(f"  {sandbox_summary()}")
+    print(f"  {count_judging(code_rows).describe('the benchmark rows')}")
 
     # countdown
     instances = generate_countdown(1000, seed=1)

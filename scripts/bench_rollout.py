@@ -115,7 +115,7 @@ def run_config(name: str, folder: Path, args) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from lowmem_grpo.rollout.base import SamplingParams
+    from lowmem_grpo.rollout.base import EngineConfig, SamplingParams
 
     if name in ("shared", "own", "trainer+vllm", "hf|shared"):
         import lowmem_grpo.rollout.vllm  # noqa: F401  (vLLM's code, imported the same way in every vLLM configuration)
@@ -132,7 +132,7 @@ def run_config(name: str, folder: Path, args) -> dict:
     from lowmem_grpo.rollout.vllm import OwnWeightsEngine, VLLMEngine
 
     if name == "hf|shared":  # both engines on the same model, rounds alternated: their ratio under the same load
-        hf, shared = HFEngine(model, tok), VLLMEngine(model, tok, kv_cache_memory_bytes=args.kv_mib << 20)
+        hf, shared = HFEngine(model, tok), VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=args.kv_mib << 20))
         hf.generate(prompts, params)
         shared.generate(prompts, params)
         pairs = [(_rate(hf.generate, prompts, params), _rate(shared.generate, prompts, params)) for _ in range(args.rounds)]
@@ -140,11 +140,11 @@ def run_config(name: str, folder: Path, args) -> dict:
     if name == "hf":
         generate = HFEngine(model, tok).generate
     elif name == "shared":
-        engine = VLLMEngine(model, tok, kv_cache_memory_bytes=args.kv_mib << 20)
+        engine = VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=args.kv_mib << 20))
         generate = engine.generate
     else:  # own: vLLM with its own (merged, dense) weights
         generate = OwnWeightsEngine(str(folder / "merged"), tok.eos_token_id,
-                                    kv_cache_memory_bytes=args.kv_mib << 20).generate
+                                    EngineConfig("vllm", kv_cache_memory_bytes=args.kv_mib << 20)).generate
     generate(prompts, params)  # warm-up
     rates = [_rate(generate, prompts, params) for _ in range(args.rounds)]
     out = {"config": name, "tok_s": max(rates), "tok_s_all": rates, "peak_rss_mib": peak_rss_mib(),
@@ -158,7 +158,7 @@ def run_config(name: str, folder: Path, args) -> dict:
         del engine, generate
         gc.collect()
         before = psutil.Process().memory_info().rss
-        engine = VLLMEngine(model, tok, kv_cache_memory_bytes=args.kv_mib << 20)
+        engine = VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=args.kv_mib << 20))
         engine.generate(prompts, params)
         out["second_engine_mib"] = (psutil.Process().memory_info().rss - before) / 2**20
     return out

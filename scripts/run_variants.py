@@ -7,7 +7,7 @@ the four advantage modes with the quickstart's kl_target none (so "mean_std" is 
 then kl_target ref (beta 0.04), mirror (mu 2) and both (mu 2), all with mean_std and k3, and both (mu 2)
 with the k2 estimator. Runs are sequential.
 For each: held-out accuracy before/after (greedy, 200 problems), the mean over the run's steps of
-update/frac_pos_up and update/frac_neg_down (spec 8: did preferred completions become more likely and
+update/frac_pos_up and update/frac_neg_down (docs/algorithm.md §8: did preferred completions become more likely and
 dispreferred ones less?), and whether every diagnostic key is in every step row of metrics.jsonl.
 Results accumulate in OUT/summary.json, so a run cut short keeps the variants that finished.
 """

@@ -6,8 +6,8 @@ from lowmem_grpo.advantages import group_advantages, zero_std_groups
 
 
 def test_binary_rewards_give_the_contrastive_weights():
-    """Spec 3: with R in {0,1} and success rate p, mean_std gives +sqrt((1-p)/p) and -sqrt(p/(1-p)).
-    (Population std in the spec's derivation; Bessel's correction scales both by sqrt((G-1)/G).)"""
+    """docs/algorithm.md §3: with R in {0,1} and success rate p, mean_std gives +sqrt((1-p)/p) and
+    -sqrt(p/(1-p)). (Population std in that derivation; Bessel's correction scales both by sqrt((G-1)/G).)"""
     G = 8
     r = torch.tensor([[1.0, 1, 0, 0, 0, 0, 0, 0]])
     p = 2 / G

@@ -52,7 +52,7 @@ def test_batches_are_a_pure_function_of_step():
 
 
 def _rewards(fn, on_error="raise"):
-    return Rewards(RewardsConfig(functions=[RewardSpec(function=fn)], on_error=on_error))
+    return Rewards(RewardsConfig(functions=[RewardSpec(function=fn)], on_error=on_error), answer_field="answer")
 
 
 @pytest.mark.parametrize("fn,message", [

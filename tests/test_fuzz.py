@@ -135,7 +135,7 @@ outputs = st.one_of(
 @FUZZ
 @given(outputs, st.sampled_from(["raise", "zero"]))
 def test_fuzz_reward_outputs(out, on_error):
-    rewards = Rewards(RewardsConfig(functions=[{"function": "math"}], on_error=on_error))
+    rewards = Rewards(RewardsConfig(functions=[{"function": "math"}], on_error=on_error), answer_field="answer")
     rewards.functions = [("fuzz", lambda completions, **kw: out, 1.0, {})]  # the wrapper around a user function
     try:
         res = rewards(["a", "b", "c", "d"], ["p"] * 4, [{"answer": "1"}] * 4)

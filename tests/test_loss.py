@@ -1,4 +1,4 @@
-"""The loss against a plain, loop-by-loop float64 evaluation of grpo-spec.md sections 1, 2 and 5."""
+"""The loss against a plain, loop-by-loop float64 evaluation of docs/algorithm.md §1, §2 and §5."""
 
 import math
 
@@ -10,7 +10,7 @@ from lowmem_grpo.loss import aggregate, aggregation_weights, grpo_token_loss
 
 
 def hand_objective(lp, lp_old, lp_ref, adv, lengths, beta, eps_low, eps_high, mode, max_len):
-    """-J(theta), written as the spec writes it: sums over completions i and tokens t, in Python floats."""
+    """-J(theta), written as docs/algorithm.md §1 writes it: sums over completions i and tokens t, in Python floats."""
     total, k, n_seq = 0.0, 0, len(lengths)
     token_terms = []
     for i, L in enumerate(lengths):
@@ -119,7 +119,7 @@ def test_micro_batches_sum_to_the_one_batch_loss(mode):
     assert torch.allclose(g_acc, g_full, atol=1e-12)
 
 
-# -- The GRPO family (spec 4, 6): every clip x KL target x estimator against a hand evaluation -----------------
+# -- The GRPO family (docs/algorithm.md §4, §6): every clip x KL target x estimator against a hand evaluation -
 
 def hand_kl(est, lp, other):
     d = other - lp
@@ -128,7 +128,7 @@ def hand_kl(est, lp, other):
 
 def hand_family_objective(lp, lp_old, lp_ref, adv, lengths, clip, kl_target, est, beta, beta_mirror, mode, max_len,
                           hits=None):
-    """-J with spec 6's clips written as the spec states them, in Python floats. `hits` gets each token's
+    """-J with the clips of docs/algorithm.md §6 written as stated there, in Python floats. `hits` gets each token's
     (branch, sign of A)."""
     terms, k = [], 0
     for i, L in enumerate(lengths):

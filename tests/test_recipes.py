@@ -93,11 +93,11 @@ def test_recipe_memory_estimate_fits_its_tier(name):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_rewards_score_rows_in_the_hub_schema(name):
-    """The recipe's reward kwargs (answer_field, tests_field, numbers_field...) fit the dataset's columns:
+    """data.answer_field and the reward kwargs (tests_field, numbers_field...) fit the dataset's columns:
     a right completion scores 1 on the first reward, a wrong one 0, and neither is skipped."""
     rows, right, wrong = CASES[name]
     r = load_recipe(recipe_path(name))
-    rewards = Rewards(r.rewards)
+    rewards = Rewards(r.rewards, answer_field=r.data.answer_field)
     result = rewards([right, wrong], ["p", "p"], [rows[0], rows[0]])
     assert result.per_function[rewards.names[0]].tolist() == [1.0, 0.0]
     assert result.skipped == 0
@@ -146,6 +146,6 @@ def test_recipe_trains_end_to_end_on_cpu(name, tiny_model_dir, tmp_path):
     assert out["step"] == 1 and out["final_eval"]["n"] == 2
     rows_written = read_metrics(tmp_path / "run")
     step = next(x for x in rows_written if x.get("loss") is not None)
-    first = Rewards(r.rewards).names[0]
+    first = Rewards(r.rewards, answer_field=r.data.answer_field).names[0]
     assert step[f"reward/{first}"] is not None and step["reward/skipped"] == 0  # the fields were found in every row
     assert (tmp_path / "run" / "checkpoints" / "step-000001" / "adapter").is_dir()

@@ -3,24 +3,34 @@
 Every case must (1) get its correct score (0 for all of these), (2) leave the host as it was, and
 (3) let the caller carry on; after every test no process of the run may be left (`no_leftovers`).
 The suite runs with the full sandbox and again without namespaces (the common situation in a
-container that forbids unshare), where only rlimits and the unprivileged uid protect. Cases that
-depend on one layer skip, saying so, when this machine cannot provide it.
+container that forbids unshare, accepted explicitly with allow_weak_sandbox), where only rlimits and the
+unprivileged uid protect. Cases that depend on one layer skip, saying so, when this machine cannot
+provide it. docs/sandbox.md maps each layer to the cases here that show it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
+import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from lowmem_grpo.rewards import sandbox as sandbox_module
 from lowmem_grpo.rewards.code import code_binary_reward, code_reward, run_tests
-from lowmem_grpo.rewards.sandbox import (SANDBOX_UID_BASE, SANDBOX_UID_SPAN, run_python, sandbox_info)
+from lowmem_grpo.rewards.sandbox import (SANDBOX_UID_BASE, SANDBOX_UID_SPAN, SandboxError, missing_protections,
+                                         run_python, sandbox_info, sandbox_summary)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES = [pytest.param(True, id="namespaces"), pytest.param(False, id="no-namespaces")]
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-4, 4) == 0"]
@@ -41,7 +51,19 @@ def require_any(namespaces: bool, *layers: str) -> None:
 def score(solution: str, tests=ADD_TESTS, namespaces: bool = True, **kw) -> float:
     kw.setdefault("timeout", 0.5)
     return code_reward([solution], prompts=[""], rows=[{"tests": list(tests)}], workers=1,
-                       namespaces=namespaces, **kw)[0]
+                       namespaces=namespaces, allow_weak_sandbox=not namespaces, **kw)[0]
+
+
+def world_dir() -> Path:
+    """A fresh world-writable (1777) directory on the host, outside /tmp and every hidden path, whose
+    ancestors every user may traverse: what a sandbox uid could write to on the host's own tree."""
+    for parent in (ROOT.parent, Path("/var/tmp"), Path("/dev/shm")):
+        chain = [parent, *parent.parents]
+        if all(os.stat(p).st_mode & stat.S_IXOTH for p in chain) and os.access(parent, os.W_OK):
+            d = Path(tempfile.mkdtemp(prefix="lowmem-world-", dir=parent))
+            d.chmod(0o1777)
+            return d
+    pytest.skip("no world-traversable directory outside /tmp to put a canary in")
 
 
 def _live(procs):
@@ -236,7 +258,7 @@ def test_private_tmp_hides_host_tmp():
 
 def test_trainer_directory_and_homes_are_hidden(monkeypatch):
     """The datasets (tests, reference solutions) in the trainer's working directory are out of sight."""
-    require_any(True, "hidden_paths")
+    require_any(True, "hidden_paths", "minimal_root")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.chdir(root)
     probe = f"import os\nprint(os.path.exists({os.path.join(root, 'data')!r}), " \
@@ -244,7 +266,8 @@ def test_trainer_directory_and_homes_are_hidden(monkeypatch):
             f"os.listdir('/root') if os.path.isdir('/root') else [])"
     res = run_python(probe, 10)
     assert res.ok and res.stdout.strip() == "False [] []", res
-    shown = run_python(probe, 10, hide_paths=[])
+    # the check can fail: without the minimal root and with nothing hidden, the directory is there
+    shown = run_python(probe, 10, hide_paths=[], minimal_root=False)
     assert shown.ok and shown.stdout.startswith("True") or "Permission denied" in shown.stderr
 
 
@@ -371,7 +394,300 @@ def test_forging_the_harness_protocol(namespaces):
         "def add(a, b):\n    raise SystemExit(0)",
     ]
     assert code_binary_reward(forgers, rows=[{"tests": ADD_TESTS}] * len(forgers), timeout=1, workers=2,
-                              namespaces=namespaces) == [0.0] * len(forgers)
+                              namespaces=namespaces, allow_weak_sandbox=not namespaces) == [0.0] * len(forgers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The minimal root: what a program sees of the host's filesystem
+
+_WALK = """
+import json, os
+stop = set(json.loads({bound!r}))
+seen = {{}}
+def walk(d):
+    names = sorted(os.listdir(d))
+    seen[d] = names
+    if d in stop or d == "/proc":
+        return
+    for n in names:
+        p = os.path.join(d, n)
+        if os.path.isdir(p) and not os.path.islink(p):
+            walk(p)
+walk("/")
+print(json.dumps(seen))
+"""
+
+
+def allowed_tree(layout: dict) -> dict:
+    """Directory -> sorted entries that the minimal root must show, from the layout and the host."""
+    tree: dict = {}
+
+    def entry(path: str):
+        parent, name = os.path.dirname(path), os.path.basename(path)
+        tree.setdefault(parent, set()).add(name)
+        if parent != "/":
+            entry(parent)
+
+    for path, kind in layout["binds"]:
+        entry(path)
+        if kind == "dir":
+            tree[path] = set(os.listdir(path))
+    for d, *_ in layout["dirs"]:
+        entry(d)
+        tree.setdefault(d, set())
+    for link, _ in layout["links"]:
+        entry(link)
+    for name in ("dev", "etc", "proc", "tmp"):
+        entry("/" + name)
+    tree["/dev"] = {n for n in ("null", "zero", "full", "random", "urandom") if os.path.exists("/dev/" + n)} | \
+        {"fd", "stdin", "stdout", "stderr", "shm"}
+    tree["/dev/shm"] = set()
+    tree["/etc"] = tree.get("/etc", set()) | {"passwd", "group", "hosts"}
+    tree["/tmp"], tree["/tmp/sandbox"] = {"sandbox"}, {"main.py"}
+    tree.pop("/proc", None)
+    return {d: sorted(names) for d, names in tree.items()}
+
+
+def test_walking_the_root_shows_only_the_allowed_tree():
+    """Everything a sandboxed program can reach from / : the interpreter, its libraries, a minimal /dev,
+    its own /etc, /proc and /tmp. Bound directories are compared by their listing (their content is the
+    host's, read-only); everything else must match exactly."""
+    require_any(True, "minimal_root")
+    layout = sandbox_info()["root"]
+    bound = [p for p, kind in layout["binds"] if kind == "dir"]
+    res = run_python(_WALK.format(bound=json.dumps(bound)), 30)
+    assert res.ok, res.stderr
+    seen = json.loads(res.stdout)
+    seen.pop("/proc")
+    assert seen == allowed_tree(layout)
+    # the project, its data and the homes are not in it (unless the interpreter itself lives there)
+    assert not any(d == str(ROOT) or d.startswith(str(ROOT) + "/") for d in seen)
+    needed = [p for p, _ in layout["binds"]] + [lk for lk, _ in layout["links"]]
+    for d in ("/home", "/root", "/var", "/srv", "/mnt", "/media", "/run", "/sys", "/boot", "/opt", "/work"):
+        if d in seen:   # only as a directory on the way to something the interpreter needs
+            assert any(p.startswith(d + "/") for p in needed), d
+
+
+def test_the_root_is_read_only_except_private_tmp():
+    """The program tries to create a file in every directory it can reach: only its own tmpfs take one."""
+    require_any(True, "minimal_root")
+    prog = """
+import os
+ok = []
+for top, dirs, files in os.walk('/'):
+    if top.startswith('/proc'):
+        dirs[:] = []
+        continue
+    try:
+        with open(os.path.join(top, '.lowmem-probe'), 'w') as f:
+            f.write('x')
+        ok.append(top)
+    except OSError:
+        pass
+print(sorted(ok))
+"""
+    res = run_python(prog, 60)
+    assert res.ok, res.stderr
+    assert eval(res.stdout) == ["/dev/shm", "/tmp", "/tmp/sandbox"]
+
+
+def test_reading_files_outside_the_sandbox():
+    """A world-readable file in a world-readable host directory, and the project's own data."""
+    require_any(True, "minimal_root")
+    d = world_dir()
+    try:
+        canary = d / "canary.txt"
+        secret = secrets.token_hex(8)
+        canary.write_text(secret)
+        canary.chmod(0o644)
+        reader = f"""
+def leak():
+    found = []
+    for path in ({str(canary)!r}, {str(ROOT / "data" / "code_problems.jsonl")!r}, '/etc/shadow', '/etc/hostname'):
+        try:
+            found.append(open(path).read())
+        except OSError:
+            pass
+    return '|'.join(found)
+"""
+        assert score(reader, [f"assert leak() == {secret!r}", f"assert {secret!r} in leak()"]) == 0.0
+        res = run_python(reader + "\nprint(repr(leak()))", 10)
+        assert res.ok and res.stdout.strip() == "''", res
+        # the host's own account list stays out too: the program sees a two-line passwd
+        res = run_python("print(open('/etc/passwd').read())", 10)
+        assert res.ok and [line.split(":")[0] for line in res.stdout.split()] == ["root", "sandbox"]
+    finally:
+        canary.unlink(missing_ok=True)
+        d.rmdir()
+
+
+def test_writing_to_a_world_writable_host_directory():
+    """Without the minimal root a sandbox uid may write into any 1777 directory of the host but /tmp,
+    /var/tmp and /dev/shm; with it, no host directory is there to write to."""
+    require_any(True, "minimal_root")
+    d = world_dir()
+    try:
+        vandal = f"""
+import os
+def attack():
+    done = []
+    for path in ({str(d / "dropped")!r}, '/var/tmp/dropped', '/run/lock/dropped', '/usr/dropped', '/dropped'):
+        try:
+            with open(path, 'w') as f:
+                f.write('x')
+            done.append(path)
+        except OSError:
+            pass
+    return done
+"""
+        assert score(vandal, ["assert attack() != []", "assert len(attack()) > 0"]) == 0.0
+        res = run_python(vandal + "\nprint(attack())", 10)
+        assert res.ok and res.stdout.strip() == "[]", res
+        assert os.listdir(d) == []
+        # the check can fail: the same program without the minimal root finds the directory writable
+        weak = run_python(vandal + "\nprint(attack())", 10, minimal_root=False)
+        assert str(d / "dropped") in weak.stdout
+    finally:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_reading_other_processes_environments(namespaces):
+    """Another host process holds a secret in its environment and its command line."""
+    require_any(namespaces, "uid", "private_proc")
+    token = secrets.token_hex(16)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", token],
+                             env={**os.environ, "LOWMEM_OTHER_SECRET": token})
+    try:
+        snoop = """
+import os
+def leak(parts=('environ', 'cmdline')):
+    out = []
+    for pid in os.listdir('/proc'):
+        for part in parts:
+            try:
+                with open('/proc/%s/%s' % (pid, part), 'rb') as f:
+                    out.append(part + '=' + f.read().decode('latin-1'))
+            except OSError:
+                pass
+    return '\\n'.join(out)
+"""
+        assert score(snoop, [f"assert {token!r} in leak(('environ',))"], namespaces=namespaces) == 0.0
+        res = run_python(snoop + "\nprint(leak())", 10, namespaces=namespaces)
+        assert res.ok and "cmdline=" in res.stdout          # it did read what it could
+        environs = [line for line in res.stdout.split("\n") if line.startswith("environ=")]
+        assert not any(token in e for e in environs)
+        if "private_proc" in res.protections:
+            # not even the command line: the process is not there (without a private /proc it is: weak mode)
+            assert token not in res.stdout
+            assert score(snoop, [f"assert {token!r} in leak()"], namespaces=namespaces) == 0.0
+            pids = run_python("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))", 10)
+            assert pids.stdout.strip() == "[1, 2]"          # the namespace's init and the program: nothing else
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_grandchild_in_its_own_session_outliving_the_run(namespaces):
+    """A grandchild that leaves the session and waits for the run to end, then writes into a
+    world-writable host directory: it must be dead by then, and the directory untouched."""
+    require_any(namespaces, "pidns", "uid")
+    d = world_dir()
+    try:
+        late = d / "late"
+        escape = f"""
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(1.0)
+        for path in ({str(late)!r}, '/tmp/late'):
+            try:
+                open(path, 'w').write('still alive')
+            except OSError:
+                pass
+        time.sleep(60)
+    os._exit(0)
+def add(a, b):
+    return a + b
+"""
+        assert score(escape, namespaces=namespaces) == 1.0    # the solution itself is right
+        time.sleep(2.0)
+        assert not late.exists()
+        # no_leftovers checks that no process of the run is alive
+    finally:
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------
+# A machine without full isolation: the code reward refuses unless told
+
+NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "private_proc", "private_tmp", "minimal_root", "hidden_paths", "userns")
+
+
+def test_code_reward_refuses_a_weak_sandbox_unless_accepted(monkeypatch):
+    """Simulates a container that forbids unshare: the probe found no namespace layer."""
+    real = sandbox_module._plan(True, True, True)
+    import dataclasses
+    weak = dataclasses.replace(real, namespaces=False, root=None,
+                               protections=tuple(p for p in real.protections if p not in NAMESPACE_LAYERS),
+                               failed={**real.failed, "namespaces": "Operation not permitted"})
+    monkeypatch.setitem(sandbox_module._plans, (True, True, True), weak)
+    missing = missing_protections()
+    assert {"netns", "pidns", "mountns", "private_proc", "minimal_root", "private_tmp"} <= set(missing)
+    assert missing["netns"] == "Operation not permitted"
+    with pytest.raises(SandboxError) as err:
+        code_reward(["def add(a, b):\n    return a + b"], rows=[{"tests": ADD_TESTS}])
+    msg = str(err.value)
+    assert "allow_weak_sandbox" in msg and "minimal_root" in msg and "netns" in msg and "Operation not permitted" in msg
+    assert "MISSING: netns" in sandbox_summary()
+    # accepted explicitly, it runs (with what the machine has)
+    assert code_reward(["def add(a, b):\n    return a + b"], rows=[{"tests": ADD_TESTS}], allow_weak_sandbox=True) == [1.0]
+    # and the trainer's loader refuses at start-up, not at the first step
+    from lowmem_grpo.recipe import RewardsConfig
+    from lowmem_grpo.rewards import RewardError, Rewards
+    with pytest.raises(RewardError, match="allow_weak_sandbox"):
+        Rewards(RewardsConfig.model_validate({"functions": [{"function": "code"}]}), answer_field="answer")
+    loaded = Rewards(RewardsConfig.model_validate(
+        {"functions": [{"function": "code_binary", "kwargs": {"allow_weak_sandbox": True}}]}), answer_field="answer")
+    assert loaded.notes and "MISSING" in loaded.notes[0]
+
+
+def test_a_root_that_cannot_be_built_is_reported_and_refused(monkeypatch):
+    """If the minimal root fails on this machine (here: a path to bind that does not exist), the probe says
+    why, runs fall back to the weaker tree, and the code reward refuses until that is accepted."""
+    require_any(True, "minimal_root")
+    real = sandbox_module._root_layout
+
+    def broken(python):
+        layout = dict(real(python))
+        layout["binds"] = layout["binds"] + [["/nonexistent-lowmem-sandbox", "dir"]]
+        return layout
+
+    monkeypatch.setattr(sandbox_module, "_root_layout", broken)
+    monkeypatch.setattr(sandbox_module, "_plans", {})
+    info = sandbox_info()
+    assert "minimal_root" not in info["protections"] and "netns" in info["protections"]
+    assert "nonexistent-lowmem-sandbox" in info["unavailable"]["minimal_root"]
+    assert set(missing_protections()) == {"minimal_root"}
+    res = run_python("import os\nprint(os.path.isdir('/usr/lib'))", 10)
+    assert res.ok and "minimal_root" not in res.protections
+    with pytest.raises(SandboxError, match="minimal_root .*nonexistent-lowmem-sandbox.*allow_weak_sandbox"):
+        code_reward(["def add(a, b):\n    return a + b"], rows=[{"tests": ADD_TESTS}])
+
+
+def test_switching_a_layer_off_counts_as_weak():
+    with pytest.raises(SandboxError, match="namespaces: false"):
+        code_reward(["def add(a, b):\n    return a + b"], rows=[{"tests": ADD_TESTS}], namespaces=False)
+    require_any(True, "minimal_root")
+    assert missing_protections() == {}
+    line = sandbox_summary()
+    assert "minimal_root" in line and "MISSING" not in line
 
 
 def test_probe_reports_layers():
@@ -399,3 +715,15 @@ def test_root_never_falls_back_to_running_programs_as_root(tmp_path, monkeypatch
     with pytest.raises(sandbox.SandboxError, match="drop_privileges=False"):
         run_python("print('ran as root')", 10)
     assert run_python("import os\nprint(os.getuid())", 10, drop_privileges=False).stdout.strip() == "0"
+
+
+def test_the_tests_docs_sandbox_md_names_exist():
+    """docs/sandbox.md maps each layer to the tests that show it: those tests must exist."""
+    import re
+
+    doc = (ROOT / "docs" / "sandbox.md").read_text()
+    named = set(re.findall(r"(tests/test_\w+\.py)::(test_\w+)", doc))
+    named |= {("tests/test_sandbox.py", n) for n in re.findall(r"`(test_\w+)`", doc)}
+    assert len(named) > 20
+    for path, name in sorted(named):
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"

@@ -116,3 +116,73 @@ def test_unavailable_engine_is_a_clear_error(tiny_model_dir, tiny_data, tmp_path
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert p.returncode == 2 and "generation.engine=vllm is not available" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_loop_state_comes_back_from_the_checkpoint_not_the_metrics(tiny_model_dir, tiny_data, tmp_path):
+    """p_ref (the reference's success rate, §4) and the non-finite counters are saved in each checkpoint and
+    restored from it: a resumed run whose metrics.jsonl was lost still has them."""
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 2, "preflight": False})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    t.fit()
+    t.state.nonfinite_total = 5  # as if five steps had been skipped: the next save must carry it
+    t.save()
+    saved = ckpt.load_trainer_state(ckpt.latest(tmp_path / "run"))["extra"]["loop"]
+    assert saved == {"nonfinite_run": 0, "nonfinite_total": 5, "p_ref": t.state.p_ref}
+    assert t.state.p_ref == read_metrics(tmp_path / "run")[1]["success_rate"]  # step 1's rate (row 0: eval)
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    resumed = Trainer(recipe_from_dict(d), run_dir=tmp_path / "run", resume=True, **QUIET)
+    assert resumed.state == t.state and resumed.step == 2
+    resumed.close()
+
+
+class _Recording:
+    """Wraps an engine and counts close() calls."""
+
+    def __init__(self, inner):
+        self.inner, self.closed = inner, 0
+
+    def generate(self, prompts, params):
+        return self.inner.generate(prompts, params)
+
+    def close(self):
+        self.closed += 1
+        self.inner.close()
+
+
+def test_the_engine_is_closed_on_every_way_out(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    import lowmem_grpo.train as train_mod
+    from lowmem_grpo import evaluate as eval_mod
+    from lowmem_grpo.rollout import make_engine
+
+    made = []
+
+    def recording(*a, **k):
+        made.append(_Recording(make_engine(*a, **k)))
+        return made[-1]
+
+    monkeypatch.setattr(train_mod, "make_engine", recording)
+    monkeypatch.setattr(eval_mod, "make_engine", recording)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "a", train={"steps": 1, "preflight": False})
+    Trainer(recipe_from_dict(d), **QUIET).fit()                       # 1. a run that ends
+    assert made[-1].closed == 1
+
+    t = Trainer(recipe_from_dict({**d, "output": {**d["output"], "dir": str(tmp_path / "b")}}), **QUIET)
+
+    def boom():
+        raise RuntimeError("reward server down")
+
+    monkeypatch.setattr(t, "train_step", boom)                        # 2. a run that fails mid-step
+    with pytest.raises(RuntimeError, match="reward server down"):
+        t.fit()
+    assert made[-1].closed == 1
+
+    bad = {**d, "output": {**d["output"], "dir": str(tmp_path / "c"), "tensorboard": True}}
+    monkeypatch.setattr("lowmem_grpo.sinks.tensorboard_available", lambda: False)
+    from lowmem_grpo.train import TrainingError
+    with pytest.raises(TrainingError, match="tensorboard"):           # 3. a trainer that fails to start
+        Trainer(recipe_from_dict(bad), **QUIET)
+    assert made[-1].closed == 1
+
+    from lowmem_grpo.evaluate import run_eval                        # 4. lowmem-grpo eval
+    run_eval(recipe_from_dict(d), name="t", adapter=str(tmp_path / "a"), out_dir=str(tmp_path / "eval"), log=lambda *a: None)
+    assert made[-1].closed == 1 and len(made) == 4

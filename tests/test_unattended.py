@@ -61,10 +61,10 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tiny_data
     assert [rows[s]["nonfinite/consecutive"] for s in range(1, 8)] == [0, 0, 1, 0, 1, 2, 3]
     assert [rows[s]["nonfinite/skipped_total"] for s in range(1, 8)] == [0, 0, 1, 1, 2, 3, 4]
 
-    # Resuming (no more NaN) continues from the last good checkpoint and recounts the skips from its rows.
+    # Resuming (no more NaN) continues from the last good checkpoint, with the skip counters it saved.
     monkeypatch.setattr(train_mod, "aggregate", orig)
     resumed = Trainer(recipe_from_dict(d), run_dir=run, resume=True, **QUIET)
-    assert resumed.step == 4 and resumed.nonfinite_total == 1 and resumed.nonfinite_run == 0
+    assert resumed.step == 4 and resumed.state.nonfinite_total == 1 and resumed.state.nonfinite_run == 0
 
 
 # -- 5. kill -9 at random moments, resume each time --------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import random
-from types import SimpleNamespace
 import subprocess
 import sys
 import textwrap
@@ -25,8 +24,8 @@ import pytest
 import torch
 
 from lowmem_grpo.model import load_policy
-from lowmem_grpo.recipe import LoraConfig, ModelConfig
-from lowmem_grpo.rollout.base import SamplingParams
+from lowmem_grpo.recipe import LoraConfig, ModelConfig, recipe_from_dict
+from lowmem_grpo.rollout.base import EngineConfig, SamplingParams
 
 
 def _vllm_distribution() -> str | None:
@@ -150,7 +149,7 @@ def dense(V_, vllm_model_dir):
 
     model, tok = _lora_model(vllm_model_dir)
     compiled_before = sum(counters["stats"].values())
-    engine = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=64 << 20)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
     engine.compiled_before = compiled_before
     yield model, tok, engine
     engine.close()
@@ -204,7 +203,7 @@ def test_greedy_equals_transformers_at_step0(dense):
 
 def test_sampling_groups_and_logprobs_match_the_trainer(dense):
     """n completions per prompt, grouped; the sampled log-probs equal the trainer's recomputed ones."""
-    from lowmem_grpo.train import completion_logprobs, pack
+    from lowmem_grpo.batch import completion_logprobs, pack
 
     model, tok, engine = dense
     prompts = _prompts(tok)
@@ -305,7 +304,7 @@ def test_after_optimizer_steps_no_sync_and_no_stale_prefix_cache(dense):
 
 def test_4bit_nf4_base_with_lora(V_, vllm_model_dir):
     model, tok = _lora_model(vllm_model_dir, four_bit=True)
-    engine = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
     try:
         prompts = _prompts(tok, long=True)
         import bitsandbytes as bnb
@@ -327,7 +326,7 @@ def test_full_finetuning_norms_included(V_, vllm_model_dir):
 
     tok = _tokenizer()
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
-    engine = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
     try:
         assert set(k for ks in engine.fast_path_kinds().values() for k in ks) == {"dense"}
         prompts = _prompts(tok)
@@ -350,7 +349,7 @@ def test_dora_falls_back_to_module_calls(V_, vllm_model_dir):
     base = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
     model = get_peft_model(base, PeftLoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
     _randomize_lora(model)
-    engine = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
     try:
         assert set(k for ks in engine.fast_path_kinds().values() for k in ks) == {"module"}
         prompts = _prompts(tok)
@@ -377,7 +376,7 @@ def test_engine_leaves_rng_and_threads_alone(V_, vllm_model_dir):
     np.random.seed(123)
     threads = torch.get_num_threads()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    engine = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20, seed=999)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", seed=999, kv_cache_memory_bytes=32 << 20))
     try:
         assert {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")} == environ
         got = (torch.rand(3), random.random(), np.random.rand())
@@ -396,11 +395,12 @@ def test_engine_leaves_rng_and_threads_alone(V_, vllm_model_dir):
 def test_a_second_engine_closes_the_first(V_, vllm_model_dir):
     """Also: a recipe sizes max_num_seqs to a step's sequences; more requests than that run in waves."""
     model, tok = _lora_model(vllm_model_dir)
-    recipe = SimpleNamespace(train=SimpleNamespace(prompts_per_step=16), generation=SimpleNamespace(num_generations=8),
-                             seed=0)
-    first = V_.VLLMEngine(model, tok, recipe, kv_cache_memory_bytes=32 << 20)
+    recipe = recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "d.jsonl"},
+                               "generation": {"engine": "vllm", "num_generations": 8, "kv_cache_memory_bytes": 32 << 20},
+                               "train": {"prompts_per_step": 16}})
+    first = V_.VLLMEngine(model, tok, EngineConfig.from_recipe(recipe))
     assert V.vllm_internals().scheduler_config(first.llm).max_num_seqs == 16 * 8
-    second = V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20, max_num_seqs=2)
+    second = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20, max_num_seqs=2))
     try:
         assert first.closed and not second.closed
         assert V.vllm_internals().scheduler_config(second.llm).max_num_seqs == 2
@@ -416,7 +416,7 @@ def test_unsupported_head_size_is_an_engine_error(V_, tiny_model_dir):
     model, tok = load_policy(ModelConfig(name_or_path=str(tiny_model_dir), compute_dtype="float32", load_in_4bit=False,
                                          gradient_checkpointing=False), LoraConfig(r=4, alpha=8))
     with pytest.raises(V_.EngineError, match="head"):
-        V_.VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
+        V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
 
 
 def test_close_keeps_a_process_group_that_existed_before(V_, vllm_model_dir, tmp_path):
@@ -426,12 +426,12 @@ def test_close_keeps_a_process_group_that_existed_before(V_, vllm_model_dir, tmp
         import torch, torch.distributed as dist
         from lowmem_grpo.model import load_policy
         from lowmem_grpo.recipe import LoraConfig, ModelConfig
-        from lowmem_grpo.rollout.base import SamplingParams
+        from lowmem_grpo.rollout.base import EngineConfig, SamplingParams
         from lowmem_grpo.rollout.vllm import VLLMEngine
         dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", world_size=1, rank=0)
         model, tok = load_policy(ModelConfig(name_or_path="{vllm_model_dir}", compute_dtype="float32",
                                              load_in_4bit=False), LoraConfig(r=4, alpha=8))
-        engine = VLLMEngine(model, tok, kv_cache_memory_bytes=32 << 20)
+        engine = VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
         engine.generate([[1, 5, 6]], SamplingParams(n=1, max_new_tokens=3, greedy=True))
         engine.close()
         assert dist.is_initialized()

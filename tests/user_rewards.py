@@ -27,8 +27,8 @@ def skip_all(completions, **_):
 
 
 def has_digit(completions, **_):
-    """Binary (1 if the completion holds a digit): a random tiny model's groups are mixed, so spec 3/4's
-    binary-reward diagnostics have something to measure."""
+    """Binary (1 if the completion holds a digit): a random tiny model's groups are mixed, so the
+    binary-reward diagnostics (docs/algorithm.md §3, §4) have something to measure."""
     return [float(any(ch.isdigit() for ch in c)) for c in completions]
 
 

@@ -9,28 +9,34 @@ A reward function has one signature:
 unparseable gold answer): the completion is skipped, counted, and takes no part in its group's advantage.
 `kwargs` are the recipe's `rewards.functions[].kwargs`.
 
-Built-ins are named by a short name (`math`, `format`, `exact`); anything else is `package.module:function`.
+Built-ins are named by a short name (options.BUILTINS: `math`, `code`, `countdown`, ...); their kwargs follow
+a typed schema each (rewards/options.py). Anything else is `package.module:function`, and each of its kwargs
+must be a parameter of the function (or the function takes **kwargs). The reference answer's row field is
+data.answer_field alone: the built-ins that read it (`math`, `exact`) get it as `answer_field=`.
+
+torch is imported only when a batch is scored, so that validating a recipe (which checks the built-ins'
+options) does not import it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import sys
 from math import isfinite  # (not `import math`: the submodule rewards.math would shadow it)
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
+from .options import BUILTINS as _SPECS
+from .options import option_problems
 
-from ..recipe import RewardsConfig
+if TYPE_CHECKING:
+    import torch
 
-BUILTINS = {
-    "math": "lowmem_grpo.rewards.math:math_reward",
-    "format": "lowmem_grpo.rewards.format:format_reward",
-    "exact": "lowmem_grpo.rewards.format:exact_reward",
-    "code": "lowmem_grpo.rewards.code:code_reward",
-    "code_binary": "lowmem_grpo.rewards.code:code_binary_reward",
-    "countdown": "lowmem_grpo.rewards.countdown:countdown_reward",
-}
+    from ..recipe import RewardsConfig
+
+BUILTINS = {name: spec.function for name, spec in _SPECS.items()}   # name -> 'module:function'
+_PASSED = ("prompts", "rows")   # keyword arguments every reward receives from the trainer
 
 
 class RewardError(Exception):
@@ -55,7 +61,8 @@ def resolve(name: str) -> Callable:
 
 def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
     """The scores as floats (None = skip), or a RewardError saying what is wrong with them."""
-    if isinstance(scores, torch.Tensor):
+    torch = sys.modules.get("torch")   # a tensor exists only once torch is imported
+    if torch is not None and isinstance(scores, torch.Tensor):
         scores = scores.tolist()
     try:
         scores = list(scores)
@@ -88,18 +95,64 @@ class RewardResult:
     skipped: int = 0
 
 
-class Rewards:
-    """The recipe's reward functions, loaded once, applied to a batch of completions."""
+def signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str, str]]:
+    """(key, message) for each keyword argument a user reward function cannot accept: the recipe's kwargs,
+    and prompts/rows, which every call passes. [] when it takes **kwargs or cannot be inspected."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):   # some C callables: a bad call still fails, with the reward named
+        return []
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    problems = []
+    for key in kwargs:
+        if key in _PASSED:
+            problems.append((f"kwargs.{key}", f"reward {name!r}: {key!r} is passed by the trainer, not a kwarg"))
+        elif not takes_any and key not in accepted:
+            problems.append((f"kwargs.{key}", f"reward {name!r} has no parameter {key!r} and no **kwargs "
+                                              f"(its keyword parameters: {', '.join(accepted) or 'none'})"))
+    missing = [k for k in _PASSED if not takes_any and k not in accepted]
+    if missing:
+        problems.append(("function", f"reward {name!r} must accept the keyword arguments "
+                                     f"{', '.join(missing)} (or **kwargs): every call passes prompts= and rows="))
+    return problems
 
-    def __init__(self, cfg: RewardsConfig):
+
+class Rewards:
+    """The recipe's reward functions, loaded once, applied to a batch of completions.
+
+    answer_field: the row field holding the reference answer (the recipe's data.answer_field), passed to
+    the built-ins that read it."""
+
+    def __init__(self, cfg: RewardsConfig, *, answer_field: str):
+        if not isinstance(answer_field, str) or not answer_field:
+            raise RewardError(f"answer_field must be a non-empty row field name (data.answer_field), got {answer_field!r}")
         self.cfg = cfg
+        self.answer_field = answer_field
         self.functions = []
+        self.notes: list[str] = []   # start-up lines of the built-ins (e.g. the code sandbox's protections), to log
         problems = []
         for i, spec in enumerate(cfg.functions):
             try:
-                self.functions.append((self._label(spec.function, i), resolve(spec.function), spec.weight, spec.kwargs))
+                fn = resolve(spec.function)
             except RewardError as exc:
                 problems.append(f"rewards.functions.{i}.function: {exc}")
+                continue
+            kwargs = dict(spec.kwargs)
+            builtin = _SPECS.get(spec.function)
+            if builtin is None:
+                found = signature_problems(spec.function, fn, kwargs)
+            else:  # checked again here: a RewardsConfig can be built, or changed, without validation
+                found = [(f"kwargs.{k}", m) for k, m in option_problems(spec.function, kwargs)]
+                if builtin.reads_answer:
+                    kwargs["answer_field"] = answer_field
+                if builtin.startup and not found:   # e.g. the code rewards refuse a weak sandbox here, at load
+                    try:
+                        self.notes += resolve(builtin.startup)(**dict(spec.kwargs))
+                    except Exception as exc:
+                        found.append(("function", f"{type(exc).__name__}: {exc}"))
+            problems += [f"rewards.functions.{i}.{k}: {m}" for k, m in found]
+            self.functions.append((self._label(spec.function, i), fn, spec.weight, kwargs))
         if problems:
             raise RewardError("\n".join(problems))
 
@@ -113,6 +166,8 @@ class Rewards:
         return [f[0] for f in self.functions]
 
     def __call__(self, completions: list[str], prompts: list[str], rows: list[dict]) -> RewardResult:
+        import torch
+
         n = len(completions)
         total = torch.zeros(n, dtype=torch.float64)
         per_fn, errors = {}, {}

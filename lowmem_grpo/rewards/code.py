@@ -14,20 +14,36 @@ The code is the last ```python (or ```py) fenced block of the completion; else t
 ``` block; else, if the completion opens a ```python block and never closes it (cut off by the
 length limit), what follows the opening fence; else the whole completion.
 
-How a completion is run: one sandboxed program per completion (see sandbox.py), which
+Who decides a verdict (docs/sandbox.md, "Verdicts"):
 
-1. reads a random nonce and the solution/tests from stdin (so they are not in any file the program
-   could read, and the nonce is not in the program text), deletes its own source file;
-2. points the program's stdout/stderr at /dev/null and keeps a private duplicate of the real stdout;
-3. execs the solution in a fresh namespace, then each test in turn in that namespace, each under a
-   SIGALRM time limit (`timeout`), and after each test writes "<nonce> <i> pass|fail" to its private
-   stdout; then exits at once (threads the solution left running do not hold it up).
+* A test of the form `assert <expr> <op> <literal>` (or `<literal> <op> <expr>`; op one of == != < <= >
+  >= in, not in, and is / is not against None, True, False) is *judged outside*: only `<expr>` enters the
+  sandbox; the program sends back its value as plain data (None, bool, int, float, complex, str, bytes
+  and lists, tuples, dicts, sets of those, as tagged JSON, strings as hex UTF-8), and the trainer
+  parses the literal with ast.literal_eval and compares. The expected value never reaches the program, and anything
+  that is not plain data (an object whose __eq__ is always true, an int subclass with its own __eq__)
+  fails. A program can only claim a value, never a verdict.
+* Any other test (a bare boolean assert, several statements) is *judged inside*: its pass/fail comes
+  from the sandboxed program. Those verdicts can be forged by a solution that manipulates its own
+  interpreter; `classify_tests` and `count_judging` count them so that a dataset's share is known.
 
-A test counts as passed only if its line with the right nonce says so. Generic tricks therefore score
-nothing: printing "PASS", `sys.exit(0)` / `os._exit(0)` before the tests (unreported tests fail),
-closing stdout, printing forever (it goes to /dev/null; the deadline ends it), catching the timeout.
-It does not stop a program that reads the harness's own memory for the nonce, nor objects that
-override __eq__ to always be equal: see docs/sandbox.md.
+How a completion is run: one sandboxed program (see sandbox.py) that splits into two processes before
+it reads anything:
+
+1. the *reporter* makes itself non-dumpable (PR_SET_DUMPABLE 0: a process of the same uid can then
+   neither ptrace it nor open its /proc entries: memory, descriptors), deletes its source file, forks
+   the *solver*, then reads the job (a random nonce, the solution, the tests' sources) from stdin; it
+   alone holds the pipe to the trainer and writes "<nonce> <i> value <data>|pass|fail <why>";
+2. the solver points stdin/stdout/stderr at /dev/null, keeps only its two pipes to the reporter, runs
+   the solution, then each test when the reporter asks for it, with a fresh random key per test, under
+   a SIGALRM limit (`timeout`); it replies "<key> value <data>|pass|fail <why>";
+3. the reporter attributes a reply to test i only if it carries test i's key and comes before test i's
+   deadline (`timeout` + 0.5 s; past it the solver is killed and the remaining tests fail), and exits
+   when the tests are done (threads the solution left running do not hold it up).
+
+So printing "PASS", exiting early, closing stdout, printing forever, catching the timeout, writing fake
+report lines to every descriptor, or finding the nonce score nothing: the nonce and the trainer's pipe
+never exist in the solver.
 
 Completions run in parallel in a small thread pool (`workers`, 2 by default): the work happens in the
 sandboxed child processes, the threads only wait on their pipes.
@@ -35,76 +51,501 @@ sandboxed child processes, the threads only wait on their pipes.
 
 from __future__ import annotations
 
+import ast
 import json
+import marshal
+import operator
+import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from functools import lru_cache
+from typing import Any, Iterable, Optional, Sequence
 
-from .sandbox import SandboxError, SandboxResult, run_python
+from .sandbox import SandboxError, SandboxLimits, SandboxResult, missing_protections, run_python, sandbox_summary
 
 DEFAULT_TEST_TIMEOUT_S = 3.0
 DEFAULT_WORKERS = 2
+VALUE_CAP = 1 << 20      # bytes of one test's encoded value; a larger value fails the test
+_MAX_DEPTH = 100         # nesting of a returned value
+_GRACE_S = 0.5           # past a test's own limit, the reporter stops waiting for the solver
 
 _PY_TAGS = {"python", "py", "python3", "py3"}
 
 # The harness. Constant text: everything run-specific (nonce, solution, tests) comes on stdin.
-_HARNESS = r'''
-import json, os, signal, sys
+_HARNESS = r"""
+import _signal as signal, marshal, os, select, sys, time
+
+CAP = %(cap)d
+GRACE = %(grace)r
+MAX_DEPTH = %(depth)d
+# No json here, and the builtin _signal (json costs ~6 ms a run, the signal package ~3 ms): the job and
+# the commands come as marshal (plain data from the trainer and the reporter), and values go out as ASCII
+# JSON written by hand, strings as hex UTF-8.
 
 
-def _lowmem_harness():
-    job = json.loads(sys.stdin.readline())
-    nonce = job.pop("nonce")
+def make_private():
+    # PR_SET_DUMPABLE 0, through the bare _ctypes (the ctypes package costs ~4 ms to import)
     try:
-        os.unlink(sys.argv[0])
-    except OSError:
-        pass
-    results = os.dup(1)
-    sink = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(sink, 1)
-    os.dup2(sink, 2)
-    os.close(sink)
+        import _ctypes
 
-    def report(i, verdict, detail=""):
-        try:
-            os.write(results, ("%s %s %s %s\n" % (nonce, i, verdict, detail)).encode())
-        except OSError:
-            pass
+        class Int(_ctypes._SimpleCData):
+            _type_ = "i"
+
+        class Fn(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL
+            _restype_ = Int
+
+        class Libc:
+            _handle = _ctypes.dlopen(None)
+
+        return int(Fn(("prctl", Libc()))(4, 0, 0, 0, 0) == 0)
+    except Exception:
+        return 0
+
+
+class NotPlain(Exception):
+    pass
+
+
+def encode(value):
+    # the value as tagged JSON of plain built-in data; a subclass counts as its base type's data only
+    # if it compares like it (Counter, OrderedDict: dicts whose equality with a dict is dict equality)
+    coll = sys.modules.get("collections")   # a Counter exists only if the solution imported collections
+    dict_like = (coll.Counter, coll.OrderedDict, coll.defaultdict) if coll else ()
+    bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+    tags = {list: "L", tuple: "T", set: "E", frozenset: "Z"}
+    out, size = [], [0]
+
+    def base_of(t):
+        if t in bases:
+            return t
+        if t in dict_like:
+            return dict
+        for b in bases:
+            if issubclass(t, b):
+                return b if t.__eq__ is b.__eq__ and t.__ne__ is b.__ne__ else None
+        return None
+
+    def put(piece):
+        size[0] += len(piece)
+        if size[0] > CAP:
+            raise NotPlain("value_too_large")
+        out.append(piece)
+
+    def enc(v, depth):
+        if depth > MAX_DEPTH:
+            raise NotPlain("too_deep")
+        t = type(v)
+        if v is None:
+            return put('["N"]')
+        if t is bool:
+            return put('["B",true]' if v else '["B",false]')
+        b = base_of(t)
+        if b is int:
+            return put('["I","%%s"]' %% format(int.__index__(v), "x"))
+        if b is float:
+            return put('["F","%%s"]' %% float.hex(v))
+        if b is complex:
+            return put('["C","%%s","%%s"]' %% (float.hex(complex.real.__get__(v)), float.hex(complex.imag.__get__(v))))
+        if b is str:
+            if len(v) * 2 > CAP:
+                raise NotPlain("value_too_large")
+            return put('["S","%%s"]' %% str.encode(v, "utf-8", "surrogatepass").hex())
+        if b is bytes:
+            if len(v) * 2 > CAP:
+                raise NotPlain("value_too_large")
+            return put('["Y","%%s"]' %% bytes.hex(v))
+        if b in tags:
+            put('["%%s",[' %% tags[b])
+            for k, x in enumerate(b.__iter__(v)):
+                if k:
+                    put(",")
+                enc(x, depth + 1)
+            return put("]]")
+        if b is dict:
+            put('["D",[')
+            for k, (key, x) in enumerate(dict.items(v)):
+                put(",[" if k else "[")
+                enc(key, depth + 1)
+                put(",")
+                enc(x, depth + 1)
+                put("]")
+            return put("]]")
+        raise NotPlain("not_plain_data:" + getattr(t, "__name__", "?"))
+
+    enc(value, 0)
+    return "".join(out)
+
+
+def solver(cmd_r, rep_w):
+    reader = os.fdopen(cmd_r, "rb")
+
+    def reply(key, verdict, payload=""):
+        data = memoryview(("%%s %%s %%s\n" %% (key, verdict, payload)).encode("utf-8", "replace"))
+        while data:
+            data = data[os.write(rep_w, data):]
 
     class _TestTimeout(BaseException):
         pass
 
-    def _alarm(signum, frame):
+    def alarm(signum, frame):
         raise _TestTimeout()
 
+    signal.signal(signal.SIGALRM, alarm)
+    job = marshal.loads(bytes.fromhex(reader.readline().decode()))
     limit = job["timeout"]
-    signal.signal(signal.SIGALRM, _alarm)
     namespace = {"__name__": "__solution__", "__builtins__": __builtins__}
     try:
-        signal.setitimer(signal.ITIMER_REAL, limit)
-        exec(compile(job["solution"], "<solution>", "exec"), namespace)
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, limit)
+            exec(compile(job["solution"], "<solution>", "exec"), namespace)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     except BaseException as exc:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        report("setup", "fail", type(exc).__name__)
+        reply(job["key"], "fail", type(exc).__name__)
         return
-    for i, test in enumerate(job["tests"]):
+    reply(job["key"], "ok")
+    while True:
+        line = reader.readline()
+        if not line:
+            return
+        cmd = marshal.loads(bytes.fromhex(line.decode()))
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, limit)
-                exec(compile(test, "<test %d>" % i, "exec"), namespace)
+                where = "<test %%d>" %% cmd["i"]
+                if cmd["kind"] == "value":
+                    payload = encode(eval(compile(cmd["src"], where, "eval"), namespace))
+                else:
+                    exec(compile(cmd["src"], where, "exec"), namespace)
+                    payload = ""
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+        except NotPlain as exc:
+            reply(cmd["key"], "fail", exc.args[0])
         except BaseException as exc:
-            report(i, "fail", type(exc).__name__)
+            reply(cmd["key"], "fail", type(exc).__name__)
         else:
+            reply(cmd["key"], "value" if cmd["kind"] == "value" else "pass", payload)
+
+
+def reporter(child, cmd_w, rep_r, private):
+    chunks = []
+    while True:
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    job = marshal.loads(b"".join(chunks))
+    nonce = job["nonce"]
+
+    def report(*words):
+        data = memoryview((" ".join([nonce] + [str(w) for w in words]) + "\n").encode())
+        while data:
+            data = data[os.write(1, data):]
+
+    def clean(detail):
+        return "".join(c if c.isascii() and (c.isalnum() or c in "_.:-") else "?" for c in detail)[:120] or "failed"
+
+    os.set_blocking(cmd_w, False)
+    pending = bytearray()
+    skipping = [False]
+
+    def send(obj, deadline):
+        data = memoryview((marshal.dumps(obj).hex() + "\n").encode())
+        while data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [cmd_w], [], left)[1]:
+                return False
+            try:
+                data = data[os.write(cmd_w, data):]
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
+        return True
+
+    def receive(key, deadline):
+        # the first line that carries `key`; "timeout" or "gone" when none comes
+        prefix = key.encode() + b" "
+        while True:
+            nl = pending.find(b"\n")
+            while nl >= 0:
+                line = bytes(pending[:nl])
+                del pending[:nl + 1]
+                if skipping[0]:
+                    skipping[0] = False
+                elif line.startswith(prefix):
+                    return line[len(prefix):].decode("utf-8", "replace")
+                nl = pending.find(b"\n")
+            if len(pending) > CAP + 256:
+                ours = pending.startswith(prefix) and not skipping[0]
+                del pending[:]
+                skipping[0] = True
+                if ours:
+                    return "fail value_too_large"
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([rep_r], [], [], left)[0]:
+                return "timeout"
+            chunk = os.read(rep_r, 1 << 16)
+            if not chunk:
+                return "gone"
+            pending.extend(chunk)
+
+    report("ready", private)
+    limit = job["timeout"]
+    key = os.urandom(8).hex()
+    sent = send({"key": key, "solution": job["solution"], "timeout": limit}, time.monotonic() + limit + GRACE)
+    got = receive(key, time.monotonic() + limit + GRACE) if sent else "gone"
+    verdict, _, payload = got.partition(" ")
+    if verdict != "ok":
+        report("setup", "fail", "_TestTimeout" if got == "timeout" else clean(payload or got))
+        return
+    tests = job["tests"]
+    for i, test in enumerate(tests):
+        key = os.urandom(8).hex()
+        deadline = time.monotonic() + limit + GRACE
+        sent = send({"key": key, "i": i, "kind": test["kind"], "src": test["src"]}, deadline)
+        got = receive(key, deadline) if sent else "gone"
+        verdict, _, payload = got.partition(" ")
+        if got in ("timeout", "gone"):
+            report(i, "fail", "_TestTimeout" if got == "timeout" else "solver_died")
+            for j in range(i + 1, len(tests)):
+                report(j, "fail", "not_run")
+            return
+        if verdict == "value" and test["kind"] == "value":
+            report(i, "value", payload)
+        elif verdict == "pass" and test["kind"] == "exec":
             report(i, "pass")
+        elif verdict == "fail":
+            report(i, "fail", clean(payload))
+        else:
+            report(i, "fail", "protocol")
 
 
-_lowmem_harness()
-os._exit(0)   # at once: threads the solution started must not keep the program (and the reward) waiting
-'''
+def main():
+    private = make_private()
+    try:
+        os.unlink(sys.argv[0])
+    except OSError:
+        pass
+    cmd_r, cmd_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            lo, hi = sorted((cmd_r, rep_w))
+            os.closerange(3, lo)
+            os.closerange(lo + 1, hi)
+            os.closerange(hi + 1, 1 << 16)
+            solver(cmd_r, rep_w)
+        finally:
+            os._exit(0)
+    os.close(cmd_r)
+    os.close(rep_w)
+    try:
+        reporter(child, cmd_w, rep_r, private)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+        os._exit(0)   # at once: what the solver left running must not keep the reward waiting
+
+
+main()
+""" % {"cap": VALUE_CAP, "grace": _GRACE_S, "depth": _MAX_DEPTH}
+
+
+# --------------------------------------------------------------------------------------------------
+# Judging outside: which tests, and the comparison.
+
+_OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+        ast.GtE: operator.ge, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+        ast.Is: operator.is_, ast.IsNot: operator.is_not}
+
+
+@dataclass(frozen=True)
+class Judging:
+    """How one test is judged. kind "value": `src` is the expression the program evaluates, and the trainer
+    compares its value with `expected` by `op` (the literal on the left when `literal_first`); kind
+    "exec": `src` is the whole test, run inside, and its verdict is the program's."""
+    kind: str
+    src: str
+    op: Optional[type] = None
+    expected: Any = None
+    literal_first: bool = False
+
+    @property
+    def outside(self) -> bool:
+        return self.kind == "value"
+
+
+@lru_cache(maxsize=16384)
+def judging(test: str) -> Judging:
+    """How `test` is judged (see the module docstring); cached, since every completion of a row has the same tests."""
+    inside = Judging("exec", test)
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return inside
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return inside
+    cmp = tree.body[0].test
+    if not isinstance(cmp, ast.Compare) or len(cmp.ops) != 1 or type(cmp.ops[0]) not in _OPS:
+        return inside
+    op = type(cmp.ops[0])
+    for literal_first, lit, expr in ((False, cmp.comparators[0], cmp.left), (True, cmp.left, cmp.comparators[0])):
+        try:
+            expected = ast.literal_eval(lit)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if op in (ast.Is, ast.IsNot) and not (expected is None or expected is True or expected is False):
+            return inside   # identity with any other literal is an implementation detail
+        return Judging("value", ast.unparse(expr), op, expected, literal_first)
+    return inside
+
+
+def classify_tests(tests: Iterable[str]) -> tuple[int, int]:
+    """(judged outside, judged inside) among `tests`."""
+    outside = inside = 0
+    for t in tests:
+        if judging(t).outside:
+            outside += 1
+        else:
+            inside += 1
+    return outside, inside
+
+
+@dataclass(frozen=True)
+class JudgingCounts:
+    rows: int                 # rows looked at
+    rows_without_tests: int   # rows the code reward skips (no usable tests)
+    outside: int              # tests judged outside the sandbox (unforgeable)
+    inside: int               # tests whose verdict comes from the sandboxed program
+
+    def describe(self, source: str = "the data") -> str:
+        total = self.outside + self.inside
+        line = (f"code tests in {source}: {total} tests in {self.rows - self.rows_without_tests} rows; "
+                f"{self.outside} judged outside the sandbox (assert <expr> <op> <literal>)")
+        if self.inside:
+            line += (f"; {self.inside} judged inside (bare or multi-statement asserts): a solution that tampers "
+                     f"with its own interpreter can forge those verdicts (docs/sandbox.md)")
+        if self.rows_without_tests:
+            line += f"; {self.rows_without_tests} rows without usable tests (skipped, not scored)"
+        return line
+
+
+def count_judging(rows: Iterable[dict], tests_field: str = "tests", limit: Optional[int] = None) -> JudgingCounts:
+    """How the tests of `rows` (at most `limit` of them) would be judged."""
+    n = missing = outside = inside = 0
+    for row in rows:
+        if limit is not None and n >= limit:
+            break
+        n += 1
+        tests = get_tests(row, tests_field)
+        if tests is None:
+            missing += 1
+            continue
+        o, i = classify_tests(tests)
+        outside, inside = outside + o, inside + i
+    return JudgingCounts(n, missing, outside, inside)
+
+
+def judging_notes(r, rows: int = 1000) -> list:
+    """For a recipe `r` with a code reward: how the tests of its local data files' first `rows` rows are
+    judged (outside the sandbox, or inside where a solution could forge the verdict), one line per file;
+    `lowmem-grpo validate` prints them and the trainer logs them at start-up. Hub splits are not fetched."""
+    fields = sorted({str(f.kwargs.get("tests_field", "tests")) for f in r.rewards.functions
+                     if f.function in ("code", "code_binary")})
+    if not fields:
+        return []
+    from ..hub import is_hub
+    from ..sources import DataError, open_source
+
+    notes = []
+    for path in dict.fromkeys(p for p in (r.data.train_path, r.data.eval_path) if p and not is_hub(p)):
+        for field in fields:
+            try:
+                counts = count_judging((row for _, row in open_source(path, limit=rows).iter_rows()), field)
+            except DataError as exc:
+                notes.append(f"{path}: tests not checked ({exc})")
+                continue
+            notes.append(counts.describe(path if counts.rows < rows else f"{path} (first {rows} rows)"))
+    return notes
+
+
+class _Malformed(ValueError):
+    pass
+
+
+_HEX_INT = re.compile(r"-?[0-9a-f]+")
+
+
+def decode_value(text: str):
+    """The plain value of the program's tagged JSON; _Malformed (a ValueError) for anything else."""
+    def reject(token):
+        raise _Malformed(f"bare {token}")
+
+    def dec(x, depth):
+        if depth > _MAX_DEPTH or type(x) is not list or not x or type(x[0]) is not str:
+            raise _Malformed("not a tagged value")
+        tag, args = x[0], x[1:]
+        if tag == "N" and not args:
+            return None
+        if len(args) == 1:
+            a = args[0]
+            if tag == "B" and type(a) is bool:
+                return a
+            if tag == "I" and type(a) is str and _HEX_INT.fullmatch(a):
+                return int(a, 16)
+            if tag == "F" and type(a) is str:
+                return float.fromhex(a)
+            if tag == "S" and type(a) is str:
+                return bytes.fromhex(a).decode("utf-8", "surrogatepass")
+            if tag == "Y" and type(a) is str:
+                return bytes.fromhex(a)
+            if type(a) is list:
+                if tag == "L":
+                    return [dec(v, depth + 1) for v in a]
+                if tag == "T":
+                    return tuple(dec(v, depth + 1) for v in a)
+                if tag == "E":
+                    return {dec(v, depth + 1) for v in a}
+                if tag == "Z":
+                    return frozenset(dec(v, depth + 1) for v in a)
+                if tag == "D":
+                    out = {}
+                    for pair in a:
+                        if type(pair) is not list or len(pair) != 2:
+                            raise _Malformed("bad dict item")
+                        out[dec(pair[0], depth + 1)] = dec(pair[1], depth + 1)
+                    return out
+        if tag == "C" and len(args) == 2 and all(type(a) is str for a in args):
+            return complex(float.fromhex(args[0]), float.fromhex(args[1]))
+        raise _Malformed(f"bad tag {tag!r}")
+
+    try:
+        return dec(json.loads(text, parse_constant=reject), 0)
+    except (_Malformed, ValueError, TypeError, RecursionError, OverflowError, MemoryError) as exc:
+        raise _Malformed(str(exc)[:100]) from None
+
+
+def judge_value(j: Judging, text: str) -> tuple[bool, str]:
+    """(passed, detail) for a value the program reported for a test judged outside."""
+    try:
+        value = decode_value(text)
+    except _Malformed:
+        return False, "malformed value"
+    try:
+        ok = bool(_OPS[j.op](*((j.expected, value) if j.literal_first else (value, j.expected))))
+    except (TypeError, ValueError, RecursionError, OverflowError, MemoryError) as exc:
+        return False, type(exc).__name__
+    return ok, "" if ok else "AssertionError"
 
 
 @dataclass(frozen=True)
@@ -112,6 +553,8 @@ class SuiteRun:
     passed: list            # one bool per test
     details: list           # per test: "" when passed, else the exception name, "not run", ...
     sandbox: SandboxResult
+    judged_outside: list = None   # per test: True when the trainer compared the value (see `judging`)
+    channel_private: bool = False  # the reporter could make itself non-dumpable (its pipe out of the solver's reach)
 
     @property
     def fraction(self) -> float:
@@ -172,37 +615,55 @@ def get_tests(row: dict, tests_field: str = "tests") -> Optional[list]:
 
 
 def run_tests(code: str, tests: Sequence[str], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
-              total_timeout: Optional[float] = None, **sandbox_kwargs) -> SuiteRun:
+              total_timeout: Optional[float] = None, limits: Optional[SandboxLimits] = None) -> SuiteRun:
     """Run `code`, then each of `tests`, in one sandboxed program; report which tests passed.
 
-    timeout: seconds allowed for the solution's top level and for each test (SIGALRM inside the program).
+    timeout: seconds allowed for the solution's top level and for each test (SIGALRM inside the program;
+        the reporter gives up on the solver 0.5 s later).
     total_timeout: wall-clock limit of the whole program, default timeout * (len(tests) + 1) + 2 s
         (the sum of the per-step limits, plus interpreter start-up); past it the program is killed
         and the tests that did not report count as failed.
-    sandbox_kwargs: passed to sandbox.run_python (memory_mb, max_procs, namespaces, ...).
+    limits: the sandbox's limits (memory_mb, max_procs, namespaces, ...); default SandboxLimits().
     """
     tests = list(tests)
+    plans = [judging(t) for t in tests]
     nonce = secrets.token_hex(16)
-    job = json.dumps({"nonce": nonce, "solution": code, "tests": tests, "timeout": float(timeout)})
+    job = marshal.dumps({"nonce": nonce, "solution": code, "timeout": float(timeout),
+                         "tests": [{"kind": p.kind, "src": p.src} for p in plans]})
     wall = total_timeout if total_timeout is not None else float(timeout) * (len(tests) + 1) + 2.0
-    result = run_python(_HARNESS, wall, stdin=job + "\n", **sandbox_kwargs)
+    lim = limits or SandboxLimits()
+    room = len(tests) * (VALUE_CAP + 256) + 4096   # stdout carries only the reporter's lines, values included
+    if lim.max_output_bytes < room:
+        lim = SandboxLimits.of(lim, max_output_bytes=room)
+    result = run_python(_HARNESS, wall, stdin=job, limits=lim)
     if result.killed_reason == "sandbox_error":
         raise SandboxError(f"the sandbox could not be set up: {result.error}")
     verdicts: dict = {}
-    setup_error = None
-    for line in result.stdout.splitlines():
+    setup_error, private = None, False
+    for line in result.stdout.split("\n"):
         parts = line.split(" ", 3)
         if len(parts) < 3 or parts[0] != nonce:
+            continue
+        if parts[1] == "ready":
+            private = parts[2] == "1"
             continue
         if parts[1] == "setup":
             setup_error = parts[3].strip() if len(parts) > 3 else "error"
             continue
-        if parts[1].isdigit() and int(parts[1]) < len(tests):
-            i = int(parts[1])
-            ok = parts[2] == "pass"
-            # A "fail" for a test always wins: a pass must be the only verdict for its test.
-            if i not in verdicts or not ok:
-                verdicts[i] = (ok, "" if ok else (parts[3].strip() if len(parts) > 3 else "failed"))
+        if not parts[1].isdigit() or int(parts[1]) >= len(tests):
+            continue
+        i, kind, rest = int(parts[1]), parts[2], parts[3] if len(parts) > 3 else ""
+        p = plans[i]
+        if kind == "value" and p.outside:
+            verdict = judge_value(p, rest)
+        elif kind == "pass" and not p.outside:
+            verdict = (True, "")
+        elif kind == "fail":
+            verdict = (False, rest.strip() or "failed")
+        else:
+            verdict = (False, "protocol")
+        # one report per test comes from the reporter; a second means something wrote there: not a pass
+        verdicts[i] = verdict if i not in verdicts else (False, "reported twice")
     passed, details = [], []
     for i in range(len(tests)):
         ok, detail = verdicts.get(i, (False, None))
@@ -211,18 +672,36 @@ def run_tests(code: str, tests: Sequence[str], *, timeout: float = DEFAULT_TEST_
                       else f"not run ({result.killed_reason or 'no report'})")
         passed.append(bool(ok))
         details.append(detail)
-    return SuiteRun(passed, details, result)
+    return SuiteRun(passed, details, result, [p.outside for p in plans], private)
 
 
-_SANDBOX_KWARGS = {"memory_mb", "file_size_mb", "max_procs", "max_open_files", "max_output_bytes", "cpu_s",
-                   "tmpfs_mb", "hide_paths", "namespaces", "drop_privileges"}
+def sandbox_check(limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> str:
+    """The start-up line for the code rewards (sandbox_summary); raises SandboxError when full isolation
+    is missing on this machine and `allow_weak_sandbox` is false, naming what is missing and the key."""
+    lim = limits or SandboxLimits()
+    missing = missing_protections(lim)
+    if missing and not allow_weak_sandbox:
+        raise SandboxError(
+            "code reward: refusing to run model-written code with weaker isolation; missing: "
+            + "; ".join(f"{k} ({v})" for k, v in missing.items())
+            + ". Set allow_weak_sandbox: true in this reward's kwargs to accept that explicitly (docs/sandbox.md).")
+    return sandbox_summary(lim)
 
 
-def _score_all(completions, rows, *, tests_field, binary, workers, timeout, total_timeout, sandbox_kwargs):
-    unknown = sorted(set(sandbox_kwargs) - _SANDBOX_KWARGS)
-    if unknown:   # a typo in a recipe's kwargs should not pass silently
-        raise TypeError(f"code reward: unknown keyword argument(s) {', '.join(unknown)}; "
-                        f"sandbox options are {', '.join(sorted(_SANDBOX_KWARGS))}")
+def startup_report(*, allow_weak_sandbox: bool = False, tests_field: str = "tests", workers: int = DEFAULT_WORKERS,
+                   timeout: float = DEFAULT_TEST_TIMEOUT_S, total_timeout: Optional[float] = None,
+                   **sandbox_kwargs) -> list[str]:
+    """Called once when a code reward is loaded with its recipe kwargs: the lines to log (which protections
+    are active). Raises SandboxError as `sandbox_check` does, so that a trainer refuses to start."""
+    return [sandbox_check(SandboxLimits.of(**sandbox_kwargs), allow_weak_sandbox)]
+
+
+def _score_all(completions, rows, *, tests_field, binary, workers, timeout, total_timeout, allow_weak_sandbox,
+               sandbox_kwargs):
+    try:   # checked before anything runs: a misspelt option is a TypeError naming it and the allowed ones
+        limits = SandboxLimits.of(**sandbox_kwargs)
+    except TypeError as exc:
+        raise TypeError(f"code reward: {exc}") from None
     if rows is None:
         raise ValueError("code reward needs the dataset rows (with their tests)")
     jobs = []
@@ -231,10 +710,17 @@ def _score_all(completions, rows, *, tests_field, binary, workers, timeout, tota
         if tests is not None:
             jobs.append((i, extract_code(completion or ""), tests))
     scores: list = [None] * len(completions)
+    if not jobs:
+        return scores
+    sandbox_check(limits, allow_weak_sandbox)
 
     def one(job):
         i, code, tests = job
-        run = run_tests(code, tests, timeout=timeout, total_timeout=total_timeout, **sandbox_kwargs)
+        run = run_tests(code, tests, timeout=timeout, total_timeout=total_timeout, limits=limits)
+        if not run.channel_private and not allow_weak_sandbox and run.sandbox.stdout:
+            raise SandboxError("code reward: the harness could not make its reporting process non-dumpable "
+                               "(PR_SET_DUMPABLE), so the solution could reach its pipe; set allow_weak_sandbox: "
+                               "true to accept that explicitly (docs/sandbox.md)")
         return i, (float(all(run.passed)) if binary else run.fraction)
 
     workers = max(1, int(workers))
@@ -250,16 +736,19 @@ def _score_all(completions, rows, *, tests_field, binary, workers, timeout, tota
 
 def code_reward(completions, *, prompts=None, rows=None, tests_field: str = "tests", workers: int = DEFAULT_WORKERS,
                 timeout: float = DEFAULT_TEST_TIMEOUT_S, total_timeout: Optional[float] = None,
-                **sandbox_kwargs) -> list:
+                allow_weak_sandbox: bool = False, **sandbox_kwargs) -> list:
     """Fraction of the row's tests the completion's code passes; None when the row has no usable tests.
-    Extra keyword arguments go to the sandbox (memory_mb, max_procs, max_output_bytes, ...)."""
+    The other keyword arguments are SandboxLimits fields (memory_mb, max_procs, max_output_bytes, ...).
+    Raises SandboxError, before running anything, when this machine's sandbox lacks full isolation and
+    allow_weak_sandbox is false."""
     return _score_all(completions, rows, tests_field=tests_field, binary=False, workers=workers, timeout=timeout,
-                      total_timeout=total_timeout, sandbox_kwargs=sandbox_kwargs)
+                      total_timeout=total_timeout, allow_weak_sandbox=allow_weak_sandbox, sandbox_kwargs=sandbox_kwargs)
 
 
 def code_binary_reward(completions, *, prompts=None, rows=None, tests_field: str = "tests",
                        workers: int = DEFAULT_WORKERS, timeout: float = DEFAULT_TEST_TIMEOUT_S,
-                       total_timeout: Optional[float] = None, **sandbox_kwargs) -> list:
+                       total_timeout: Optional[float] = None, allow_weak_sandbox: bool = False,
+                       **sandbox_kwargs) -> list:
     """1.0 when the completion's code passes every test of the row, else 0.0; None without usable tests."""
     return _score_all(completions, rows, tests_field=tests_field, binary=True, workers=workers, timeout=timeout,
-                      total_timeout=total_timeout, sandbox_kwargs=sandbox_kwargs)
+                      total_timeout=total_timeout, allow_weak_sandbox=allow_weak_sandbox, sandbox_kwargs=sandbox_kwargs)

@@ -127,7 +127,7 @@ def score_expression(expression: Optional[str], numbers: list[int], target: int,
 
 
 def countdown_reward(completions, *, prompts=None, rows=None, use_all: bool = False, numbers_field: str = "numbers",
-                     target_field: str = "target", **_) -> list[Optional[float]]:
+                     target_field: str = "target") -> list[Optional[float]]:
     """1.0 when the completion's final expression reaches the row's target by the rules, 0.0 when not,
     None when the row is malformed. `numbers_field` / `target_field`: the row's field names (the hub's
     Jiayi-Pan/Countdown-Tasks-3to4 calls its numbers `nums`)."""

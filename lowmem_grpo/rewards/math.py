@@ -504,11 +504,12 @@ def judge(pred_text: Optional[str], gold: str, timeout: int = TIMEOUT_S) -> Opti
 
 
 def math_reward(completions, *, prompts=None, rows=None, answer_field: str = "answer",
-                extract=DEFAULT_EXTRACT, timeout: int = TIMEOUT_S, workers: int = DEFAULT_WORKERS,
-                **_) -> list[Optional[float]]:
+                extract=DEFAULT_EXTRACT, timeout: float = TIMEOUT_S,
+                workers: int = DEFAULT_WORKERS) -> list[Optional[float]]:
     """1.0 if the completion's final answer equals the row's gold answer, 0.0 if not, None if the gold
     answer is missing or cannot be parsed. `extract`: extractor order; `timeout`: seconds per math-verify
-    step; `workers`: size of the math-verify process pool (0: inline, main thread only)."""
+    step; `workers`: size of the math-verify process pool (0: inline, main thread only). In a recipe,
+    `answer_field` is data.answer_field (the trainer passes it)."""
     if rows is None:
         raise ValueError("math reward needs the dataset rows (with their answers)")
     order = _extract_order(extract)

@@ -11,17 +11,23 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
   (`python -I -S -c _BOOTSTRAP`) there, in its own session/process group, with an environment reduced
   to PATH/LANG (no variable of the parent reaches the program).
 * The bootstrap, best effort and in this order:
-  - `unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)` through libc (ctypes; Python 3.11 has no
+  - `unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)` through libc (_ctypes; Python 3.11 has no
     os.unshare). As root this needs no user namespace; as an ordinary user it retries with
     CLONE_NEWUSER. A new network namespace has only a loopback device that is down: no network at all,
     not even 127.0.0.1.
-  - forks an "init", PID 1 of the new PID namespace, which mounts a fresh /proc (other processes and
-    their environments become invisible) and size-capped tmpfs over /tmp, /var/tmp and /dev/shm, copies
-    the program to /tmp/sandbox, covers the trainer's working directory, /home and /root with empty
-    read-only tmpfs (`hide_paths`), forks the program (PID 2) and waits for it, reaping orphans. When init
-    exits — after the program, or killed with the bootstrap through PR_SET_PDEATHSIG — the kernel kills
-    every process left in the namespace, including ones that called setsid(). (The program is not PID 1
-    itself: PID 1 ignores signals it has no handler for, RLIMIT_CPU's SIGXCPU among them.)
+  - forks an "init", PID 1 of the new PID namespace, which builds the program's *minimal root*: a tmpfs
+    mounted over the run's directory holding read-only binds of only what the interpreter needs (the
+    interpreter, its sys.path, the directories of the libraries and data files it maps; `_root_layout`
+    finds them once per interpreter), the host's symlinks on the way to them, a minimal /dev (null, zero,
+    full, random, urandom), a fresh /proc (other processes and their environments become invisible),
+    size-capped tmpfs /tmp and /dev/shm, a two-line /etc/passwd; the program is copied to /tmp/sandbox;
+    then it pivot_roots into it and detaches the host's tree: nothing else of the host is reachable.
+    (With minimal_root=False, or where that fails and the weaker mode was accepted: the host's tree,
+    with private /proc, /tmp, /var/tmp, /dev/shm, and hide_paths under empty tmpfs.) Init forks the
+    program (PID 2) and waits for it, reaping orphans. When init exits — after the program, or killed
+    with the bootstrap through PR_SET_PDEATHSIG — the kernel kills every process left in the namespace,
+    including ones that called setsid(). (The program is not PID 1 itself: PID 1 ignores signals it has
+    no handler for, RLIMIT_CPU's SIGXCPU among them.)
   - in the program's process: rlimits RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (largest file),
     RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC (processes and threads);
   - when started as root: drops to an unprivileged uid/gid drawn at random per run from a reserved
@@ -41,25 +47,32 @@ can change uid). They are probed once per process (`sandbox_info()`), every run 
 layers the probe found (a run never silently gets weaker isolation than the probe reported), and each
 `SandboxResult.protections` lists what was active for that run.
 
-This is damage control for buggy and reward-hacking programs, not a security boundary against a
-determined attacker: there is no seccomp filter and the kernel is shared; see docs/sandbox.md.
+The code reward requires the full set (`FULL_ISOLATION`, and `uid` as root) unless told otherwise
+(`missing_protections`, `sandbox_summary`). This is damage control for buggy and reward-hacking
+programs, not a security boundary against a determined attacker: there is no seccomp filter and the
+kernel is shared; see docs/sandbox.md.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import marshal
 import os
 import random
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_MB = 1024
@@ -107,26 +120,87 @@ class SandboxResult:
         return self.returncode == 0 and self.killed_reason is None
 
 
+class SandboxLimits(BaseModel):
+    """The limits and isolation switches of one run, declared once: run_python's options, and the code
+    rewards' sandbox options in a recipe (whose schema extends this one)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mb: int = Field(DEFAULT_MEMORY_MB, ge=1, description="RLIMIT_AS (address space) of each process, in MiB.")
+    file_size_mb: int = Field(DEFAULT_FILE_SIZE_MB, ge=0, description="RLIMIT_FSIZE: the largest file the program may write, in MiB.")
+    max_procs: int = Field(DEFAULT_MAX_PROCS, ge=1, description="RLIMIT_NPROC: processes and threads of the sandbox uid.")
+    max_open_files: int = Field(DEFAULT_MAX_OPEN_FILES, ge=1, description="RLIMIT_NOFILE: open file descriptors per process.")
+    max_output_bytes: int = Field(
+        DEFAULT_OUTPUT_BYTES, ge=1, description="Output kept per stream (stdout, stderr); past it the program is killed.")
+    cpu_s: Optional[int] = Field(
+        None, ge=1, description="RLIMIT_CPU in seconds; null: the wall-clock limit rounded up, plus 1 (the wall clock normally strikes first).")
+    tmpfs_mb: int = Field(DEFAULT_TMPFS_MB, ge=1, description="Size of each private tmpfs (/tmp, /dev/shm; and /var/tmp without the minimal root) when namespaces are available, in MiB.")
+    hide_paths: Optional[list[str]] = Field(
+        None, description="Without the minimal root (minimal_root: false): directories covered by an empty read-only "
+        "tmpfs; null: the working directory, /home and /root. System directories and the interpreter's are never hidden.")
+    namespaces: bool = Field(True, description="Use network/mount/PID namespaces when the machine allows; false skips that layer.")
+    minimal_root: bool = Field(
+        True, description="With namespaces: run in a read-only root holding only the interpreter, the libraries and "
+        "files it needs, a minimal /dev, a private /proc and /tmp; false: the host's tree, minus hide_paths.")
+    drop_privileges: bool = Field(True, description="When started as root, run as a fresh unprivileged uid; false skips that layer.")
+
+    @classmethod
+    def of(cls, base: Optional["SandboxLimits"] = None, **overrides) -> "SandboxLimits":
+        """`base` (default: the defaults) with `overrides` by field name; an unknown name is a TypeError."""
+        unknown = sorted(set(overrides) - set(cls.model_fields))
+        if unknown:  # a misspelt limit must not silently leave the default in place
+            raise TypeError(f"unknown sandbox option(s) {', '.join(unknown)}; allowed: {', '.join(cls.model_fields)}")
+        if not overrides:
+            return base or cls()
+        return cls.model_validate({**(base.model_dump() if base else {}), **overrides})
+
+
 # --------------------------------------------------------------------------------------------------
 # The bootstrap: runs with the parent's privileges (often root), sets up the isolation, execs the program.
 # Kept free of anything but the standard library; it is run with `python -I -S`.
 _BOOTSTRAP = r'''
-import ctypes, json, os, resource, select, signal, sys
+import _ctypes, _signal as signal, marshal, os, resource, select, sys
 
-cfg = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
+# The bare _ctypes, _signal and marshal: the ctypes and signal packages and json cost ~13 ms of
+# start-up on every run.
+cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
+
+
+class Int(_ctypes._SimpleCData):
+    _type_ = "i"
+
+
+class Fn(_ctypes.CFuncPtr):
+    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+    _restype_ = Int
+
+
+class Libc:
+    _handle = _ctypes.dlopen(None)
+
+    def __getattr__(self, name):
+        fn = Fn((name, self))
+        setattr(self, name, fn)
+        return fn
+
+
+libc = Libc()
 active, failed = [], {}
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 16384, 1 << 18
+MS_REMOUNT, MS_BIND, MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MNT_DETACH = 32, 4096, 1024, 2048, 1 << 21, 2
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+# glibc has no pivot_root wrapper: the raw syscall, by architecture
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203, "ppc64": 203,
+              "s390x": 217, "i686": 217, "armv7l": 218}
 
 
 def errno_text():
-    return os.strerror(ctypes.get_errno())
+    return os.strerror(_ctypes.get_errno())
 
 
 def emit(mark, payload):
-    try:
-        os.write(2, mark + json.dumps(payload).encode() + b"\n")
+    try:   # a Python literal of str, list and dict: the parent reads it with ast.literal_eval
+        os.write(2, mark + repr(payload).encode("ascii", "backslashreplace") + b"\n")
     except OSError:
         pass
 
@@ -180,6 +254,100 @@ if cfg["namespaces"]:
         if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
             give_up("cannot make mounts private: " + errno_text())
 
+def sys_mount(src, dst, fstype, flags, data, what):
+    if libc.mount(src, dst, fstype, flags, data) != 0:
+        raise OSError("%s: %s" % (what, errno_text()))
+
+
+def bind(src, dst, writable=False):
+    sys_mount(src.encode(), dst.encode(), None, MS_BIND, None, "bind " + src)
+    if writable:
+        return
+    # Read-only remount. It must repeat the flags the source mount has that a user namespace locks
+    # (noexec, atime); nosuid and nodev are always added.
+    have = os.statvfs(src).f_flag
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+    for st, ms in ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
+                   (os.ST_RELATIME, MS_RELATIME)):
+        if have & st:
+            flags |= ms
+    sys_mount(None, dst.encode(), None, flags, None, "read-only " + src)
+
+
+def build_root(spec, program):
+    """Mount a tmpfs over the run's directory and make it the root: read-only binds of what the interpreter
+    needs (spec, computed by the parent), a minimal /dev, a fresh /proc, size-capped tmpfs /tmp and /dev/shm,
+    the program in /tmp/sandbox; then pivot_root into it and detach the host's tree. Raises OSError before
+    the pivot (nothing changed for the caller but extra mounts in this namespace)."""
+    new = os.getcwd()
+    sys_mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=755", "root tmpfs")
+    try:
+        os.chdir(new)   # into the fresh tmpfs
+        for d, mode, uid, gid in spec["dirs"]:
+            os.mkdir("." + d)
+            os.chmod("." + d, mode)
+            try:
+                os.chown("." + d, uid, gid)
+            except OSError:   # an id not mapped in a user namespace: the mode still applies
+                pass
+        for path, kind in spec["binds"]:
+            if kind == "dir":
+                os.mkdir("." + path, 0o755)
+            else:
+                os.close(os.open("." + path, os.O_WRONLY | os.O_CREAT, 0o644))
+            bind(path, "." + path)
+        for path, target in spec["links"]:
+            os.symlink(target, "." + path)
+        for d in spec["cover"]:
+            sys_mount(b"tmpfs", ("." + d).encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      b"size=4k,mode=755", "cover " + d)
+        if not os.path.isdir("dev"):
+            os.mkdir("dev", 0o755)
+        for name in ("null", "zero", "full", "random", "urandom"):
+            if os.path.exists("/dev/" + name):
+                os.close(os.open("dev/" + name, os.O_WRONLY | os.O_CREAT, 0o666))
+                bind("/dev/" + name, "dev/" + name, writable=True)
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                             ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, "dev/" + name)
+        opts = ("size=%dm,mode=1777" % cfg["tmpfs_mb"]).encode()
+        for d in ("dev/shm", "tmp"):
+            os.mkdir(d, 0o755)
+            sys_mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts, "tmpfs /" + d)
+        os.mkdir("proc", 0o555)
+        sys_mount(b"proc", b"proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "proc")
+        if not os.path.isdir("etc"):
+            os.mkdir("etc", 0o755)
+        me = run_uid if run_uid is not None else os.getuid()
+        for name, text in (("passwd", "root:x:0:0:root:/nonexistent:/nonexistent\n"
+                                      "sandbox:x:%d:%d:sandbox:/tmp/sandbox:/nonexistent\n" % (me, me)),
+                           ("group", "root:x:0:\nsandbox:x:%d:\n" % me),
+                           ("hosts", "127.0.0.1 localhost\n::1 localhost\n")):
+            if not os.path.lexists("etc/" + name):
+                with open("etc/" + name, "w") as f:
+                    f.write(text)
+        os.mkdir("tmp/sandbox", 0o700)
+        with open("tmp/sandbox/" + cfg["program"], "wb") as f:
+            f.write(program)
+        if run_uid is not None:
+            os.chown("tmp/sandbox", run_uid, run_uid)
+        sys_mount(None, b".", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None, "read-only root")
+        nr = PIVOT_ROOT.get(os.uname().machine)
+        if nr is None:
+            raise OSError("pivot_root: syscall number unknown on " + os.uname().machine)
+        if libc.syscall(nr, b".", b".") != 0:
+            raise OSError("pivot_root: " + errno_text())
+    except BaseException:
+        os.chdir("/")
+        libc.umount2(new.encode(), MNT_DETACH)
+        os.chdir(new)
+        raise
+    # The host's root now lies on top of ours at "/": detach it, with every mount below it.
+    if libc.umount2(b".", MNT_DETACH) != 0:
+        give_up("cannot detach the host root after pivot_root: " + errno_text())
+    os.chdir("/tmp/sandbox")
+
+
 def forward(code):
     """Exit like the program did: with its status, or killed by the same signal."""
     if code < 0:
@@ -214,51 +382,64 @@ if ns:
     if select.select([alive_r], [], [], 0)[0]:    # we died before the prctl: EOF on the pipe
         os._exit(125)
     os.close(alive_r)
-    # A /proc that shows only this namespace: other processes (and their environ) become invisible.
-    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
-        active.append("private_proc")
-    else:
-        failed["private_proc"] = errno_text()
     with open(cfg["program"], "rb") as f:
         program = f.read()
-    # the interpreter must stay reachable: by the path we exec and by the path it resolves to
-    interp = (os.path.abspath(cfg["python"]), os.path.realpath(cfg["python"]))
-    # Hide host directories the program has no business reading (the trainer's working directory, with
-    # its datasets and reference solutions; home directories) under empty read-only tmpfs.
-    hidden = True
-    for d in cfg["hide"]:
-        if not os.path.isdir(d):
-            continue
-        if any(p.startswith(d.rstrip("/") + "/") for p in interp):
-            failed["hidden_paths:" + d] = "the interpreter lives there"
-            continue
-        if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                      b"size=16k,mode=755") != 0:
-            failed["hidden_paths:" + d] = errno_text()
-            hidden = False
-    if hidden:
-        active.append("hidden_paths")
-    tmp_ok = []
-    for d in ("/tmp", "/var/tmp", "/dev/shm"):
-        if not os.path.isdir(d):
-            continue
-        if any(p.startswith(d + "/") for p in interp):
-            failed["private_tmp:" + d] = "the interpreter lives there"
-            continue
-        opts = ("size=%dm,mode=1777" % cfg["tmpfs_mb"]).encode()
-        if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts) == 0:
-            tmp_ok.append(d)
+    rooted = False
+    if cfg["root"] is not None:
+        try:
+            build_root(cfg["root"], program)
+            rooted = True
+            active += ["minimal_root", "private_proc", "private_tmp"]
+        except OSError as exc:
+            failed["minimal_root"] = str(exc)
+            if "minimal_root" in cfg["require"]:
+                give_up("cannot build the minimal root: %s" % exc)
+    if not rooted:
+        # The weaker fallback (minimal_root: false, or a machine where it fails): the host's tree stays,
+        # with a private /proc and /tmp and some directories hidden.
+        # A /proc that shows only this namespace: other processes (and their environ) become invisible.
+        if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
+            active.append("private_proc")
         else:
-            failed["private_tmp:" + d] = errno_text()
-    if "/tmp" in tmp_ok:
-        # Run in a directory on the fresh, size-capped /tmp: the host's directory is out of reach.
-        os.mkdir("/tmp/sandbox", 0o700)
-        with open("/tmp/sandbox/" + cfg["program"], "wb") as f:
-            f.write(program)
-        if run_uid is not None:
-            os.chown("/tmp/sandbox", run_uid, run_uid)
-        os.chdir("/tmp/sandbox")
-        active.append("private_tmp")
+            failed["private_proc"] = errno_text()
+        # the interpreter must stay reachable: by the path we exec and by the path it resolves to
+        interp = (os.path.abspath(cfg["python"]), os.path.realpath(cfg["python"]))
+        # Hide host directories the program has no business reading (the trainer's working directory, with
+        # its datasets and reference solutions; home directories) under empty read-only tmpfs.
+        hidden = True
+        for d in cfg["hide"]:
+            if not os.path.isdir(d):
+                continue
+            if any(p.startswith(d.rstrip("/") + "/") for p in interp):
+                failed["hidden_paths:" + d] = "the interpreter lives there"
+                continue
+            if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                          b"size=16k,mode=755") != 0:
+                failed["hidden_paths:" + d] = errno_text()
+                hidden = False
+        if hidden:
+            active.append("hidden_paths")
+        tmp_ok = []
+        for d in ("/tmp", "/var/tmp", "/dev/shm"):
+            if not os.path.isdir(d):
+                continue
+            if any(p.startswith(d + "/") for p in interp):
+                failed["private_tmp:" + d] = "the interpreter lives there"
+                continue
+            opts = ("size=%dm,mode=1777" % cfg["tmpfs_mb"]).encode()
+            if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts) == 0:
+                tmp_ok.append(d)
+            else:
+                failed["private_tmp:" + d] = errno_text()
+        if "/tmp" in tmp_ok:
+            # Run in a directory on the fresh, size-capped /tmp: the host's directory is out of reach.
+            os.mkdir("/tmp/sandbox", 0o700)
+            with open("/tmp/sandbox/" + cfg["program"], "wb") as f:
+                f.write(program)
+            if run_uid is not None:
+                os.chown("/tmp/sandbox", run_uid, run_uid)
+            os.chdir("/tmp/sandbox")
+            active.append("private_tmp")
     prog = os.fork()
     if prog:
         for fd in (0, 1, 2):
@@ -333,6 +514,8 @@ class _Plan:
     protections: tuple          # what the probe saw active; every run requires these
     failed: dict = field(default_factory=dict)
     rejected_interpreters: dict = field(default_factory=dict)
+    root: Optional[dict] = None  # the minimal root's layout (_root_layout), or None: the host's tree
+    switched_off: tuple = ()     # layers the caller turned off (namespaces, minimal_root, drop_privileges)
 
 
 _plans: dict = {}
@@ -379,85 +562,314 @@ def _interpreter_candidates() -> list:
     return out
 
 
-def _plan(namespaces: bool, drop_privileges: bool) -> _Plan:
-    key = (namespaces, drop_privileges)
+# --------------------------------------------------------------------------------------------------
+# The minimal root: what the interpreter needs, found once per interpreter by running it outside the
+# sandbox (its sys.path, and every file it maps after importing all of its extension modules).
+
+class RootUnavailable(Exception):
+    """The minimal root cannot be laid out for this interpreter (the reason is the message)."""
+
+
+_ROOT_SURVEY = r"""
+import importlib, importlib.machinery, json, os, sys
+names = set()
+for d in sys.path:
+    if os.path.isdir(d):
+        for f in os.listdir(d):
+            for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+                stem = f[:-len(suffix)]
+                if f.endswith(suffix) and stem.isidentifier():
+                    names.add(stem)
+loaded = []
+for name in sorted(names):
+    if name.startswith(("_test", "xx", "_xx", "_ctypes_test")):
+        continue
+    try:
+        importlib.import_module(name)
+        loaded.append(name)
+    except BaseException:
+        pass
+maps = set()
+with open("/proc/self/maps") as f:
+    for line in f:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            maps.add(parts[5].rstrip("\n"))
+sys.stdout.write("\n" + json.dumps({"path": sys.path, "maps": sorted(maps), "modules": loaded}) + "\n")
+"""
+
+# Directories never bound whole: a file the interpreter maps from one of them is bound alone.
+_BROAD_DIRS = {"/", "/etc", "/usr", "/usr/local", "/usr/share", "/var", "/var/lib", "/opt", "/srv", "/home",
+               "/root", "/run", "/mnt", "/media", "/boot", "/bin", "/sbin", "/usr/bin", "/usr/sbin",
+               "/usr/local/bin", "/usr/local/sbin"}
+# Provided by the sandbox itself: never taken from the host.
+_OWN_DIRS = ("/tmp", "/dev", "/proc", "/sys", "/var/tmp")
+_root_layouts: dict = {}
+
+
+def _elf_interp(path: str) -> Optional[str]:
+    """The program interpreter (PT_INTERP, e.g. /lib64/ld-linux-x86-64.so.2) of an ELF executable, or None."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or len(head) < 64:
+                return None
+            end = "<" if head[5] == 1 else ">"
+            wide = head[4] == 2
+            phoff = struct.unpack_from(end + ("Q" if wide else "I"), head, 32 if wide else 28)[0]
+            phentsize, phnum = struct.unpack_from(end + "HH", head, 54 if wide else 42)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for k in range(phnum):
+                entry = table[k * phentsize:(k + 1) * phentsize]
+                if struct.unpack_from(end + "I", entry, 0)[0] == 3:   # PT_INTERP
+                    off, size = (struct.unpack_from(end + "QQ", entry, 8)[0], struct.unpack_from(end + "Q", entry, 32)[0]) \
+                        if wide else (struct.unpack_from(end + "I", entry, 4)[0], struct.unpack_from(end + "I", entry, 16)[0])
+                    f.seek(off)
+                    return f.read(size).rstrip(b"\0").decode() or None
+    except (OSError, struct.error, UnicodeDecodeError):
+        return None
+    return None
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _root_layout(python: str) -> dict:
+    """What the minimal root holds for `python` (cached): {"binds": [[path, "dir"|"file"]], "dirs": [...],
+    "links": [[path, target]], "modules": [...]}: the interpreter file, its sys.path directories, the
+    directory of every shared library and data file it maps (a file alone where that directory is a broad
+    one such as /etc), the host's symlinks on the way to them (/lib64 -> usr/lib64, ...) and the host's
+    top-level symlinks; everything read-only. Raises RootUnavailable."""
+    if python in _root_layouts:
+        return _root_layouts[python]
+    try:
+        out = subprocess.run([python, "-I", "-S", "-B", "-c", _ROOT_SURVEY], env=dict(_MIN_ENV), cwd="/",
+                             stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        survey = json.loads(out.stdout.decode("utf-8", "replace").rstrip("\n").rsplit("\n", 1)[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        raise RootUnavailable(f"cannot survey what {python} needs: {exc}") from None
+    broad, d = set(_BROAD_DIRS), os.path.realpath(os.getcwd())
+    while d != "/":   # the trainer's directory and its parents are never bound whole either
+        broad.add(d)
+        d = os.path.dirname(d)
+    links: dict = {}
+
+    def resolve(path: str) -> str:
+        """The canonical path of `path`, recording every host symlink met on the way."""
+        comps, cur, hops = [c for c in path.split("/") if c], "/", 0
+        while comps:
+            nxt = os.path.join(cur, comps.pop(0))
+            if os.path.islink(nxt):
+                hops += 1
+                if hops > 40:
+                    raise RootUnavailable(f"too many symlinks resolving {path}")
+                target = os.readlink(nxt)
+                links[nxt] = target
+                comps = [c for c in os.path.normpath(os.path.join(cur, target)).split("/") if c] + comps
+                cur = "/"
+            else:
+                cur = nxt
+        return cur
+
+    wanted: dict = {}   # canonical path -> "dir" | "file"
+    needed = [python] + [p for p in survey["path"] if os.path.exists(p)]
+    interp = _elf_interp(python)
+    if interp:
+        needed.append(interp)
+    if os.path.isfile("/etc/ld.so.cache"):   # the loader's index of library paths (read, then unmapped)
+        needed.append("/etc/ld.so.cache")
+    for p in needed:
+        real = resolve(p)
+        wanted[real] = "dir" if os.path.isdir(real) else "file"
+    for m in survey["maps"]:
+        if not os.path.isfile(m) or m.startswith(("/proc/", "/sys/", "/dev/")):
+            continue   # "(deleted)" entries, memfd, devices
+        real = resolve(m)
+        parent = os.path.dirname(real)
+        if real == os.path.realpath(python) or parent in broad or any(_within(parent, d) for d in _OWN_DIRS):
+            wanted[real] = "file"
+        else:
+            wanted[parent] = "dir"
+    for name in os.listdir("/"):
+        if os.path.islink("/" + name):
+            links["/" + name] = os.readlink("/" + name)
+    for real in wanted:
+        if any(_within(real, d) for d in _OWN_DIRS) or real == "/":
+            raise RootUnavailable(f"{python} needs {real}, which the sandbox replaces with its own")
+    # Bind the outermost trees only; directories and links inside a bound tree come with it.
+    binds = sorted((p, k) for p, k in wanted.items()
+                   if not any(q != p and wanted[q] == "dir" and _within(p, q) for q in wanted))
+    bound_dirs = [p for p, k in binds if k == "dir"]
+    inside = lambda p: any(_within(p, d) for d in bound_dirs)   # noqa: E731
+    keep_links = sorted((p, t) for p, t in links.items() if not inside(p) and p not in wanted)
+    dirs = set()
+    for p in [b for b, _ in binds] + [lk for lk, _ in keep_links]:
+        parent = os.path.dirname(p)
+        while parent != "/" and not inside(parent):
+            dirs.add(parent)
+            parent = os.path.dirname(parent)
+    if any(lk in dirs for lk, _ in keep_links):
+        raise RootUnavailable("a path the interpreter needs is both a symlink and a directory")
+    # Directories made on the way keep the host's mode and owner: a 0700 home stays closed to the sandbox uid.
+    made = []
+    for d in sorted(dirs, key=lambda d: (d.count("/"), d)):
+        st = os.stat(d)
+        made.append([d, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid])
+    # Installed packages are not part of the standard library (the program runs with -I -S): covered.
+    covered = sorted({os.path.join(os.path.realpath(p), sub) for p in survey["path"] for sub in ("site-packages", "dist-packages")
+                      if os.path.isdir(os.path.join(p, sub)) and inside(os.path.realpath(p))})
+    layout = {"binds": [list(b) for b in binds], "dirs": made, "links": [list(lk) for lk in keep_links],
+              "cover": covered, "modules": survey["modules"]}
+    _root_layouts[python] = layout
+    return layout
+
+
+def _plan(namespaces: bool, drop_privileges: bool, minimal_root: bool = True) -> _Plan:
+    key = (namespaces, drop_privileges, minimal_root)
     with _plans_lock:
         if key not in _plans:
-            _plans[key] = _probe(namespaces, drop_privileges)
+            _plans[key] = _probe(namespaces, drop_privileges, minimal_root)
         return _plans[key]
 
 
-def _probe(namespaces: bool, drop_privileges: bool) -> _Plan:
+# Run by the probe in the minimal root: every extension module that loads outside must load inside.
+_PROBE = """import importlib, json
+bad = []
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        bad.append(name)
+print('sandbox-probe-ok', json.dumps(bad))
+"""
+
+
+def _probe(namespaces: bool, drop_privileges: bool, minimal_root: bool = True) -> _Plan:
     candidates = _interpreter_candidates()
     if not candidates:
         raise SandboxError("no Python interpreter found for the sandbox")
     bootstrap = candidates[0]
     uid_choice = _uid_choice() if drop_privileges else None
+    off = tuple(name for name, on in (("namespaces", namespaces), ("minimal_root", minimal_root or not namespaces),
+                                      ("drop_privileges", drop_privileges)) if not on)
     failures = {}
     # As root with a uid to drop to, there is no fallback to running the program as root: without an
     # interpreter the sandbox uid can run, the sandbox refuses (drop_privileges=False overrides).
-    for choice in [uid_choice]:
-        for python in candidates:
-            plan = _Plan(python, bootstrap, namespaces, choice is not None, choice, ())
-            res = _run(plan, "print('sandbox-probe-ok')", timeout_s=20.0, require=(), stdin=None,
-                       memory_mb=DEFAULT_MEMORY_MB, file_size_mb=DEFAULT_FILE_SIZE_MB, max_procs=DEFAULT_MAX_PROCS,
-                       max_open_files=DEFAULT_MAX_OPEN_FILES, max_output_bytes=65536, cpu_s=None,
-                       tmpfs_mb=DEFAULT_TMPFS_MB, kill_on_output_limit=True)
-            if res.ok and res.stdout.strip() == "sandbox-probe-ok":
-                failed = dict(res.unavailable)
-                if drop_privileges and choice is None:
-                    failed.setdefault("uid", "not root (nothing to drop)" if os.geteuid() != 0
-                                      else "no unprivileged uid mapped in this user namespace")
-                return _Plan(python, bootstrap, namespaces and "netns" in res.protections, choice is not None,
-                             choice, tuple(p for p in res.protections if p != "pdeathsig"), failed, failures)
-            failures[f"{python} (uid {'dropped' if choice else 'kept'})"] = (res.error or res.stderr[-300:]
-                                                                             or f"returncode {res.returncode}")
+    for python in candidates:
+        root, root_failed = None, {}
+        if namespaces and minimal_root:
+            try:
+                root = _root_layout(python)
+            except RootUnavailable as exc:
+                root_failed["minimal_root"] = str(exc)
+        plan = _Plan(python, bootstrap, namespaces, uid_choice is not None, uid_choice, (), root=root)
+        code = _PROBE.format(modules=root["modules"] if root else [])
+        res = _run(plan, code, timeout_s=30.0, require=(), stdin=None,
+                   memory_mb=DEFAULT_MEMORY_MB, file_size_mb=DEFAULT_FILE_SIZE_MB, max_procs=DEFAULT_MAX_PROCS,
+                   max_open_files=DEFAULT_MAX_OPEN_FILES, max_output_bytes=65536, cpu_s=None,
+                   tmpfs_mb=DEFAULT_TMPFS_MB, kill_on_output_limit=True)
+        if res.ok and res.stdout.startswith("sandbox-probe-ok"):
+            failed = {**root_failed, **res.unavailable}
+            if drop_privileges and uid_choice is None:
+                failed.setdefault("uid", "not root (nothing to drop)" if os.geteuid() != 0
+                                  else "no unprivileged uid mapped in this user namespace")
+            bad = json.loads(res.stdout.split(" ", 1)[1])
+            if bad:   # not a missing protection: some standard-library modules will not import in there
+                failed["minimal_root:modules"] = "cannot be imported in the minimal root: " + ", ".join(bad)
+            protections = tuple(p for p in res.protections if p != "pdeathsig")
+            return _Plan(python, bootstrap, namespaces and "netns" in protections, uid_choice is not None,
+                         uid_choice, protections, failed, failures, root if "minimal_root" in protections else None,
+                         off)
+        failures[f"{python} (uid {'dropped' if uid_choice else 'kept'})"] = (
+            res.error or res.stderr[-300:] or f"returncode {res.returncode}")
     hint = (" Install a Python 3 that every user may read and execute (e.g. /usr/bin/python3), or pass "
             "drop_privileges=False to run programs as root (unsafe)." if uid_choice is not None else "")
     raise SandboxError("the sandbox cannot run any interpreter: " + json.dumps(failures) + hint)
 
 
-def sandbox_info(namespaces: bool = True, drop_privileges: bool = True) -> dict:
-    """What the sandbox does on this machine: interpreter, active protections, and what failed and why."""
-    p = _plan(namespaces, drop_privileges)
+def sandbox_info(namespaces: bool = True, drop_privileges: bool = True, minimal_root: bool = True) -> dict:
+    """What the sandbox does on this machine: interpreter, active protections, what failed and why, and the
+    minimal root's layout (`root`: binds, dirs, links; None without one)."""
+    p = _plan(namespaces, drop_privileges, minimal_root)
+    root = None if p.root is None else {k: p.root[k] for k in ("binds", "dirs", "links")}
     return {"python": p.python, "protections": list(p.protections), "unavailable": dict(p.failed),
             "uid_range": p.uid_choice, "namespaces": p.namespaces, "drop_uid": p.drop_uid,
-            "rejected_interpreters": dict(p.rejected_interpreters)}
+            "rejected_interpreters": dict(p.rejected_interpreters), "root": root,
+            "switched_off": list(p.switched_off)}
+
+
+# The layers the code reward needs before it runs model-written code ("uid" too when we are root: a
+# program left as root could undo the others). docs/sandbox.md says what each one stops.
+FULL_ISOLATION = ("netns", "pidns", "mountns", "private_proc", "minimal_root", "private_tmp", "rlimit:cpu",
+                  "rlimit:as", "rlimit:fsize", "rlimit:nofile", "rlimit:nproc", "no_new_privs")
+_WHY_KEYS = {"netns": "namespaces", "pidns": "namespaces", "mountns": "namespaces", "uid": "uid",
+             "no_new_privs": "no_new_privs", "private_proc": "private_proc", "minimal_root": "minimal_root"}
+
+
+def missing_protections(limits: Optional["SandboxLimits"] = None) -> dict:
+    """{layer: why} for each layer of full isolation (FULL_ISOLATION, and "uid" as root) that runs with
+    these limits would lack on this machine; {} when none is missing."""
+    lim = limits or SandboxLimits()
+    p = _plan(lim.namespaces, lim.drop_privileges, lim.minimal_root)
+    needed = FULL_ISOLATION + (("uid",) if os.geteuid() == 0 else ())
+    out = {}
+    for layer in needed:
+        if layer in p.protections:
+            continue
+        if layer in ("netns", "pidns", "mountns", "private_proc", "private_tmp", "minimal_root") and not lim.namespaces:
+            why = "namespaces: false"
+        elif layer == "minimal_root" and not lim.minimal_root:
+            why = "minimal_root: false"
+        elif layer == "uid" and not lim.drop_privileges:
+            why = "drop_privileges: false"
+        elif layer.startswith("rlimit:"):
+            why = p.failed.get("RLIMIT_" + layer.split(":")[1].upper(), "not available")
+        else:
+            why = p.failed.get(_WHY_KEYS.get(layer, layer)) or p.failed.get("namespaces") or "not available"
+        out[layer] = why
+    return out
+
+
+def sandbox_summary(limits: Optional["SandboxLimits"] = None) -> str:
+    """One line for a start-up log: the interpreter, the active protections, and what full isolation lacks."""
+    lim = limits or SandboxLimits()
+    p = _plan(lim.namespaces, lim.drop_privileges, lim.minimal_root)
+    missing = missing_protections(lim)
+    who = "a fresh unprivileged uid per run" if p.drop_uid else "the trainer's uid"
+    line = f"sandbox: {p.python} as {who}; active: {', '.join(p.protections) or 'none'}"
+    if missing:
+        line += "; MISSING: " + "; ".join(f"{k} ({v})" for k, v in missing.items())
+    return line
 
 
 # --------------------------------------------------------------------------------------------------
 # Running one program.
 
 def run_python(code: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, stdin: Union[str, bytes, None] = None,
-               memory_mb: int = DEFAULT_MEMORY_MB, file_size_mb: int = DEFAULT_FILE_SIZE_MB,
-               max_procs: int = DEFAULT_MAX_PROCS, max_open_files: int = DEFAULT_MAX_OPEN_FILES,
-               max_output_bytes: int = DEFAULT_OUTPUT_BYTES, cpu_s: Optional[int] = None,
-               tmpfs_mb: int = DEFAULT_TMPFS_MB, kill_on_output_limit: bool = True,
-               hide_paths: Optional[Sequence[str]] = None, namespaces: bool = True,
-               drop_privileges: bool = True) -> SandboxResult:
+               limits: Optional[SandboxLimits] = None, kill_on_output_limit: bool = True,
+               **overrides) -> SandboxResult:
     """Run `code` (Python source, standard library only: the interpreter runs with -I -S) in the sandbox.
 
     timeout_s: wall-clock limit; the program and everything it started are then SIGKILLed.
     stdin: data written to the program's stdin (then closed).
-    memory_mb: RLIMIT_AS (address space) of each process; file_size_mb: RLIMIT_FSIZE (largest file written).
-    max_procs: RLIMIT_NPROC (processes/threads of the sandbox uid).
-    max_output_bytes: kept per stream; past it the program is killed (kill_on_output_limit=True, the
-        default, so an endless print cannot run until the deadline) or the rest is read and dropped.
-    cpu_s: RLIMIT_CPU in seconds, default ceil(timeout_s) + 1 (the wall clock normally strikes first).
-    tmpfs_mb: size of each private tmpfs (/tmp, /var/tmp, /dev/shm) when namespaces are available.
-    hide_paths: directories covered by an empty read-only tmpfs when namespaces are available; default
-        the caller's working directory (datasets, reference solutions), /home and /root. System
-        directories and any directory holding the interpreter are never hidden.
-    namespaces, drop_privileges: False to skip these layers (they are used whenever the machine allows).
+    limits: a SandboxLimits (memory, processes, output, hidden paths, layers); `overrides` replace its
+        fields by name (run_python(code, 10, memory_mb=256)); an unknown name is a TypeError.
+    kill_on_output_limit: past max_output_bytes, kill the program (the default, so an endless print
+        cannot run until the deadline), or read and drop the rest.
 
     Never raises for anything the program does; raises SandboxError only if the sandbox cannot start at
     all. A run whose isolation could not be set up returns killed_reason="sandbox_error".
     """
-    plan = _plan(bool(namespaces), bool(drop_privileges))
-    return _run(plan, code, timeout_s=timeout_s, require=plan.protections, stdin=stdin, memory_mb=memory_mb,
-                file_size_mb=file_size_mb, max_procs=max_procs, max_open_files=max_open_files,
-                max_output_bytes=max_output_bytes, cpu_s=cpu_s, tmpfs_mb=tmpfs_mb,
-                kill_on_output_limit=kill_on_output_limit, hide_paths=hide_paths)
+    lim = SandboxLimits.of(limits, **overrides)
+    plan = _plan(lim.namespaces, lim.drop_privileges, lim.minimal_root)
+    return _run(plan, code, timeout_s=timeout_s, require=plan.protections, stdin=stdin, memory_mb=lim.memory_mb,
+                file_size_mb=lim.file_size_mb, max_procs=lim.max_procs, max_open_files=lim.max_open_files,
+                max_output_bytes=lim.max_output_bytes, cpu_s=lim.cpu_s, tmpfs_mb=lim.tmpfs_mb,
+                kill_on_output_limit=kill_on_output_limit, hide_paths=lim.hide_paths)
 
 
 def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_size_mb, max_procs,
@@ -477,8 +889,9 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                "cpu_s": int(cpu_s if cpu_s is not None else int(timeout_s + 0.999) + 1),
                "memory_bytes": int(memory_mb) << 20, "fsize_bytes": int(file_size_mb) << 20,
                "max_open_files": int(max_open_files), "max_procs": int(max_procs), "tmpfs_mb": int(tmpfs_mb),
-               "require": list(require), "env": dict(_MIN_ENV), "hide": _hide_list(hide_paths)}
-        argv = [plan.bootstrap_python, "-I", "-S", "-B", "-c", _BOOTSTRAP, json.dumps(cfg)]
+               "require": list(require), "env": dict(_MIN_ENV), "hide": _hide_list(hide_paths),
+               "root": plan.root if plan.namespaces else None}
+        argv = [plan.bootstrap_python, "-I", "-S", "-B", "-c", _BOOTSTRAP, marshal.dumps(cfg).hex()]
         try:
             proc = subprocess.Popen(argv, cwd=workdir, env=dict(_MIN_ENV), stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
@@ -553,8 +966,10 @@ def _split_status(err: bytes):
         line, _, err = err.partition(b"\n")
         is_error = line.startswith(_ERROR_MARK)
         try:
-            payload = json.loads(line[len(_ERROR_MARK if is_error else _STATUS_MARK):])
-        except ValueError:
+            payload = ast.literal_eval(line[len(_ERROR_MARK if is_error else _STATUS_MARK):].decode("ascii"))
+            if not isinstance(payload, dict):
+                raise ValueError(payload)
+        except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
             payload = {"error": line.decode("utf-8", "replace")}
         status = payload
         if is_error:

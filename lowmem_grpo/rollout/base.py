@@ -1,13 +1,20 @@
 """The rollout engine interface: G completions per prompt, as token ids.
 
-Engines know nothing of rewards or losses. They sample with the current weights of the trainer's model
-(the transformers engine calls it directly; the vLLM engine runs the same modules), in eval mode.
+Engines know nothing of rewards, losses or recipes. They sample with the current weights of the
+trainer's model (the transformers engine calls it directly; the vLLM engine runs the same modules), in
+eval mode. What an engine needs to size itself comes in an `EngineConfig`; what one request samples
+comes in `SamplingParams`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Protocol
+
+# Prompts per generate call in greedy eval. The vLLM engine sizes its batch for it and memory.py models
+# the same, so it lives here, below all three.
+EVAL_BATCH = 64
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -18,6 +25,30 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+
+    @classmethod
+    def from_generation(cls, g, n: Optional[int] = None) -> "SamplingParams":
+        """The recipe's sampling settings (a GenerationConfig); n defaults to its num_generations."""
+        return cls(n=g.num_generations if n is None else n, max_new_tokens=g.max_new_tokens,
+                   temperature=g.temperature, top_p=g.top_p, top_k=g.top_k)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine needs to know before its first request."""
+
+    name: str = "hf"                  # "hf" (transformers generate) or "vllm" (in-process, shared modules)
+    seed: int = 0                     # vLLM seeds its own state with it (sampling follows torch's RNG)
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES  # vLLM: KV cache allocated once at start-up
+    max_num_seqs: Optional[int] = None  # vLLM: sequences decoded at once (None: vLLM's default)
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "EngineConfig":
+        g = recipe.generation
+        # One step decodes prompts_per_step x G sequences at once, an eval call EVAL_BATCH: size for the
+        # larger, not vLLM's default (its warm-up samples max_num_seqs rows of full logits).
+        return cls(name=g.engine, seed=recipe.seed, kv_cache_memory_bytes=g.kv_cache_memory_bytes,
+                   max_num_seqs=max(recipe.train.prompts_per_step * g.num_generations, EVAL_BATCH))
 
 
 @dataclass
@@ -33,20 +64,10 @@ class RolloutEngine(Protocol):
         """len(prompts) * params.n completions, grouped by prompt: prompt i's are at [i*n, (i+1)*n)."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds (vLLM: its KV cache and process-wide state). Idempotent."""
+        ...
+
 
 class EngineError(Exception):
     """A rollout engine that cannot be used here (not installed, not built, wrong machine)."""
-
-
-def make_engine(name: str, model, tokenizer, recipe=None) -> RolloutEngine:
-    if name == "hf":
-        from .hf import HFEngine
-
-        return HFEngine(model, tokenizer)
-    if name == "vllm":
-        try:
-            from .vllm import VLLMEngine  # imported here: vllm is an optional, GPU-first dependency
-        except ImportError as exc:
-            raise EngineError(f"generation.engine=vllm is not available ({exc}); use generation.engine: hf") from None
-        return VLLMEngine(model, tokenizer, recipe)
-    raise EngineError(f"generation.engine={name!r} is unknown; allowed: hf, vllm")

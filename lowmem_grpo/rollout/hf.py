@@ -38,3 +38,6 @@ class HFEngine:
                 tokens, truncated = [t for t in tokens if t != pad] if pad != eos else tokens, True
             completions.append(Completion(row // params.n, tokens, truncated))
         return completions
+
+    def close(self) -> None:
+        """Nothing to release: generate runs on the trainer's model and keeps no cache between calls."""

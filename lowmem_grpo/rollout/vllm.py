@@ -42,7 +42,9 @@ CUDA: **untested** (no GPU was available when this was written). The path is the
 mode level 1 around training; measure it before relying on it.
 
 Every use of vLLM internals (anything beyond `LLM`, `SamplingParams` and the quantization plugin API)
-is in `vllm_internals()`, checked against vllm 0.32.0.
+is in `vllm_internals()`, checked against vllm 0.32.0; every use of peft's LoRA layers' internals (the
+fast path) goes through `peft_internals()` (lowmem_grpo/internals.py). Both raise InternalsError, naming
+the library and its version, when an assumption no longer holds.
 """
 
 from __future__ import annotations
@@ -78,9 +80,9 @@ from vllm.model_executor.layers.quantization.base_config import (  # noqa: E402
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # noqa: E402
 
-from ..evaluate import BATCH as EVAL_BATCH  # noqa: E402
+from ..internals import InternalsError, fence_error, names_used, peft_internals, raise_if_broken  # noqa: E402
 from ..model import _base, disable_cpu_4bit_repack, eval_mode  # noqa: E402
-from .base import Completion, EngineError, SamplingParams  # noqa: E402
+from .base import DEFAULT_KV_CACHE_BYTES, Completion, EngineConfig, EngineError, SamplingParams  # noqa: E402
 
 
 def _restore_environment(before: dict) -> None:
@@ -100,7 +102,6 @@ _restore_environment(_ENV_BEFORE_VLLM)
 
 VLLM_VERSION_CHECKED = "0.32.0"
 QUANTIZATION_NAME = "lowmem_grpo_shared"
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 # vLLM fuses some projections into one layer; the trainer (transformers) keeps them apart. The model
 # class's own `packed_modules_mapping` (handed to the quantization config) takes precedence.
@@ -116,51 +117,78 @@ def vllm_internals() -> SimpleNamespace:
 
     - `engine_core(llm)`: the in-process EngineCore client (llm.llm_engine.engine_core), whose
       `shutdown()` tears the engine down (LLM has no public close).
-    - `parallel_state`: vllm.distributed.parallel_state, whose `destroy_distributed_environment()` is
-      what destroys torch.distributed's default process group at shutdown (_shutdown swaps it, for the
-      duration of a shutdown, for one that only resets the module's `_WORLD` and `_NODE_COUNT`).
+    - `keep_default_group()`: a context in which vllm.distributed.parallel_state's
+      `destroy_distributed_environment()` (which EngineCore's shutdown calls through
+      `cleanup_dist_env_and_memory`, and which destroys torch.distributed's default process group) only
+      resets the module's `_WORLD` and `_NODE_COUNT`.
     - `cache_config(llm)`: the engine's CacheConfig (llm.llm_engine.vllm_config.cache_config).
     - `scheduler_config(llm)`: its SchedulerConfig (llm.llm_engine.vllm_config.scheduler_config).
-    tests/test_vllm_engine.py::test_vllm_internals_are_where_we_expect checks each against the installed vllm.
+
+    Checked on every call: parallel_state has those names and cleanup_dist_env_and_memory calls
+    destroy_distributed_environment through the module (so the swap takes effect). The accessors raise
+    InternalsError when an LLM lacks the path. tests/test_internals.py breaks each on purpose;
+    tests/test_vllm_engine.py::test_vllm_internals_are_where_we_expect checks them on a live engine.
     """
-    from vllm.distributed import parallel_state
+    from vllm.distributed import parallel_state as ps
+
+    problems = [f"vllm.distributed.parallel_state.{name} is gone" for name in ("_WORLD", "_NODE_COUNT")
+                if not hasattr(ps, name)]
+    if not callable(getattr(ps, "destroy_distributed_environment", None)):
+        problems.append("vllm.distributed.parallel_state.destroy_distributed_environment is gone")
+    if "destroy_distributed_environment" not in names_used(getattr(ps, "cleanup_dist_env_and_memory", None)):
+        problems.append("vllm.distributed.parallel_state.cleanup_dist_env_and_memory no longer calls "
+                        "destroy_distributed_environment")
+    raise_if_broken("vllm", vllm.__version__, VLLM_VERSION_CHECKED, problems)
+
+    def follow(llm, path: str):
+        obj = llm
+        for name in path.split("."):
+            try:
+                obj = getattr(obj, name)
+            except AttributeError as exc:
+                raise fence_error("vllm", vllm.__version__, VLLM_VERSION_CHECKED,
+                                  [f"{type(llm).__name__}.{path} is gone ({exc})"]) from exc
+        return obj
 
     def engine_core(llm):
-        return llm.llm_engine.engine_core
+        core = follow(llm, "llm_engine.engine_core")
+        if not callable(getattr(core, "shutdown", None)):
+            raise fence_error("vllm", vllm.__version__, VLLM_VERSION_CHECKED,
+                              [f"{type(llm).__name__}.llm_engine.engine_core has no shutdown()"])
+        return core
 
-    def cache_config(llm):
-        return llm.llm_engine.vllm_config.cache_config
+    @contextlib.contextmanager
+    def keep_default_group():
+        def destroy_vllm_groups_only():
+            ps._WORLD = None
+            ps._NODE_COUNT = None
 
-    def scheduler_config(llm):
-        return llm.llm_engine.vllm_config.scheduler_config
+        original = ps.destroy_distributed_environment
+        ps.destroy_distributed_environment = destroy_vllm_groups_only
+        try:
+            yield
+        finally:
+            ps.destroy_distributed_environment = original
 
-    return SimpleNamespace(version=vllm.__version__, engine_core=engine_core, parallel_state=parallel_state,
-                           cache_config=cache_config, scheduler_config=scheduler_config)
+    return SimpleNamespace(version=vllm.__version__, checked=VLLM_VERSION_CHECKED, parallel_state=ps,
+                           engine_core=engine_core, keep_default_group=keep_default_group,
+                           cache_config=lambda llm: follow(llm, "llm_engine.vllm_config.cache_config"),
+                           scheduler_config=lambda llm: follow(llm, "llm_engine.vllm_config.scheduler_config"))
 
 
 # ----------------------------------------------------------------------------------------------------
 # Calling the trainer's modules: the fast path and the fallback
 # ----------------------------------------------------------------------------------------------------
 
-def _peft_lora_types() -> tuple:
-    """peft's plain LoRA linear layers (dense base, bitsandbytes 4-bit base), matched by exact type."""
-    types = []
-    try:
-        from peft.tuners.lora.layer import Linear as LoraLinear
-
-        types.append(LoraLinear)
-    except ImportError:  # pragma: no cover - peft is a core dependency
-        pass
-    try:
-        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
-
-        types.append(LoraLinear4bit)
-    except (ImportError, AttributeError):  # pragma: no cover - bitsandbytes is a core dependency
-        pass
-    return tuple(types)
+_PEFT: Optional[SimpleNamespace] = None
 
 
-_LORA_TYPES = _peft_lora_types()
+def _peft() -> SimpleNamespace:
+    """peft_internals(), checked once per process (its check builds a small LoRA layer)."""
+    global _PEFT
+    if _PEFT is None:
+        _PEFT = peft_internals()
+    return _PEFT
 
 
 def _dense(weight, bias, x):
@@ -214,23 +242,22 @@ def linear_call(module: torch.nn.Module, fast: bool = True) -> Plan:
         return Plan(module, "module")
     if type(module) is torch.nn.Linear:
         return Plan(partial(_dense, module.weight, module.bias), "dense")
-    if _LORA_TYPES and type(module) in _LORA_TYPES:
-        base_layer = module.get_base_layer()
+    peft = _peft()
+    if type(module) in peft.lora_types:
+        state = peft.lora_state(module)
+        base_layer = state.base_layer
         base = partial(_dense, base_layer.weight, base_layer.bias) if type(base_layer) is torch.nn.Linear else base_layer
-        if module.disable_adapters or module.merged:
+        if state.off:
             return Plan(base, "base")
         branches = []
-        for name in module.active_adapters:
-            if name not in module.lora_A:
-                continue
-            if name in getattr(module, "lora_variant", {}):
+        for br in state.branches:
+            if br.variant:
                 return Plan(module, "module")  # DoRA and other variants: peft's own forward
-            drop, a, b = module.lora_dropout[name], module.lora_A[name], module.lora_B[name]
-            if not (isinstance(drop, torch.nn.Identity) or not drop.training):
+            if not (isinstance(br.dropout, torch.nn.Identity) or not br.dropout.training):
                 return Plan(module, "module")
-            if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
+            if type(br.a) is not torch.nn.Linear or type(br.b) is not torch.nn.Linear:
                 return Plan(module, "module")
-            branches.append((a.weight, b.weight, b.bias, module.scaling[name]))
+            branches.append((br.a.weight, br.b.weight, br.b.bias, br.scaling))
         if not branches:
             return Plan(base, "base")
         return Plan(partial(_lora, base, branches), "lora", base, branches)
@@ -262,6 +289,12 @@ class _Binding:
     """The trainer's modules, by transformers name, for the engine being built."""
 
     def __init__(self, model, fast: bool):
+        try:  # a broken assumption about vLLM's or peft's internals fails here, before vLLM starts
+            vllm_internals()
+            if fast:
+                _peft()
+        except InternalsError as exc:
+            raise EngineError(f"generation.engine=vllm: {exc}") from exc
         self.base = _base(model)
         self.modules = dict(self.base.named_modules())
         self.fast = fast
@@ -490,16 +523,11 @@ class VLLMEngine:
     modules. One live engine per process (vLLM keeps process-wide state): close() one before building
     another; a second one closes the first."""
 
-    def __init__(self, model, tokenizer, recipe=None, *, kv_cache_memory_bytes: Optional[int] = None,
-                 fast_path: bool = True, seed: Optional[int] = None, max_model_len: Optional[int] = None,
-                 max_num_seqs: Optional[int] = None):
-        g = getattr(recipe, "generation", None)
-        if max_num_seqs is None and recipe is not None:
-            max_num_seqs = max(recipe.train.prompts_per_step * recipe.generation.num_generations, EVAL_BATCH)
-        self.max_num_seqs = max_num_seqs  # None: vLLM's default
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(name="vllm"), *, fast_path: bool = True,
+                 max_model_len: Optional[int] = None):
+        self.config, self.max_num_seqs = config, config.max_num_seqs  # None: vLLM's default
         self.model, self.tokenizer = model, tokenizer
-        self.kv_cache_memory_bytes = int(kv_cache_memory_bytes or getattr(g, "kv_cache_memory_bytes", None)
-                                         or DEFAULT_KV_CACHE_BYTES)
+        self.kv_cache_memory_bytes = int(config.kv_cache_memory_bytes)
         self.cuda = next(model.parameters()).device.type == "cuda"
         self.eos = tokenizer.eos_token_id
         self.closed, self.sleeping, self.llm, self.folder, self.shared = False, False, None, None, []
@@ -518,11 +546,11 @@ class VLLMEngine:
                     self.llm = vllm.LLM(
                         model=self.folder, skip_tokenizer_init=True, load_format="dummy",
                         quantization=QUANTIZATION_NAME, dtype=str(_model_dtype(model)).replace("torch.", ""),
-                        seed=int(seed if seed is not None else getattr(recipe, "seed", 0) or 0),
+                        seed=int(config.seed),
                         kv_cache_memory_bytes=self.kv_cache_memory_bytes, enforce_eager=True,
                         tensor_parallel_size=1, max_model_len=max_model_len,
                         logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
-                        **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
+                        **({"max_num_seqs": config.max_num_seqs} if config.max_num_seqs else {}),
                     )
                 finally:
                     _BINDING = None
@@ -679,17 +707,8 @@ def _shutdown(llm, keep_default_group: bool) -> None:
     default process group; with keep_default_group (a group vLLM found, not made) only vLLM's own state
     goes."""
     internals = vllm_internals()
-    ps = internals.parallel_state
-    original = ps.destroy_distributed_environment
-    if keep_default_group:
-        def destroy_vllm_groups_only():
-            ps._WORLD = None
-            ps._NODE_COUNT = None
-        ps.destroy_distributed_environment = destroy_vllm_groups_only
-    try:
+    with internals.keep_default_group() if keep_default_group else contextlib.nullcontext():
         internals.engine_core(llm).shutdown()
-    finally:
-        ps.destroy_distributed_environment = original
 
 
 def _dist_initialized() -> bool:

@@ -1,0 +1,358 @@
+"""Row sources: a file or hub split, indexed but not read, so a dataset of millions of rows costs little
+memory and start-up time.
+
+- JSONL: an index of where each line starts and ends (numpy arrays, 16 bytes a row); a row is read and
+  parsed when it is asked for, so it is exactly the dict `json.loads` makes of its line.
+- CSV: the same index of record boundaries (found with the csv module, so quoted fields may span lines);
+  a row is the dict `csv.DictReader` makes of its record.
+- Parquet and hub splits: `datasets`' Arrow tables, memory-mapped from its cache; a row is `dataset[i]`.
+
+A source has len(source), source.row(i) -> dict, source.line(i) -> the row's line in the file (or None),
+source.iter_rows() -> (i, row or Unreadable) in order; `path` labels errors. data.py builds prompt sets
+on them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import weakref
+from array import array
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from . import hub
+
+_CHUNK = 8 << 20       # bytes read at a time when indexing a file
+
+
+class DataError(Exception):
+    pass
+
+
+class DataChanged(DataError):
+    """A file changed on disk after it was indexed: its offsets no longer fit, so no row can be trusted."""
+
+
+class Unreadable(Exception):
+    """A row that cannot be parsed (bad JSON, not an object, not UTF-8): why, for the caller to place."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sources: len(source), source.row(i) -> dict, source.line(i) -> the row's line in the file (or None),
+# source.iter_rows() -> (i, row or Unreadable) in order. `path` labels errors.
+# ----------------------------------------------------------------------------------------------------
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        return os.pread(fd, n, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, n)
+
+
+class _File:
+    """An open file read by offset. The descriptor stays open (closed with the object), so a file replaced
+    by a new one (a rename) is still read from the version indexed; one changed in place is an error."""
+
+    def __init__(self, path: Path, label: str):
+        self.path = label
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        weakref.finalize(self, os.close, self._fd)
+        st = os.fstat(self._fd)
+        self._stamp = (st.st_size, st.st_mtime_ns)
+        self.size = st.st_size
+
+    def read(self, start: int, end: int) -> bytes:
+        st = os.fstat(self._fd)
+        if (st.st_size, st.st_mtime_ns) != self._stamp:
+            raise DataChanged(f"{self.path}: the file changed on disk after it was indexed at start-up; "
+                              "restart the run (or write new data to a new file)")
+        return _pread(self._fd, end - start, start)
+
+    # Subclasses index the file into _starts / _ends (byte span of each row) and parse a span (_parse).
+    def __len__(self) -> int:
+        return int(self._starts.size)
+
+    def row(self, i: int) -> dict:
+        return self._parse(self.read(int(self._starts[i]), int(self._ends[i])))
+
+    def line(self, i: int) -> int:
+        return self.line_of(int(self._starts[i]))
+
+    def iter_rows(self, block: int = 4096) -> Iterator[tuple[int, object]]:
+        """(i, row or Unreadable) in order, reading a block of rows at a time."""
+        for a in range(0, len(self), block):
+            b = min(a + block, len(self))
+            base = int(self._starts[a])
+            data = self.read(base, int(self._ends[b - 1]))
+            for i, s, e in zip(range(a, b), (self._starts[a:b] - base).tolist(), (self._ends[a:b] - base).tolist()):
+                try:
+                    yield i, self._parse(data[s:e])
+                except Unreadable as exc:
+                    yield i, exc
+
+    def line_of(self, offset: int) -> int:
+        """1-based line of the byte at `offset`, counting line ends as text mode does (\\n, \\r\\n, \\r)."""
+        count, pos, prev_cr = 0, 0, False
+        while pos < offset:
+            chunk = _pread(self._fd, min(_CHUNK, offset - pos), pos)
+            if not chunk:
+                break
+            count += chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+            if prev_cr and chunk[:1] == b"\n":  # a \r\n split across two chunks: one line end, counted twice
+                count -= 1
+            prev_cr = chunk[-1:] == b"\r"
+            pos += len(chunk)
+        return count + 1
+
+
+# First bytes that may start a blank line: ASCII whitespace str.strip() removes, and any non-ASCII byte
+# (Unicode whitespace); only such lines are decoded to check.
+_MAYBE_BLANK = np.zeros(256, dtype=bool)
+_MAYBE_BLANK[list(b" \t\x0b\x0c\x1c\x1d\x1e\x1f")] = True
+_MAYBE_BLANK[0x80:] = True
+
+
+class _JsonlSource(_File):
+    """One JSON object a line; blank lines are not rows. Lines end at \\n, \\r\\n or \\r, as when the file is
+    read in text mode (a \\r\\n makes an empty line between its two bytes, which is blank, so not a row)."""
+
+    def __init__(self, path: Path, label: str, limit: Optional[int] = None):
+        super().__init__(path, label)
+        self._starts, self._ends = self._index(limit)
+
+    def _index(self, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+        starts, ends, maybe = [], [], []
+        pos = line_start = rows = 0
+        while pos < self.size:
+            chunk = _pread(self._fd, _CHUNK, pos)
+            if not chunk:
+                break
+            a = np.frombuffer(chunk, dtype=np.uint8)
+            br = np.flatnonzero((a == 10) | (a == 13))
+            if br.size:
+                s = np.empty(br.size, dtype=np.int64)
+                s[0], s[1:] = line_start, br[:-1] + 1 + pos
+                e = br.astype(np.int64) + pos
+                keep = e > s
+                s, e = s[keep], e[keep]
+                first = np.empty(s.size, dtype=np.uint8)
+                inside = s >= pos
+                first[inside] = a[s[inside] - pos]
+                if s.size and not inside[0]:  # the line began in an earlier chunk
+                    first[0] = _pread(self._fd, 1, int(s[0]))[0]
+                starts.append(s), ends.append(e), maybe.append(_MAYBE_BLANK[first])
+                rows += int(s.size - maybe[-1].sum())
+                line_start = int(br[-1]) + 1 + pos
+            pos += len(chunk)
+            if limit is not None and rows >= limit:  # enough rows that are surely not blank
+                break
+        else:
+            if line_start < pos:  # a last line with no line end
+                starts.append(np.array([line_start], dtype=np.int64))
+                ends.append(np.array([pos], dtype=np.int64))
+                maybe.append(_MAYBE_BLANK[np.frombuffer(_pread(self._fd, 1, line_start), dtype=np.uint8)])
+        if not starts:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        s, e, m = np.concatenate(starts), np.concatenate(ends), np.concatenate(maybe)
+        blank = [i for i in np.flatnonzero(m).tolist()
+                 if not _pread(self._fd, int(e[i] - s[i]), int(s[i])).decode("utf-8", "replace").strip()]
+        if blank:
+            keep = np.ones(s.size, dtype=bool)
+            keep[blank] = False
+            s, e = s[keep], e[keep]
+        return s[:limit], e[:limit]
+
+    @staticmethod
+    def _parse(data: bytes) -> dict:
+        try:
+            row = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise Unreadable(f"not valid UTF-8 ({exc.reason})") from None
+        except json.JSONDecodeError as exc:
+            raise Unreadable(f"not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise Unreadable(f"expected a JSON object, got {type(row).__name__}")
+        return row
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def _lines(read, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of a binary stream with their ends, split as text mode with newline='' does."""
+    buf = b""
+    while True:
+        data = read(chunk)
+        if not data:
+            break
+        buf += data
+        stop = len(buf) - 1 if buf.endswith(b"\r") else len(buf)  # a last \r may be half of a \r\n
+        start = 0
+        for m in _LINE_END.finditer(buf, 0, stop):
+            yield buf[start:m.end()]
+            start = m.end()
+        buf = buf[start:]
+    if buf:
+        yield buf
+
+
+class _CsvSource(_File):
+    """A header line, then records; a row is what csv.DictReader makes of its record (all values strings;
+    a short record's missing fields None, a long one's extra values a list under the key None)."""
+
+    def __init__(self, path: Path, label: str, limit: Optional[int] = None):
+        super().__init__(path, label)
+        starts, ends = array("q"), array("q")
+        pos = [0]
+
+        def decoded(f):
+            for raw in _lines(f.read):
+                pos[0] += len(raw)
+                yield raw.decode("utf-8")
+
+        with open(path, "rb") as f:
+            reader = csv.reader(decoded(f))
+            try:
+                self._fields = next(reader, None) or []
+                prev = pos[0]
+                for record in reader:
+                    if record:  # DictReader skips empty records (blank lines)
+                        starts.append(prev)
+                        ends.append(pos[0])
+                        if limit is not None and len(starts) >= limit:
+                            break
+                    prev = pos[0]
+            except csv.Error as exc:
+                raise DataError(f"{label}:{reader.line_num}: not valid CSV ({exc})") from None
+            except UnicodeDecodeError as exc:  # met reading the line after the last one parsed
+                raise DataError(f"{label}:{reader.line_num + 1}: not valid UTF-8 ({exc.reason})") from None
+        self._starts, self._ends = np.frombuffer(starts, dtype=np.int64), np.frombuffer(ends, dtype=np.int64)
+
+    def _parse(self, data: bytes) -> dict:
+        record = next(csv.reader(raw.decode("utf-8") for raw in _lines(io.BytesIO(data).read)))
+        row = dict(zip(self._fields, record))
+        if len(record) > len(self._fields):
+            row[None] = record[len(self._fields):]
+        for name in self._fields[len(record):]:
+            row[name] = None
+        return row
+
+
+class _ArrowSource:
+    """A `datasets.Dataset` (Arrow, memory-mapped from datasets' cache): rows fetched by index."""
+
+    def __init__(self, label: str, dataset):
+        self.path, self._ds = label, dataset
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def row(self, i: int) -> dict:
+        return self._ds[int(i)]
+
+    def line(self, i: int) -> None:
+        return None
+
+    def iter_rows(self, block: int = 1000) -> Iterator[tuple[int, object]]:
+        i = 0
+        for batch in self._ds.iter(batch_size=block):
+            names = list(batch)
+            for values in zip(*batch.values()):
+                yield i, dict(zip(names, values))
+                i += 1
+
+
+class ListSource:
+    """Rows given as Python objects (kept as they are: a reward sees the very dict)."""
+
+    def __init__(self, label: str, rows: list):
+        self.path, self._rows = label, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, i: int):
+        return self._rows[i]
+
+    def line(self, i: int) -> None:
+        return None
+
+    def iter_rows(self) -> Iterator[tuple[int, object]]:
+        return enumerate(self._rows)
+
+
+class Subset:
+    """Some rows of a source (the training or held-out part of a split), by index, in source order.
+    Row numbers in errors stay the source's."""
+
+    def __init__(self, source, indices: np.ndarray, label: Optional[str] = None):
+        self.source, self._idx = source, np.asarray(indices, dtype=np.int64)
+        self.path = label or source.path
+
+    def __len__(self) -> int:
+        return int(self._idx.size)
+
+    def row(self, i: int):
+        return self.source.row(int(self._idx[i]))
+
+    def line(self, i: int):
+        return self.source.line(int(self._idx[i]))
+
+    def number(self, i: int) -> int:
+        return row_number(self.source, int(self._idx[i]))
+
+    def iter_rows(self) -> Iterator[tuple[int, object]]:
+        for j, i in enumerate(self._idx.tolist()):
+            try:
+                yield j, self.source.row(i)
+            except Unreadable as exc:
+                yield j, exc
+
+
+def row_number(source, i: int) -> int:
+    """1-based row number of source row i, in the file the rows came from."""
+    return source.number(i) if isinstance(source, Subset) else i + 1
+
+
+def open_source(path: str, limit: Optional[int] = None):
+    """The rows of a file or hub split, indexed but not read (`limit`: the first N rows only)."""
+    if hub.is_hub(path):
+        try:
+            src = _ArrowSource(path, hub.load(path))
+        except ValueError as exc:
+            raise DataError(f"{path}: {exc}") from None
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"{path}: file not found")
+        suffix = p.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            return _JsonlSource(p, path, limit)
+        if suffix == ".csv":
+            return _CsvSource(p, path, limit)
+        if suffix != ".parquet":
+            raise DataError(f"{path}: unknown file type {suffix!r}; allowed: .jsonl, .csv, .parquet")
+        try:
+            src = _ArrowSource(path, hub.load_file("parquet", p))
+        except ValueError as exc:
+            raise DataError(f"{path}: {exc}") from None
+    return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
+
+
+def read_rows(path: str) -> list[dict]:
+    """Every row of a source as a dict (small sources and tests; training reads rows lazily)."""
+    src = open_source(path)
+    rows = []
+    for i, row in src.iter_rows():
+        if isinstance(row, Unreadable):
+            raise DataError(f"{path}:{src.line(i)}: {row}")
+        rows.append(row)
+    return rows
+
+
