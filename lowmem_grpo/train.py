@@ -302,7 +302,8 @@ class Trainer:
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], **clock.row(),
                     "time/rollout_tokens_per_s": sum(len(c.token_ids) for c in completions)
                     / max(clock.seconds["rollout"], 1e-9),
-                    "memory/peak_mib": peak_memory_mib(), "sample": texts[0] if texts else ""})
+                    "memory/peak_mib": peak_memory_mib(), "sample": texts[0] if texts else "",
+                    "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         return Step(row, diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result))
 
     # -- preflight -----------------------------------------------------------------------------------

@@ -169,20 +169,9 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
             "predicted_phase": est.peak_phase}
 
 
-def child_trl(workdir: Path, length: int) -> dict:
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
+def trl_step_timer():
+    """A TRL (transformers Trainer) callback that records each optimizer step's wall-clock seconds in .times."""
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from lowmem_grpo.model import load_base_model, load_tokenizer
-    from lowmem_grpo.recipe import ModelConfig
-
-    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype=DTYPE, load_in_4bit=True)
-    tok = load_tokenizer(cfg)
-    model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
-    never_eos(model)
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -194,7 +183,24 @@ def child_trl(workdir: Path, length: int) -> dict:
         def on_step_end(self, args, state, control, **kw):
             self.times.append(time.perf_counter() - self.t0)
 
-    timer = StepTimer()
+    return StepTimer()
+
+
+def child_trl(workdir: Path, length: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lowmem_grpo.model import load_base_model, load_tokenizer
+    from lowmem_grpo.recipe import ModelConfig
+
+    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype=DTYPE, load_in_4bit=True)
+    tok = load_tokenizer(cfg)
+    model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
+    never_eos(model)
+
+    timer = trl_step_timer()
     args = GRPOConfig(
         output_dir=str(workdir / f"run-trl-{length}"), per_device_train_batch_size=G, num_generations=G,
         max_completion_length=length, max_steps=2, beta=BETA, learning_rate=LR, temperature=1.0,

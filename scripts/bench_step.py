@@ -249,7 +249,7 @@ def child_step_trl(run: str) -> dict:
     import yaml
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import TrainerCallback
+    from bench_memory import trl_step_timer  # (scripts/ is on the path: this file runs from there)
     from trl import GRPOConfig, GRPOTrainer
 
     from lowmem_grpo.model import load_base_model, load_tokenizer
@@ -264,20 +264,10 @@ def child_step_trl(run: str) -> dict:
     tok = load_tokenizer(cfg)
     model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t0)
-
     def exact_sum(completions, answer, **kw):  # the quickstart's reward: the math built-in on the row's answer
         return math_reward(completions, rows=[{"answer": a} for a in answer])
 
-    timer = StepTimer()
+    timer = trl_step_timer()
     args = GRPOConfig(
         output_dir=str(run_dir), per_device_train_batch_size=t["prompts_per_step"] * g["num_generations"],
         num_generations=g["num_generations"], max_completion_length=g["max_new_tokens"], max_steps=steps,
