@@ -57,8 +57,11 @@ def score(solution: str, tests=ADD_TESTS, namespaces: bool = True, **kw) -> floa
 def world_dir() -> Path:
     """A fresh world-writable (1777) directory on the host, outside /tmp and every hidden path, whose
     ancestors every user may traverse: what a sandbox uid could write to on the host's own tree."""
-    for parent in (ROOT.parent, Path("/var/tmp"), Path("/dev/shm")):
+    private = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))  # every run gets its own: not the host's
+    for parent in (ROOT.parent, Path("/var"), Path("/srv"), Path("/opt")):  # (the checkout may be under /tmp)
         chain = [parent, *parent.parents]
+        if any(parent.is_relative_to(p) for p in private) or not parent.is_dir():
+            continue
         if all(os.stat(p).st_mode & stat.S_IXOTH for p in chain) and os.access(parent, os.W_OK):
             d = Path(tempfile.mkdtemp(prefix="lowmem-world-", dir=parent))
             d.chmod(0o1777)
