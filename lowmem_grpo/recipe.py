@@ -189,10 +189,10 @@ class TrainConfig(_Section):
     steps: int = Field(100, ge=1, description="Optimizer steps per mu (i.e. batches of rollouts) to run.")
     prompts_per_step: int = Field(4, ge=1, description="Prompts per batch; the batch holds prompts_per_step * num_generations completions.")
     micro_batch_size: int = Field(4, ge=1, description="Completions per forward/backward; gradients accumulate over micro-batches.")
-    share_prompts: Literal["auto", "off"] = Field(
+    share_prompts: Literal["auto", False] = Field(
         "auto", description="auto: in the update's passes, a micro-batch's completions of one prompt share one copy of "
         "it (a per-query attention mask and position ids; same log-probs, fewer tokens) where that saves a fifth of "
-        "the tokens and rows stay <= 512 wide, with sdpa or eager attention (docs/algorithm.md §12); off: one row "
+        "the tokens and rows stay <= 512 wide, with sdpa or eager attention (docs/algorithm.md §12); false: one row "
         "per completion.")
     logprob_chunk_tokens: int = Field(1024, ge=1, description="Rows (tokens) per tile of the chunked log-prob kernel (docs/algorithm.md §10).")
     logprob_chunk_vocab: int = Field(8192, ge=1, description="Vocabulary columns per tile of the chunked log-prob kernel (a tile is chunk_tokens x chunk_vocab fp32: 32 MiB at the defaults).")

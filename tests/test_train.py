@@ -10,7 +10,7 @@ import torch
 from conftest import QUIET, recipe_dict, straight_and_resumed, write_recipe
 from lowmem_grpo import checkpoint as ckpt
 from lowmem_grpo.metrics import read_metrics
-from lowmem_grpo.recipe import recipe_from_dict
+from lowmem_grpo.recipe import load_recipe, recipe_from_dict
 from lowmem_grpo.train import Trainer
 
 
@@ -186,3 +186,35 @@ def test_the_engine_is_closed_on_every_way_out(tiny_model_dir, tiny_data, tmp_pa
     from lowmem_grpo.evaluate import run_eval                        # 4. lowmem-grpo eval
     run_eval(recipe_from_dict(d), name="t", adapter=str(tmp_path / "a"), out_dir=str(tmp_path / "eval"), log=lambda *a: None)
     assert made[-1].closed == 1 and len(made) == 4
+
+
+def test_shared_prompts_train_like_one_row_per_completion(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """train.share_prompts: auto lays a group's completions behind one copy of the prompt (§12), false one
+    row per completion (YAML's `off` means false too); step 1 samples the same completions either way and
+    must give the same loss and gradient norm (float32: to ~1e-6)."""
+    import lowmem_grpo.train as train_mod
+
+    layouts = []
+    real_pack = train_mod.pack
+
+    def recording_pack(*a, **k):
+        out = real_pack(*a, **k)
+        layouts.append(any(mb.position_ids is not None for mb in out))
+        return out
+
+    monkeypatch.setattr(train_mod, "pack", recording_pack)
+    rows = {}
+    for share in ("auto", False):
+        d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / str(share), algorithm={"kl_target": "none"},
+                        train={"steps": 1, "preflight": False, "micro_batch_size": 8, "share_prompts": share},
+                        generation={"num_generations": 4, "max_new_tokens": 3})
+        d["data"].pop("eval_path")
+        Trainer(recipe_from_dict(d), **QUIET).fit()
+        rows[share] = [r for r in read_metrics(tmp_path / str(share)) if "loss" in r][0]
+    assert layouts == [True, False]
+    assert rows["auto"]["completion/mean_length"] == rows[False]["completion/mean_length"]
+    assert rows["auto"]["loss"] == pytest.approx(rows[False]["loss"], rel=1e-5, abs=1e-7)
+    assert rows["auto"]["grad_norm"] == pytest.approx(rows[False]["grad_norm"], rel=1e-4)
+    assert rows["auto"]["grad_norm"] > 0
+    path = write_recipe(tmp_path / "r.yaml", {**d, "train": {**d["train"], "share_prompts": "auto"}})
+    assert load_recipe(path, ["train.share_prompts=off"]).train.share_prompts is False  # YAML: off is false
