@@ -111,7 +111,7 @@ class LoopState:
 @dataclass
 class Step:
     row: dict           # the metrics row
-    samples: list       # the sample table (diag.sample_table), written every output.samples_every steps
+    samples: Optional[list]  # the sample table (diag.sample_table) on steps that write one (output.samples_every)
 
 
 class Trainer:
@@ -304,7 +304,10 @@ class Trainer:
                     / max(clock.seconds["rollout"], 1e-9),
                     "memory/peak_mib": peak_memory_mib(), "sample": texts[0] if texts else "",
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
-        return Step(row, diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result))
+        every = r.output.samples_every  # the table is built only for the steps that write it
+        samples = (diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result)
+                   if every and (self.step + 1) % every == 0 else None)
+        return Step(row, samples)
 
     # -- preflight -----------------------------------------------------------------------------------
 
@@ -387,7 +390,7 @@ class Trainer:
                 if r.train.eval_every and self.step % r.train.eval_every == 0 and self.step < r.train.steps:
                     row.update({f"eval/{k}": v for k, v in (self.evaluate() or {}).items()})
                 self.metrics.write(row)
-                if r.output.samples_every and self.step % r.output.samples_every == 0:
+                if step.samples is not None:
                     self.metrics.samples(self.step, step.samples)
                 progress.update(row)
                 if self.step % r.output.log_every == 0:

@@ -525,9 +525,8 @@ class VLLMEngine:
 
     def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig(name="vllm"), *, fast_path: bool = True,
                  max_model_len: Optional[int] = None):
-        self.config, self.max_num_seqs = config, config.max_num_seqs  # None: vLLM's default
+        self.config = config
         self.model, self.tokenizer = model, tokenizer
-        self.kv_cache_memory_bytes = int(config.kv_cache_memory_bytes)
         self.cuda = next(model.parameters()).device.type == "cuda"
         self.eos = tokenizer.eos_token_id
         self.closed, self.sleeping, self.llm, self.folder, self.shared = False, False, None, None, []
@@ -547,10 +546,10 @@ class VLLMEngine:
                         model=self.folder, skip_tokenizer_init=True, load_format="dummy",
                         quantization=QUANTIZATION_NAME, dtype=str(_model_dtype(model)).replace("torch.", ""),
                         seed=int(config.seed),
-                        kv_cache_memory_bytes=self.kv_cache_memory_bytes, enforce_eager=True,
+                        kv_cache_memory_bytes=int(config.kv_cache_memory_bytes), enforce_eager=True,
                         tensor_parallel_size=1, max_model_len=max_model_len,
                         logprobs_mode="processed_logprobs", enable_sleep_mode=self.cuda,
-                        **({"max_num_seqs": config.max_num_seqs} if config.max_num_seqs else {}),
+                        **({"max_num_seqs": config.max_num_seqs} if config.max_num_seqs else {}),  # None: vLLM's
                     )
                 finally:
                     _BINDING = None
