@@ -3,6 +3,8 @@
 Rewards arrive as a [groups, G] tensor; NaN marks a completion a reward function skipped (for example an
 unparseable gold answer). Skipped completions get advantage 0 and take no part in their group's
 statistics. A group whose valid rewards are all equal gets all-zero advantages (no policy gradient).
+`scale` chooses what mean_std divides by (docs/algorithm.md §17); `normalize_then_sum_advantages` gives
+each reward function its own group advantage before weighting them (GDPO, docs/algorithm.md §17).
 """
 
 from __future__ import annotations
@@ -47,13 +49,55 @@ def rloo(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 ADVANTAGES = {"mean_std": mean_std, "mean": mean_only, "sign": sign, "rloo": rloo}
 
 
-def group_advantages(rewards: torch.Tensor, mode: str = "mean_std", **kwargs) -> torch.Tensor:
-    """[groups, G] rewards (NaN = skipped) -> [groups, G] advantages (0 where skipped or no contrast)."""
+SCALES = ("group", "batch", "none")
+
+
+def batch_std(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Bessel-corrected std of all valid entries of the batch, a 0-d tensor (0 with fewer than two)."""
+    x = values[valid]
+    n = x.numel()
+    if n < 2:
+        return values.new_zeros(())
+    return (((x - x.mean()) ** 2).sum() / (n - 1)).sqrt()
+
+
+def group_advantages(rewards: torch.Tensor, mode: str = "mean_std", scale: str = "group", **kwargs) -> torch.Tensor:
+    """[groups, G] rewards (NaN = skipped) -> [groups, G] advantages (0 where skipped or no contrast).
+
+    scale (mean_std only, docs/algorithm.md §17): 'group' divides by the group's std (GRPO), 'batch' by the
+    std of every valid reward of the batch (the mean stays per group), 'none' by nothing (= mode 'mean')."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown reward scale {scale!r}")
+    if scale != "group" and mode != "mean_std":
+        raise ValueError(f"scale {scale!r} only applies to advantage 'mean_std', not {mode!r}")
     valid = ~torch.isnan(rewards)
     r = torch.where(valid, rewards, 0.0)
-    adv = ADVANTAGES[mode](r, valid, **kwargs)
+    if scale == "group":
+        adv = ADVANTAGES[mode](r, valid, **kwargs)
+    elif scale == "none":
+        adv = mean_only(r, valid)
+    else:
+        adv = mean_only(r, valid) / (batch_std(r, valid) + STD_EPS)
     no_contrast = zero_std_groups(rewards)[:, None]
     return torch.where(valid & ~no_contrast, adv, 0.0)
+
+
+def normalize_then_sum_advantages(per_function: list[torch.Tensor], weights: list[float], mode: str = "mean_std",
+                                  scale: str = "group", **kwargs) -> torch.Tensor:
+    """GDPO (docs/algorithm.md §17): each reward function's [groups, G] scores get their own group advantage,
+    the advantages are summed with the functions' weights, and (unless scale is 'none') the sum is divided
+    by its std over the batch's valid completions + STD_EPS. A completion some function skipped (NaN) is
+    skipped for all: advantage 0, in no statistic. Normalising each function first keeps a function with a
+    wide reward range from drowning out the others, which summing the rewards first would let it do."""
+    if not per_function or len(per_function) != len(weights):
+        raise ValueError(f"need one weight per reward function: {len(per_function)} functions, {len(weights)} weights")
+    valid = torch.stack([~torch.isnan(f) for f in per_function]).all(dim=0)
+    total = torch.zeros_like(per_function[0])
+    for scores, w in zip(per_function, weights):
+        total = total + w * group_advantages(torch.where(valid, scores, float("nan")), mode, scale, **kwargs)
+    if scale != "none":
+        total = total / (batch_std(total, valid) + STD_EPS)
+    return torch.where(valid, total, 0.0)
 
 
 def zero_std_groups(rewards: torch.Tensor) -> torch.Tensor:

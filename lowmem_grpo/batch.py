@@ -35,6 +35,7 @@ class MicroBatch:
     logp_start: Optional[torch.Tensor] = None    # before the batch's first update (docs/algorithm.md §8)
     logp_sampler: Optional[torch.Tensor] = None  # [n_tok] the rollout engine's own log-probs, when it reports them
     position_ids: Optional[torch.Tensor] = None  # [rows, width] shared layout only (else 0, 1, 2, ... per row)
+    pg_mask: Optional[torch.Tensor] = None       # [n_tok] bool: tokens given policy gradient (top entropy, §16)
 
     @property
     def logp_at_rollout(self) -> Optional[torch.Tensor]:
@@ -43,13 +44,17 @@ class MicroBatch:
         return self.logp_old if self.logp_old is not None else self.logp_start
 
 
-def trained_completions(total: torch.Tensor, group_size: int, skip_zero_std_groups: bool) -> list[int]:
-    """Indices of the completions that go into the update: scored (a skipped one has no reward, §2), and
-    with skip_zero_std_groups, from a group whose rewards are not all equal (§9). The rest are not packed,
-    so they count in no aggregation normaliser either."""
+def trained_completions(total: torch.Tensor, group_size: int, skip_zero_std_groups: bool,
+                        exclude: Optional[torch.Tensor] = None) -> list[int]:
+    """Indices of the completions that go into the update: scored (a skipped one has no reward, §2), with
+    skip_zero_std_groups from a group whose rewards are not all equal (§9), and not in `exclude` (bool per
+    completion: the truncated ones with mask_truncated_completions, §16). The rest are not packed, so they
+    count in no aggregation normaliser either."""
     keep = ~torch.isnan(total)
     if skip_zero_std_groups:
         keep &= ~zero_std_groups(total.view(-1, group_size)).repeat_interleave(group_size)
+    if exclude is not None:
+        keep &= ~exclude
     return keep.nonzero().flatten().tolist()
 
 
@@ -153,12 +158,14 @@ def _shared_attention(row_len, row_of, start, c_len, p_len, width: int) -> tuple
 
 
 def completion_logprobs(model, mb: MicroBatch, temperature: float, chunk_rows: int, chunk_vocab: int,
-                        return_entropy: bool = False):
-    """log pi(target) at every completion token of the micro-batch (and the entropy, without gradient)."""
+                        return_entropy: bool = False, entropy_grad: bool = False):
+    """log pi(target) at every completion token of the micro-batch (and the entropy: with gradient when
+    entropy_grad, for an entropy bonus, §16)."""
     device = next(model.parameters()).device
     h = hidden_states(model, mb.input_ids.to(device), mb.attention_mask.to(device),
                       None if mb.position_ids is None else mb.position_ids.to(device))
     h = h[mb.rows.to(device), mb.positions.to(device)]  # only completion positions are projected
     head = lm_head_params(model)
     return selective_log_softmax(h, head.weight, mb.targets.to(device), bias=head.bias, temperature=temperature,
-                                 chunk_rows=chunk_rows, chunk_vocab=chunk_vocab, return_entropy=return_entropy)
+                                 chunk_rows=chunk_rows, chunk_vocab=chunk_vocab, return_entropy=return_entropy,
+                                 entropy_grad=entropy_grad)

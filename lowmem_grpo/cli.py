@@ -43,8 +43,24 @@ def main():
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. --set train.steps=10.")
 def validate(recipe, overrides):
     """Check a recipe: report every problem at once, with its key path."""
-    r = _run(lambda: load_recipe(recipe, list(overrides)), errors=(RecipeError,))   # no trainer (torch) import
+    conventions: dict = {}
+
+    def check():
+        r = load_recipe(recipe, list(overrides))
+        # user reward functions: importable, and callable in their convention (lowmem-grpo's or TRL's)
+        from .rewards import function_problems
+
+        problems = function_problems(r.rewards, conventions)
+        if problems:
+            raise RecipeError(recipe, problems)
+        return r
+
+    r = _run(check, errors=(RecipeError,))   # no trainer (torch) import
     click.echo(f"{recipe}: ok ({r.train.steps} steps, G={r.generation.num_generations}, model {r.model.name_or_path})")
+    for key, convention in conventions.items():
+        spec = r.rewards.functions[int(key.rsplit(".", 1)[1])]
+        click.echo(f"{key} ({spec.function}): called " + ("as TRL's GRPOTrainer calls reward functions" if convention == "trl"
+                                                          else "with lowmem-grpo's convention (prompts=, rows=)"))
     from .rewards.code import judging_notes
 
     for note in judging_notes(r):

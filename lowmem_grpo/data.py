@@ -3,8 +3,10 @@ resumable order.
 
 Rows are dicts (one JSON object per line, a CSV row, a Parquet row). The recipe names the prompt and
 answer fields; the whole row is passed to reward functions, so extra fields (tests, numbers, target)
-reach them untouched. A row missing a field is an error naming the file and row, or a counted skip with
-`data.on_bad_row: skip`.
+reach them untouched. A prompt field holding a list of chat messages ({"role", "content"}: TRL's
+conversational format) is rendered by the tokenizer's chat template as it is (`chat_messages`), and the
+answer field is needed only when a reward reads it. A row missing a field is an error naming the file and
+row, or a counted skip with `data.on_bad_row: skip`.
 
 A source is a file (.jsonl, .csv, .parquet) or a Hugging Face dataset split (`hf:NAME[:CONFIG]@SPLIT`,
 hub.py), indexed but never read whole into Python objects (sources.py), so a dataset of millions of rows
@@ -52,6 +54,7 @@ class Example:
     row: dict          # the dataset row, untouched
     prompt_text: str   # what the model sees (template and chat template applied)
     prompt_ids: list   # its token ids
+    messages: Optional[list[dict]] = None  # a chat prompt: the messages given to the chat template; None for text
 
 
 class _Examples(Sequence):
@@ -82,7 +85,8 @@ class _Examples(Sequence):
 class PromptSet:
     """The usable rows of one source, rendered and tokenized when asked for. `limit`: only the first N
     rows. `rows`: these rows instead of reading `path` (which then only labels errors). `source`: an
-    opened source (open_source, or a part of one) instead of reading `path`.
+    opened source (open_source, or a part of one) instead of reading `path`. `require_answer`: every row must
+    hold data.answer_field (False when no reward reads it, Rewards.reads_answer).
 
     `examples[i]` is the i-th usable row's Example. Rows found bad in the start-up check are not in the
     set; a row found bad later is an error (on_bad_row=error) or, with skip, counted in `skipped` and
@@ -90,8 +94,9 @@ class PromptSet:
     (a resumed run sees the same prompts). `len(ps)` is fixed at start-up."""
 
     def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: Optional[int] = None,
-                 rows: Optional[list] = None, source=None):
+                 rows: Optional[list] = None, source=None, require_answer: bool = True):
         self.path, self.cfg, self.tokenizer = path, cfg, tokenizer
+        self.require_answer = require_answer   # False: no reward reads data.answer_field, so rows may lack it
         if source is None:
             source = ListSource(path, rows[:limit]) if rows is not None else open_source(path, limit)
         elif limit is not None and limit < len(source):
@@ -180,25 +185,79 @@ class PromptSet:
 
     def _render(self, row: dict, tokenizer) -> Example:
         cfg = self.cfg
-        for name in (cfg.prompt_field, cfg.answer_field):
+        # the answer is required only when a reward reads it (Rewards.reads_answer): TRL-style data has none
+        for name in (cfg.prompt_field, cfg.answer_field) if self.require_answer else (cfg.prompt_field,):
             if name not in row or row[name] is None:
                 raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
-        text = fill_template(row, cfg)
-        if cfg.chat_template:
+        chat = None
+        if is_chat(row[cfg.prompt_field]):   # a conversational row: the messages as they are
+            chat = chat_messages(row[cfg.prompt_field], cfg)
+            text = _chat_text(tokenizer, chat, f"the prompt field {cfg.prompt_field!r} holds chat messages, which")
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif cfg.chat_template:
+            text = fill_template(row, cfg)
             messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
             messages.append({"role": "user", "content": text})
-            try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            except Exception as exc:  # e.g. a tokenizer with no chat template: transformers raises ValueError
-                raise DataError(f"data.chat_template is true but the tokenizer cannot apply one: {exc}") from None
+            text = _chat_text(tokenizer, messages, "data.chat_template is true, which")
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
+            text = fill_template(row, cfg)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
                 ids = [tokenizer.bos_token_id] + ids
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
-        return Example(row, text, ids)
+        return Example(row, text, ids, chat)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_chat(value) -> bool:
+    """A prompt field given as chat messages: a list holding a mapping (or an empty list: no prompt at all,
+    reported as such). A list of plain values (Countdown's numbers) is a value for data.template like any other."""
+    return isinstance(value, (list, tuple)) and (not value or any(isinstance(m, dict) for m in value))
+
+
+def chat_messages(value, cfg: DataConfig) -> list[dict]:
+    """A row's prompt given as chat messages, checked, as the chat template gets them: data.system_prompt first
+    when set and the row has no system message. Rendered by the tokenizer's chat template alone (whatever
+    data.chat_template says), so data.template must be its default. DataError naming what is wrong."""
+    field = cfg.prompt_field
+    if cfg.template != "{prompt}":
+        raise DataError(f"the prompt field {field!r} holds chat messages, which the tokenizer's chat template renders "
+                        f"as they are, so data.template must be its default '{{prompt}}' (it is {cfg.template!r}): "
+                        "put the text in the messages instead")
+    if not value:
+        raise DataError(f"the prompt field {field!r} is an empty list; chat messages need at least one message")
+    messages = []
+    for j, m in enumerate(value):
+        where = f"the prompt field's message {field}[{j}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{where} is {type(m).__name__}, expected a mapping with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise DataError(f"{where} has role {role!r}; allowed: {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise DataError(f"{where} ({role}) has content {type(content).__name__ if content is not None else 'missing'}"
+                            f"{'' if content is None else ' ' + repr(content)[:40]}, expected text (a str)")
+        messages.append(dict(m))
+    if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    return messages
+
+
+def _chat_text(tokenizer, messages: list[dict], what: str) -> str:
+    """The messages through the tokenizer's chat template, with the assistant's turn opened; `what` starts
+    the error ("... which") when the tokenizer has no template or it fails."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{what} needs the tokenizer's chat template, and this tokenizer has none "
+                        "(tokenizer.chat_template is not set): use a chat (instruct) model's tokenizer")
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template that raises on these messages (e.g. it refuses a role order)
+        raise DataError(f"{what} needs the tokenizer's chat template, which failed on them: "
+                        f"{type(exc).__name__}: {exc}") from None
 
 
 def fill_template(row: dict, cfg: DataConfig) -> str:
@@ -257,7 +316,10 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
 # ----------------------------------------------------------------------------------------------------
 
 def _prompt_key(row, cfg: DataConfig) -> str:
-    """What identifies a prompt: the row's filled template (before any chat template), else the row."""
+    """What identifies a prompt: the row's filled template (before any chat template), its chat messages (as
+    JSON: a list is no template's field), else the row."""
+    if isinstance(row, dict) and is_chat(row.get(cfg.prompt_field)):
+        return json.dumps(row[cfg.prompt_field], sort_keys=True, default=str)
     if isinstance(row, dict) and cfg.prompt_field in row:
         try:
             return fill_template(row, cfg)
@@ -320,10 +382,11 @@ def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
     return [rows[i] for i in train.tolist()], [rows[i] for i in held.tolist()]
 
 
-def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test")) -> dict:
+def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_answer: bool = True) -> dict:
     """{split: PromptSet or None} for each asked split: 'train', the training set; 'test', the held-out set
     (None when the recipe has none): `data.eval_path`, else the `data.eval_fraction` split of
-    `data.train_path`, whose source is opened once for both. Errors name the field."""
+    `data.train_path`, whose source is opened once for both. `require_answer`: as PromptSet's (pass
+    Rewards.reads_answer). Errors name the field."""
     for w in which:
         if w not in ("train", "test"):
             raise DataError(f"split {w!r} is unknown; allowed: train, test")
@@ -337,19 +400,21 @@ def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test")) -> dict:
     out = {}
     for w in which:
         if w == "test" and cfg.eval_path:
-            out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer), "data.eval_path")
+            out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer, require_answer=require_answer),
+                            "data.eval_path")
         elif w not in sources:
             out[w] = None
         else:
             label = cfg.train_path + (f" ({'held-out' if w == 'test' else 'training'} part, data.eval_fraction="
                                       f"{cfg.eval_fraction})" if split else "")
-            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w]), "data.train_path")
+            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w], require_answer=require_answer),
+                            "data.train_path")
     return out
 
 
-def prompt_set(cfg: DataConfig, tokenizer, which: str) -> "PromptSet | None":
+def prompt_set(cfg: DataConfig, tokenizer, which: str, require_answer: bool = True) -> "PromptSet | None":
     """One split of prompt_sets."""
-    return prompt_sets(cfg, tokenizer, (which,))[which]
+    return prompt_sets(cfg, tokenizer, (which,), require_answer=require_answer)[which]
 
 
 def _named(fn, field: str):

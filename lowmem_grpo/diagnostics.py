@@ -28,6 +28,9 @@ STEP_KEYS = (
     "update/mu_ran", "update/unclipped_fraction", "update/stop",
     "update/logp_change_pos", "update/logp_change_neg", "update/frac_pos_up", "update/frac_neg_down",
     "rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max", "success_rate/skipped",
+    "sampler/weight_mean", "sampler/masked_fraction", "entropy/threshold", "entropy/kept_fraction", "entropy/coef",
+    "dynamic/draws", "dynamic/prompts_drawn", "dynamic/extra_rollouts", "dynamic/groups_discarded",
+    "dynamic/groups_surplus", "dynamic/groups_short",
 )
 
 
@@ -157,6 +160,17 @@ def update_stats(parts: Sequence[TokenStats], kl_ref_on: bool, kl_mirror_on: boo
                        clip_low=low / per_tok, clip_high=high / per_tok, clip_fraction=(low + high) / per_tok,
                        kl_ref=kl(lambda p: p.kl_ref, kl_ref_on), kl_mirror=kl(lambda p: p.kl_mirror, kl_mirror_on),
                        unclipped_fraction=unclipped / signed if signed else None)
+
+
+def sampler_correction_stats(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """§15 over an update pass: the mean importance weight given to the policy term and the fraction of
+    tokens masked out, from (weights, masked) per micro-batch. {} when the correction is off."""
+    if not parts:
+        return {}
+    w = torch.cat([p[0].to(torch.float64) for p in parts])
+    masked = torch.cat([p[1] for p in parts])
+    return {"sampler/weight_mean": float(w.mean()) if w.numel() else None,
+            "sampler/masked_fraction": float(masked.float().mean()) if masked.numel() else None}
 
 
 def sampler_agreement(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:

@@ -58,7 +58,9 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         completions = engine.generate([e.prompt_ids for e in chunk],
                                       SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = rewards(texts, [e.prompt_text for e in chunk], [e.row for e in chunk])
+        result = rewards(texts, [e.prompt_text for e in chunk], [e.row for e in chunk],
+                         completion_ids=[c.token_ids for c in completions],
+                         prompt_messages=[getattr(e, "messages", None) for e in chunk])
         judged = solved(result)
         correct += int(judged.correct.sum())
         counted += judged.counted
@@ -86,7 +88,8 @@ def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Se
         completions = engine.generate([e.prompt_ids for e in chunk], params)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         result = rewards(texts, [chunk[c.prompt_index].prompt_text for c in completions],
-                         [chunk[c.prompt_index].row for c in completions])
+                         [chunk[c.prompt_index].row for c in completions], completion_ids=[c.token_ids for c in completions],
+                         prompt_messages=[getattr(chunk[c.prompt_index], "messages", None) for c in completions])
         counts = [[0, 0] for _ in chunk]
         judged = solved(result)
         for j, c in enumerate(completions):
@@ -166,13 +169,13 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     adapter_dir, run_dir = resolve_adapter(adapter) if adapter else (None, None)
     if out_dir is None:
         out_dir = (run_dir / "eval" / f"{adapter_dir.parent.name}-{split}") if run_dir else Path(f"eval-{name}")
+    rewards, g = Rewards.from_recipe(recipe), recipe.generation   # (before the model: a bad reward fails fast)
     model, tok = _load(recipe, adapter_dir, model_dir)
-    pset = prompt_set(recipe.data, tok, split)
+    pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer)
     if pset is None:
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")
     examples = pset.examples[: recipe.train.eval_max_prompts]
-    rewards, g = Rewards(recipe.rewards, answer_field=recipe.data.answer_field), recipe.generation
     records: list = []
     summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
                "model": str(model_dir or recipe.model.name_or_path), "prompts": len(examples),

@@ -11,6 +11,11 @@ backward recomputes each tile's softmax:
 so the peak extra memory is one tile, whatever the sequence length or vocabulary. The LM head's gradient
 is only built when its weight requires grad (LoRA leaves it frozen). Memory argument and numbers: see
 scripts/bench_memory.py; the full-logits reference this must agree with is `reference_log_probs`.
+
+With entropy_grad the per-row entropy H = logsumexp - sum_j p_j z_j (for the entropy bonus,
+docs/algorithm.md §16) is differentiable too: dH/dz_j = -p_j (log p_j + H), so backward adds
+ge * (-p_j (log p_j + H)) to each tile's dL/dz for the entropy's incoming gradient ge, and keeps two tiles
+alive instead of one. The reference for both is `reference_entropy`.
 """
 
 from __future__ import annotations
@@ -33,9 +38,19 @@ def _tile_logits(h, weight, bias, v0, v1, inv_temp):
     return z
 
 
+def _entropy_tile_grad_(z, lse, entropy, g, ge):
+    """In place, tile z of tempered logits -> -p g - ge p (log p + H): dL/dz of g * lp plus ge * H, without the
+    1[j = target] g term (docs/algorithm.md §16). Holds one more tile (p) while it works, two in all."""
+    z.sub_(lse[:, None])                        # log p
+    p = torch.exp(z)
+    z.add_(entropy[:, None]).mul_(-ge[:, None]).sub_(g[:, None]).mul_(p)  # p * (-g - ge (log p + H))
+    del p
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, chunk_vocab, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, chunk_vocab, want_entropy,
+                entropy_grad=False):
         acc = _acc_dtype(hidden.dtype)
         inv_temp = 1.0 / temperature
         n, vocab = hidden.shape[0], weight.shape[0]
@@ -74,15 +89,18 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             logp[r0:r1] = zt * inv_temp - lse[r0:r1]
             if want_entropy:
                 entropy[r0:r1] = lse[r0:r1] - sz / s
-        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), targets, lse,
+                              entropy if entropy_grad else torch.empty(0))
         ctx.has_bias = bias is not None
         ctx.cfg = (temperature, chunk_rows, chunk_vocab)
-        ctx.mark_non_differentiable(entropy)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp.to(hidden.dtype) if hidden.dtype == torch.float64 else logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         temperature, chunk_rows, chunk_vocab = ctx.cfg
         inv_temp = 1.0 / temperature
@@ -94,13 +112,17 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(vocab, dtype=acc, device=weight.device) if need_b else None
         g_all = grad_logp.to(acc)
+        ge_all = grad_entropy.to(acc) if ctx.entropy_grad and grad_entropy is not None else None
         for r0 in range(0, n, chunk_rows):
             r1 = min(n, r0 + chunk_rows)
             h, g, t = hidden[r0:r1].to(acc), g_all[r0:r1], targets[r0:r1]
             for v0 in range(0, vocab, chunk_vocab):
                 v1 = min(vocab, v0 + chunk_vocab)
                 dz = _tile_logits(h, weight, bias, v0, v1, inv_temp)
-                dz.sub_(lse[r0:r1, None]).exp_().mul_(-g[:, None])  # -p * g, in place: one tile
+                if ge_all is None:
+                    dz.sub_(lse[r0:r1, None]).exp_().mul_(-g[:, None])  # -p * g, in place: one tile
+                else:
+                    _entropy_tile_grad_(dz, lse[r0:r1], entropy[r0:r1], g, ge_all[r0:r1])
                 inside = (t >= v0) & (t < v1)
                 rows = inside.nonzero(as_tuple=True)[0]
                 dz[rows, t[rows] - v0] += g[rows]  # + 1[j = t] * g
@@ -114,7 +136,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             grad_h.to(hidden.dtype) if need_h else None,
             grad_w.to(weight.dtype) if need_w else None,
             grad_b.to(bias.dtype) if need_b else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -127,16 +149,21 @@ def selective_log_softmax(
     chunk_rows: int = 1024,
     chunk_vocab: int = 8192,
     return_entropy: bool = False,
+    entropy_grad: bool = False,
 ):
     """log p(targets) for each row of `hidden` [n, d] under the head `weight` [vocab, d] (+ `bias`).
 
     Returns a float32 (float64 for float64 inputs) tensor [n]; with return_entropy also the per-row
-    entropy of the tempered distribution (no gradient), for logging.
+    entropy of the tempered distribution: without gradient (for logging) unless entropy_grad, which makes
+    it differentiable (the entropy bonus, docs/algorithm.md §16) and needs return_entropy.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [n, d] and targets [n]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    if entropy_grad and not return_entropy:
+        raise ValueError("entropy_grad needs return_entropy=True")
     logp, entropy = _SelectiveLogSoftmax.apply(
-        hidden, weight, bias, targets, float(temperature), int(chunk_rows), int(chunk_vocab), bool(return_entropy))
+        hidden, weight, bias, targets, float(temperature), int(chunk_rows), int(chunk_vocab), bool(return_entropy),
+        bool(entropy_grad))
     return (logp, entropy) if return_entropy else logp
 
 
@@ -147,3 +174,12 @@ def reference_log_probs(hidden, weight, targets, bias=None, temperature=1.0):
         logits = logits + bias
     logits = logits / temperature
     return torch.log_softmax(logits.to(_acc_dtype(hidden.dtype)), dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+
+def reference_entropy(hidden, weight, bias=None, temperature=1.0):
+    """The plain path for the entropy: full logits, log_softmax, -sum p log p per row (parity reference)."""
+    logits = hidden @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    logp = torch.log_softmax((logits / temperature).to(_acc_dtype(hidden.dtype)), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,9 +1,12 @@
-"""The GRPO objective and its family as pure functions on flat per-token tensors (docs/algorithm.md §1, §4-§6).
+"""The GRPO objective and its family as pure functions on flat per-token tensors (docs/algorithm.md §1, §4-§6,
+§13-§16).
 
 Every tensor here is [n_tokens]: the log-prob of the sampled token under the policy (`logp`, with grad),
 under the policy that sampled it (`logp_old`) and under the reference (`logp_ref`), and the advantage of
 the token's completion. No logits, no models, no I/O. Each variant is one small function; `grpo_token_loss`
-composes the surrogate (ratio or target clip) and the KL term (ref, mirror, both, none; k1, k2 or k3).
+composes the surrogate (ratio, target or CISPO clip; token or sequence ratio; optional two-sided cap), the KL
+term (ref, mirror, both, none; k1, k2 or k3), a detached per-token policy-gradient weight and an entropy bonus.
+`seq_index` [n_tokens] says which completion each token belongs to (any non-negative ids).
 
 Aggregation (docs/algorithm.md §5) is expressed as a per-token weight computed once for the whole batch
 (`aggregation_weights`); the loss is sum(weight * token_loss). Because the weights are known before the
@@ -99,12 +102,98 @@ def clip_bounds(clip: str, logp_old: torch.Tensor, eps_low: float, eps_high: flo
     raise ValueError(f"unknown clip {clip!r}")
 
 
-def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: float) -> torch.Tensor:
+CLIPS = ("ratio", "target", "cispo")
+LEVELS = ("token", "sequence")
+
+
+def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
+    """The combinations docs/algorithm.md §13-§14 define; anything else is an error, not a silent fallback."""
+    if clip not in CLIPS:
+        raise ValueError(f"unknown clip {clip!r}")
+    if level not in LEVELS:
+        raise ValueError(f"unknown importance sampling level {level!r}")
+    if level == "sequence" and seq_index is None:
+        raise ValueError("level 'sequence' needs seq_index")
+    if level == "sequence" and clip == "target":
+        raise ValueError("clip 'target' is not defined at level 'sequence'")
+    if delta is not None and clip != "ratio":
+        raise ValueError(f"delta only applies to clip 'ratio', not {clip!r}")
+
+
+def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: float, *, level: str = "token",
+              seq_index: Optional[torch.Tensor] = None, delta: Optional[float] = None,
+              cispo_max_weight: float = 5.0) -> torch.Tensor:
+    """The per-token policy-gradient objective (to maximise) of docs/algorithm.md §6, §13, §14."""
+    check_surrogate_options(clip, level, seq_index, delta)
+    if clip == "cispo":
+        return cispo_surrogate(logp, policy_log_ratio(logp, logp_old, level, seq_index), advantages, cispo_max_weight)
     if clip == "target":
         return target_clip_surrogate(logp, logp_old, advantages)
-    if clip == "ratio":
+    if level == "token" and delta is None:  # today's path, op for op
         return ratio_clip_surrogate(logp, logp_old, advantages, eps_low, eps_high)
-    raise ValueError(f"unknown clip {clip!r}")
+    ratio = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index))
+    low, high = ratio_clip_bounds(eps_low, eps_high)
+    if delta is None:
+        return pessimistic_clip(ratio, advantages, low, high)
+    return two_sided_clip(ratio, advantages, low, high, delta)
+
+
+# -- Sequence-level ratios (GSPO, docs/algorithm.md §13) ----------------------------------------------------
+
+
+def _per_sequence_sum(x: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """[n_seq_ids] sums of x over each id's tokens (ids absent from seq_index get 0); differentiable."""
+    n_ids = int(seq_index.max().item()) + 1 if seq_index.numel() else 0
+    return torch.zeros(n_ids, dtype=x.dtype, device=x.device).index_add(0, seq_index, x)
+
+
+def sequence_sum(x: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Per token: the sum of x over the tokens of its sequence (docs/algorithm.md §15's sequence ratio)."""
+    return _per_sequence_sum(x, seq_index)[seq_index]
+
+
+def sequence_mean(x: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Per token: the mean of x over the tokens of its sequence; each token gets gradient 1/|o_i| of it."""
+    counts = torch.bincount(seq_index, minlength=0).to(x.dtype) if seq_index.numel() else x.new_zeros(0)
+    return (_per_sequence_sum(x, seq_index) / counts.clamp(min=1))[seq_index]
+
+
+def sequence_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised log-ratio, per token: (1/|o_i|) sum_t (lp_it - lp_old_it) over the token's
+    sequence, so exp of it is the geometric mean of the sequence's token ratios. docs/algorithm.md §13."""
+    return sequence_mean(logp - logp_old, seq_index)
+
+
+def policy_log_ratio(logp, logp_old, level: str = "token", seq_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log r per token: the token's own log-ratio, or its sequence's (docs/algorithm.md §13)."""
+    if level == "token":
+        return logp - logp_old
+    if level == "sequence":
+        if seq_index is None:
+            raise ValueError("level 'sequence' needs seq_index")
+        return sequence_log_ratio(logp, logp_old, seq_index)
+    raise ValueError(f"unknown importance sampling level {level!r}")
+
+
+# -- Two-sided clip and CISPO (docs/algorithm.md §14) -------------------------------------------------------
+
+
+def two_sided_clip(ratio: torch.Tensor, advantages: torch.Tensor, low: Bound, high: Bound,
+                   delta: float) -> torch.Tensor:
+    """min(min(r, delta) A, clip(r, low, high) A): PPO's clip, plus a cap on the unclipped term so that a
+    token with A < 0 and a huge ratio contributes at most delta A, with no gradient (docs/algorithm.md §14)."""
+    return torch.minimum(torch.clamp(ratio, max=delta) * advantages, torch.clamp(ratio, low, high) * advantages)
+
+
+def cispo_weight(log_ratio: torch.Tensor, max_weight: float) -> torch.Tensor:
+    """stopgrad(min(r, max_weight)): the detached importance weight CISPO puts on a token's log-prob."""
+    return torch.clamp(torch.exp(log_ratio.detach()), max=max_weight)
+
+
+def cispo_surrogate(logp, log_ratio, advantages, max_weight: float) -> torch.Tensor:
+    """CISPO (MiniMax-M1): sg(min(r, max_weight)) A lp per token. The weight is capped, not the token: every
+    token keeps the gradient sg(w) A through its lp (docs/algorithm.md §14)."""
+    return cispo_weight(log_ratio, max_weight) * advantages * logp
 
 
 @dataclass
@@ -113,7 +202,8 @@ class TokenLoss:
     kl_ref: Optional[torch.Tensor]    # [n] KL estimate to the reference, or None when that term is off
     kl_mirror: Optional[torch.Tensor]  # [n] KL estimate to the sampling policy (mirror), or None
     clipped_low: torch.Tensor         # [n] bool: A < 0 and r below the lower bound (the clip binds)
-    clipped_high: torch.Tensor        # [n] bool: A > 0 and r above the upper bound
+    clipped_high: torch.Tensor        # [n] bool: A > 0 and r above the upper bound; for CISPO, A != 0 and
+    #                                   the weight capped. r is the sequence's ratio at level 'sequence'.
 
     @property
     def kl(self) -> Optional[torch.Tensor]:
@@ -121,21 +211,104 @@ class TokenLoss:
         return self.kl_ref
 
 
+def clip_flags(clip: str, log_ratio: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+               eps_low: float, eps_high: float, cispo_max_weight: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(clipped_low, clipped_high) per token, without gradient, from the ratio the surrogate used (the token's
+    or its sequence's). CISPO caps only from above, and a capped weight matters whatever A's sign (§14)."""
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio)
+        if clip == "cispo":
+            return torch.zeros_like(ratio, dtype=torch.bool), (ratio > cispo_max_weight) & (advantages != 0)
+        low, high = clip_bounds(clip, logp_old, eps_low, eps_high)
+        return (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0)
+
+
 def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_low: float = 0.2,
                     eps_high: float = 0.2, clip: str = "ratio", kl_target: str = "ref", beta_mirror: float = 0.0,
-                    kl_estimator: str = "k3") -> TokenLoss:
-    """-(surrogate - KL penalty) per token (docs/algorithm.md §1, with the variants of §4 and §6)."""
-    loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high)
+                    kl_estimator: str = "k3", level: str = "token", seq_index: Optional[torch.Tensor] = None,
+                    delta: Optional[float] = None, cispo_max_weight: float = 5.0,
+                    pg_weight: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
+                    entropy_coef: float = 0.0) -> TokenLoss:
+    """-(pg * pg_weight) + KL penalty - entropy_coef * entropy per token (docs/algorithm.md §1, with the
+    variants of §4, §6, §13, §14 and §16). pg_weight (detached) scales the policy term only: the sampler
+    correction of §15 times the token mask of §16. The defaults are GRPO exactly as before these options."""
+    loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
+                      delta=delta, cispo_max_weight=cispo_max_weight)
+    if pg_weight is not None:
+        loss = loss * pg_weight.detach().to(loss.dtype)
     penalty, kl_ref, kl_mirror = kl_terms(logp, logp_ref, logp_old, target=kl_target, beta=beta,
                                           beta_mirror=beta_mirror, estimator=kl_estimator)
     if penalty is not None:
         loss = loss + penalty
+    if entropy is not None and entropy_coef != 0:
+        loss = loss - entropy_coef * entropy.to(loss.dtype)  # a bonus: higher entropy, lower loss (§16)
     with torch.no_grad():
-        ratio = torch.exp(logp - logp_old)
-        low, high = clip_bounds(clip, logp_old, eps_low, eps_high)
-        clipped_low = (ratio < low) & (advantages < 0)
-        clipped_high = (ratio > high) & (advantages > 0)
+        log_ratio = policy_log_ratio(logp.detach(), logp_old, level, seq_index)
+    clipped_low, clipped_high = clip_flags(clip, log_ratio, logp_old, advantages, eps_low, eps_high,
+                                           cispo_max_weight)
     return TokenLoss(loss, kl_ref, kl_mirror, clipped_low, clipped_high)
+
+
+# -- Sampler-mismatch correction (docs/algorithm.md §15) ----------------------------------------------------
+
+SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction_weights(logp_at_rollout: torch.Tensor, logp_sampler: torch.Tensor,
+                               seq_index: Optional[torch.Tensor], mode: str, low: float,
+                               high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, masked) per token, both detached: the importance weight from the engine's sampling
+    distribution to the trainer's at the same weights (docs/algorithm.md §15).
+
+    ratio = exp(lp_rollout - lp_sampler) per token, or for sequence_* modes exp(sum over the sequence of
+    that log-ratio), the product of its token ratios, on each of its tokens. *_truncate: min(ratio, high);
+    *_mask: ratio inside [low, high], else 0 (and masked). 'none': all ones."""
+    if mode not in SAMPLER_CORRECTIONS:
+        raise ValueError(f"unknown sampler correction {mode!r}")
+    with torch.no_grad():
+        log_ratio = (logp_at_rollout.detach() - logp_sampler.detach()).to(logp_at_rollout.dtype)
+        if mode == "none":
+            return torch.ones_like(log_ratio), torch.zeros_like(log_ratio, dtype=torch.bool)
+        if mode.startswith("sequence_"):
+            if seq_index is None:
+                raise ValueError(f"sampler correction {mode!r} needs seq_index")
+            log_ratio = sequence_sum(log_ratio, seq_index)
+        ratio = torch.exp(log_ratio)
+        if mode.endswith("_truncate"):
+            return torch.clamp(ratio, max=high), torch.zeros_like(ratio, dtype=torch.bool)
+        masked = (ratio < low) | (ratio > high)
+        return torch.where(masked, torch.zeros_like(ratio), ratio), masked
+
+
+# -- Token selection and the entropy bonus (docs/algorithm.md §16) -----------------------------------------
+
+
+def entropy_threshold(entropy: torch.Tensor, quantile: float) -> float:
+    """The (1 - quantile)-quantile of the tokens' entropies, interpolated linearly between order statistics as
+    torch.quantile does, so that the top `quantile` share of tokens lies at or above it. quantile 1 keeps every
+    token (-inf). Sorted here rather than torch.quantile, which refuses inputs above 2^24 elements."""
+    if not 0.0 < quantile <= 1.0:
+        raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+    values = entropy.detach().flatten().to(torch.float64)
+    if quantile == 1.0 or values.numel() == 0:
+        return float("-inf")
+    ordered = torch.sort(values).values
+    pos = (1.0 - quantile) * (ordered.numel() - 1)
+    lo = int(pos)  # floor: pos >= 0
+    hi = min(lo + 1, ordered.numel() - 1)
+    return (ordered[lo] + (pos - lo) * (ordered[hi] - ordered[lo])).item()
+
+
+def top_entropy_mask(entropy: torch.Tensor, threshold: float) -> torch.Tensor:
+    """bool per token: entropy >= threshold, the "forking" tokens that keep their policy gradient (§16)."""
+    return entropy.detach() >= threshold
+
+
+def adapt_entropy_coef(coef: float, entropy, target: float, lr: float) -> float:
+    """max(0, coef + lr (target - H)), H the mean token entropy (a float or a tensor of entropies): a dual
+    step that raises the bonus while entropy is below target and lowers it above, never below 0 (§16)."""
+    mean = entropy.detach().to(torch.float64).mean().item() if torch.is_tensor(entropy) else float(entropy)
+    return max(0.0, coef + lr * (target - mean))
 
 
 def aggregation_weights(seq_index: torch.Tensor, seq_lengths: torch.Tensor, mode: str,

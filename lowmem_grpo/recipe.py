@@ -46,11 +46,11 @@ class LoraConfig(_Section):
 class DataConfig(_Section):
     train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file, or a Hugging Face dataset split as hf:NAME[:CONFIG]@SPLIT (e.g. hf:openai/gsm8k:main@train; needs the data extra).")
     eval_path: str = Field("", description="Held-out prompts for evaluation (a file or hf:NAME[:CONFIG]@SPLIT); empty: eval_fraction's split of the training rows, or no evaluation.")
-    prompt_field: str = Field("prompt", description="Row field holding the question/prompt text.")
-    answer_field: str = Field("answer", description="Row field holding the reference answer; the rewards that read it (math, exact) take it from here alone.")
+    prompt_field: str = Field("prompt", description="Row field holding the question/prompt text, or a list of chat messages ({role, content}: TRL's conversational format), which the tokenizer's chat template renders as they are.")
+    answer_field: str = Field("answer", description="Row field holding the reference answer; the rewards that read it (math, exact) take it from here alone, and rows need it only when such a reward is on.")
     template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
-    chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template.")
-    system_prompt: str = Field("", description="System message used with chat_template.")
+    chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template (rows whose prompt is a list of messages always use it).")
+    system_prompt: str = Field("", description="System message used with chat_template, and put first in a message-list prompt that has none.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="A row missing a field: stop with an error naming it, or skip and count it.")
     max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are an error, or skipped with on_bad_row=skip.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Without eval_path: hold out this share of the training source's distinct prompts (all their rows) as the held-out set, never trained on; 0: no split.")
@@ -82,6 +82,12 @@ class RewardSpec(_Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="The reward's options: a built-in's are checked against its schema (the reward "
         "options table); a user function gets them as keyword arguments, each one a parameter it accepts.")
+    convention: Literal["auto", "lowmem", "trl"] = Field(
+        "auto", description="How a user function is called. lowmem: f(completions, *, prompts, rows, **kwargs), text, "
+        "None = skip the completion. trl: as TRL's GRPOTrainer calls reward functions (keywords: prompts, completions, "
+        "completion_ids, trainer_state, each dataset column by name; chat rows as message lists; None = does not apply). "
+        "auto: lowmem when the function has a parameter named rows, else trl when it takes completions by keyword "
+        "(else an error). Built-ins: auto or lowmem.")
 
     @field_validator("kwargs")
     @classmethod
@@ -94,6 +100,15 @@ class RewardSpec(_Section):
         if problems:
             raise FieldProblems(problems)
         return kwargs
+
+    @model_validator(mode="after")
+    def _builtin_convention(self) -> "RewardSpec":
+        from .rewards.options import BUILTINS
+
+        if self.convention == "trl" and self.function in BUILTINS:
+            raise FieldProblems([("convention", f"built-in reward {self.function!r} takes lowmem-grpo's convention; "
+                                                "allowed here: auto, lowmem")])
+        return self
 
 
 class RewardsConfig(_Section):
@@ -135,8 +150,8 @@ class AlgorithmConfig(_Section):
     beta_mirror: float = Field(0.04, ge=0, description="Weight of the KL to the sampling policy; used when kl_target is mirror or both, where it must be > 0.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Per-token KL estimator (Schulman 2020; docs/algorithm.md §4): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
-    clip: Literal["ratio", "target"] = Field(
-        "ratio", description="Surrogate clip (docs/algorithm.md §6): ratio window [1 - epsilon_low, 1 + epsilon_high], or target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0); target needs mu > 1.")
+    clip: Literal["ratio", "target", "cispo"] = Field(
+        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), or cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient.")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
     aggregation: Literal["sequence_mean", "token_mean", "constant", "sum"] = Field(
@@ -147,6 +162,45 @@ class AlgorithmConfig(_Section):
     early_stop_min_improvement: Optional[float] = Field(
         None, ge=0, description="mu > 1 (docs/algorithm.md §7): stop a batch's updates once one improved the objective on the batch by less than this; null: off.")
     skip_zero_std_groups: bool = Field(False, description="Skip groups whose rewards are all equal (they give no policy gradient; docs/algorithm.md §9).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantage: mean_std only (docs/algorithm.md §17): divide by each group's reward std (group), "
+        "by the whole batch's (batch), or not at all (none, the same as advantage: mean).")
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="With several reward functions (docs/algorithm.md §17): advantages of the weighted "
+        "sum of the rewards, or the weighted sum of each function's own group advantages, rescaled by its batch std (GDPO).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance ratio per token, or per sequence: GSPO's length-normalised sequence ratio, "
+        "clipped per sequence with sequence_epsilon_low/high (docs/algorithm.md §13).")
+    sequence_epsilon_low: float = Field(3e-4, gt=0, lt=1, description="importance_sampling_level: sequence: lower clip bound 1 - this (the GSPO paper's 3e-4).")
+    sequence_epsilon_high: float = Field(4e-4, gt=0, description="importance_sampling_level: sequence: upper clip bound 1 + this (the GSPO paper's 4e-4).")
+    cispo_max_weight: float = Field(5.0, gt=1, description="clip: cispo (docs/algorithm.md §14): the detached importance weight is capped at this (ScaleRL's 5.0).")
+    delta: Optional[float] = Field(
+        None, description="clip: ratio: two-sided clip (docs/algorithm.md §14): the unclipped ratio term is capped at delta, "
+        "which bounds the loss of a negative-advantage token whose ratio ran away; must be > 1 + epsilon_high; null: off.")
+    sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "none", description="Correct for the gap between the rollout engine's log-probs and the trainer's at the same weights "
+        "(docs/algorithm.md §15): weight each token's policy term by the ratio, per token or per sequence, capped at "
+        "sampler_correction_max (truncate) or dropped outside [sampler_correction_min, sampler_correction_max] (mask).")
+    sampler_correction_min: float = Field(0.0, ge=0, description="sampler_correction *_mask: tokens (sequences) whose ratio is below this are dropped.")
+    sampler_correction_max: float = Field(3.0, gt=0, description="sampler_correction: the truncation cap (truncate), or the ratio above which tokens (sequences) are dropped (mask).")
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_new_tokens out of the update (they keep their place in their "
+        "group's advantage statistics; DAPO; docs/algorithm.md §16).")
+    top_entropy_quantile: float = Field(
+        1.0, gt=0, le=1, description="Only this top fraction of the batch's tokens by entropy (at the rollout weights) get "
+        "policy gradient (docs/algorithm.md §16); 1: all. With mu = 1 it costs one no-grad forward.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: the loss gets - entropy_coef x token entropy (docs/algorithm.md §16); 0: off. With entropy_target, the starting value.")
+    entropy_target: Optional[float] = Field(
+        None, gt=0, description="Adapt entropy_coef toward this mean token entropy (nats) after every step: coef += "
+        "entropy_coef_lr x (target - entropy), kept >= 0 (docs/algorithm.md §16); null: a fixed coefficient.")
+    entropy_coef_lr: float = Field(0.01, gt=0, description="entropy_target: the coefficient's step per nat of entropy gap.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling (docs/algorithm.md §18): after the step's rollouts, groups whose rewards "
+        "are all equal are discarded and more prompts drawn and rolled out until the step holds prompts_per_step groups "
+        "with contrast, or dynamic_sampling_max_draws more draws were made.")
+    dynamic_sampling_max_draws: int = Field(
+        4, ge=1, le=64, description="dynamic_sampling: at most this many extra draws of prompts_per_step prompts per step; "
+        "a step that still lacks groups trains on those it found.")
 
     @model_validator(mode="after")
     def _combinations(self) -> "AlgorithmConfig":
@@ -170,9 +224,47 @@ class AlgorithmConfig(_Section):
                          ("early_stop_min_improvement", self.early_stop_min_improvement is not None)):
             if on and self.mu == 1:
                 problems.append((name, "stops the later of a batch's mu updates; with mu = 1 there are none: set mu > 1"))
+        problems += self._new_option_problems()
         if problems:
             raise FieldProblems(problems)
         return self
+
+    def _new_option_problems(self) -> list[tuple[str, str]]:
+        """The combinations of the options of docs/algorithm.md §13-§18 that cannot work."""
+        problems = []
+        default = type(self).model_fields
+        if self.scale_rewards != "group" and self.advantage != "mean_std":
+            problems.append(("scale_rewards", f"applies to advantage mean_std only (got advantage {self.advantage!r})"))
+        if self.importance_sampling_level == "sequence":
+            if self.clip == "target":
+                problems.append(("importance_sampling_level", "'sequence' with clip: target is not defined; use clip ratio or cispo"))
+            for name in ("epsilon_low", "epsilon_high"):
+                if getattr(self, name) != default[name].default:
+                    problems.append((name, f"is the token-level clip bound; at importance_sampling_level sequence set "
+                                           f"sequence_{name} instead"))
+        else:
+            for name in ("sequence_epsilon_low", "sequence_epsilon_high"):
+                if getattr(self, name) != default[name].default:
+                    problems.append((name, "is used only with importance_sampling_level: sequence"))
+        if self.clip == "cispo":
+            for name in ("epsilon_low", "epsilon_high"):
+                if getattr(self, name) != default[name].default:
+                    problems.append((name, "is a bound of the ratio clip; clip: cispo caps its weight at cispo_max_weight"))
+        elif self.cispo_max_weight != default["cispo_max_weight"].default:
+            problems.append(("cispo_max_weight", "is used only with clip: cispo"))
+        if self.delta is not None:
+            if self.clip != "ratio":
+                problems.append(("delta", f"caps the ratio clip's unclipped term; clip is {self.clip!r}"))
+            else:
+                bound = 1 + (self.sequence_epsilon_high if self.importance_sampling_level == "sequence" else self.epsilon_high)
+                if self.delta <= bound:
+                    problems.append(("delta", f"must be > 1 + the upper clip epsilon ({bound:g}), got {self.delta:g}"))
+        if self.sampler_correction.endswith("_mask") and self.sampler_correction_min >= self.sampler_correction_max:
+            problems.append(("sampler_correction_min", f"must be below sampler_correction_max ({self.sampler_correction_max:g})"))
+        if self.dynamic_sampling and self.skip_zero_std_groups:
+            problems.append(("skip_zero_std_groups", "dynamic_sampling already keeps zero-variance groups out of the "
+                                                     "update (it replaces them); set one of the two"))
+        return problems
 
 
 class OptimizerConfig(_Section):
@@ -236,6 +328,20 @@ class Recipe(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batch sizes and loop length.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where the run writes.")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> "Recipe":
+        problems = []
+        for i, spec in enumerate(self.rewards.functions):
+            # overlong's L_max defaults to generation.max_new_tokens, which its own options cannot see
+            buffer = spec.kwargs.get("buffer") if spec.function == "overlong" else None
+            if (isinstance(buffer, int) and spec.kwargs.get("max_length") is None
+                    and buffer >= self.generation.max_new_tokens):
+                problems.append((f"rewards.functions.{i}.kwargs.buffer", f"must be less than max_length, here "
+                                 f"generation.max_new_tokens ({self.generation.max_new_tokens}), got {buffer}"))
+        if problems:
+            raise FieldProblems(problems)
+        return self
 
 
 # Fields without a usable default. Checked on the raw mapping, so that they are reported together with

@@ -28,11 +28,13 @@ import torch
 
 from . import checkpoint as ckpt
 from . import diagnostics as diag
-from .advantages import group_advantages
+from .advantages import group_advantages, normalize_then_sum_advantages
 from .batch import MicroBatch, completion_logprobs, pack, trained_completions
 from .data import batch_indices, prompt_sets
+from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .evaluate import greedy as greedy_eval
-from .loss import aggregate, grpo_token_loss
+from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
+                   top_entropy_mask)
 from .memory import (ModelShape, advise, device_budget, estimate, fmt, peak_rss_mib, return_freed_memory_to_os,
                      workload_from_recipe)
 from .metrics import PhaseTimer, summary_line
@@ -102,6 +104,7 @@ class LoopState:
     nonfinite_run: int = 0           # steps in a row up to now whose loss or gradient was NaN/inf
     nonfinite_total: int = 0         # such steps in the whole run
     p_ref: Optional[float] = None    # the reference's success rate (§4): step 1 samples from fresh adapters
+    entropy_coef: Optional[float] = None  # algorithm.entropy_target: the adapted coefficient (§16); None: the recipe's
 
     def count_step(self, finite: bool) -> None:
         self.nonfinite_run = 0 if finite else self.nonfinite_run + 1
@@ -128,10 +131,11 @@ class Trainer:
         self.model.train()
         if not next(self.model.parameters()).is_cuda:
             return_freed_memory_to_os()
-        # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set)
-        sets = prompt_sets(recipe.data, self.tokenizer)
+        self.rewards = Rewards.from_recipe(recipe)
+        # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set). Rows
+        # need data.answer_field only when a reward reads it.
+        sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer)
         self.train_set, self.eval_set = sets["train"], sets["test"]
-        self.rewards = Rewards(recipe.rewards, answer_field=recipe.data.answer_field)
         for note in self.rewards.notes + judging_notes(recipe):  # e.g. the code sandbox's active protections
             log(f"[lowmem-grpo] {note}")
         self.sampling = SamplingParams.from_generation(recipe.generation)
@@ -170,71 +174,146 @@ class Trainer:
 
     # -- the phases of a step ----------------------------------------------------------------------------
 
-    def select_prompts(self) -> list:
+    def select_prompts(self, draw: int = 0) -> list:
+        """The step's prompts (draw 0), or those of dynamic sampling's extra draw `draw` (§18): each a pure
+        function of (seed, step, draw)."""
         r = self.recipe
-        return [self.train_set.examples[i]
-                for i in batch_indices(len(self.train_set), r.train.prompts_per_step, self.step, r.seed)]
+        n, size = len(self.train_set), r.train.prompts_per_step
+        at = (batch_indices(n, size, self.step, r.seed) if draw == 0
+              else extra_indices(n, size, self.step, draw, r.seed))
+        return [self.train_set.examples[i] for i in at]
 
-    def score(self, examples, completions):
-        """(RewardResult, decoded texts) of the completions."""
-        texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        rows = [examples[c.prompt_index].row for c in completions]
-        prompts = [examples[c.prompt_index].prompt_text for c in completions]
-        return self.rewards(texts, prompts, rows), texts
+    def rollout(self, examples, clock: PhaseTimer) -> Rollouts:
+        """G completions per prompt, decoded and scored."""
+        with clock("rollout"):
+            completions = self.engine.generate([e.prompt_ids for e in examples], self.sampling)
+        with clock("reward"):
+            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            at = [examples[c.prompt_index] for c in completions]
+            result = self.rewards(texts, [e.prompt_text for e in at], [e.row for e in at],
+                                  completion_ids=[c.token_ids for c in completions], step=self.step,
+                                  prompt_messages=[e.messages for e in at])
+        return Rollouts(examples, completions, texts, result)
+
+    def rollouts_with_contrast(self, first: Rollouts, clock: PhaseTimer) -> tuple[Rollouts, dict]:
+        """§18: more draws until prompts_per_step groups have contrast (or the bound); those groups."""
+        a, g = self.recipe.algorithm, self.recipe.generation.num_generations
+        wanted, draws = self.recipe.train.prompts_per_step, [first]
+        found = int(first.contrast(g).sum())
+        for draw in range(1, a.dynamic_sampling_max_draws + 1):
+            if found >= wanted:
+                break
+            with clock("select"):
+                examples = self.select_prompts(draw)
+            draws.append(self.rollout(examples, clock))
+            found += int(draws[-1].contrast(g).sum())
+        return fill_with_contrast(draws, wanted, g)
+
+    def advantages(self, result) -> torch.Tensor:
+        """[groups, G] advantages from the rewards (§2, §17)."""
+        a, g = self.recipe.algorithm, self.recipe.generation.num_generations
+        extra = {"dead_band": a.sign_dead_band} if a.advantage == "sign" else {}
+        if a.reward_aggregation == "normalize_then_sum" and len(result.per_function) > 1:
+            return normalize_then_sum_advantages([v.view(-1, g) for v in result.per_function.values()],
+                                                 [f.weight for f in self.recipe.rewards.functions],
+                                                 a.advantage, a.scale_rewards, **extra)
+        return group_advantages(result.total.view(-1, g), a.advantage, scale=a.scale_rewards, **extra)
 
     def pack(self, examples, completions, advantages: torch.Tensor, keep: list[int]) -> list[MicroBatch]:
         r = self.recipe
         sampler = [completions[i].logprobs for i in keep]
+        if self.recipe.algorithm.sampler_correction != "none" and any(s is None for s in sampler):
+            raise TrainingError(f"algorithm.sampler_correction={self.recipe.algorithm.sampler_correction!r} needs the "
+                                "rollout engine's log-probs, and this engine did not report them")
         return pack([examples[completions[i].prompt_index].prompt_ids for i in keep],
                     [completions[i].token_ids for i in keep], advantages[keep], r.train.micro_batch_size,
                     r.algorithm.aggregation, r.generation.max_new_tokens, self.tokenizer.pad_token_id,
                     sampler_logprobs=sampler if all(s is not None for s in sampler) else None,
                     share_prompts=self.share_prompts)
 
-    def logprobs(self, mb: MicroBatch, return_entropy: bool = False):
+    def logprobs(self, mb: MicroBatch, return_entropy: bool = False, entropy_grad: bool = False):
         t = self.recipe.train
         return completion_logprobs(self.model, mb, self.recipe.generation.temperature, t.logprob_chunk_tokens,
-                                   t.logprob_chunk_vocab, return_entropy=return_entropy)
+                                   t.logprob_chunk_vocab, return_entropy=return_entropy, entropy_grad=entropy_grad)
 
-    def no_grad_logprobs(self, batches: list[MicroBatch]) -> None:
-        """Old log-probs (mu > 1: the ratio's denominator) and reference log-probs (a KL to the reference)."""
+    def no_grad_logprobs(self, batches: list[MicroBatch]) -> dict:
+        """Old log-probs (mu > 1: the ratio's denominator), reference log-probs (a KL to the reference), and
+        with top_entropy_quantile < 1 the tokens whose entropy at the rollout weights is in the batch's top
+        quantile (§16): the only ones given policy gradient."""
         a = self.recipe.algorithm
-        need_old, need_ref = a.mu > 1, a.kl_target in ("ref", "both")
+        need_old, need_ref, need_entropy = a.mu > 1, a.kl_target in ("ref", "both"), a.top_entropy_quantile < 1
+        entropies = []
         with torch.no_grad(), eval_mode(self.model):
             for mb in batches:
-                if need_old:
-                    mb.logp_old = self.logprobs(mb)
+                if need_old or need_entropy:
+                    logp, entropy = self.logprobs(mb, return_entropy=True)
+                    if need_old:
+                        mb.logp_old = logp
+                    entropies.append(entropy.cpu())
                 if need_ref:
                     with reference_mode(self.model):
                         mb.logp_ref = self.logprobs(mb)
+        if not need_entropy:
+            return {}
+        threshold = entropy_threshold(torch.cat(entropies), a.top_entropy_quantile)
+        for mb, entropy in zip(batches, entropies):
+            mb.pg_mask = top_entropy_mask(entropy, threshold)
+        return {"entropy/threshold": threshold,
+                "entropy/kept_fraction": float(torch.cat([mb.pg_mask for mb in batches]).float().mean())}
+
+    def entropy_coef(self) -> float:
+        a = self.recipe.algorithm
+        return self.state.entropy_coef if self.state.entropy_coef is not None else a.entropy_coef
+
+    def policy_weights(self, mb: MicroBatch, logp_old: torch.Tensor):
+        """The per-token multiplier of the policy term (§15, §16): the top-entropy mask times the
+        sampler-mismatch weight; None when neither is on. And that weight's figures for the row."""
+        a = self.recipe.algorithm
+        weight = mb.pg_mask.to(logp_old.device, logp_old.dtype) if mb.pg_mask is not None else None
+        if a.sampler_correction == "none":
+            return weight, None
+        w, masked = sampler_correction_weights(logp_old, mb.logp_sampler.to(logp_old.device), mb.seq_ids.to(logp_old.device),
+                                               a.sampler_correction, a.sampler_correction_min, a.sampler_correction_max)
+        return (w if weight is None else weight * w), (w.detach().cpu(), masked.cpu())
 
     def update(self, batches: list[MicroBatch], prev_objective: Optional[float] = None) -> dict:
         """One optimizer step over all micro-batches (gradient accumulation). With mu > 1, §7's early stop may
         find the batch spent after this pass (forward and backward): then no step is taken, and the row holds
         only why ("update/stop") and the unclipped fraction that was measured."""
         a = self.recipe.algorithm
+        sequence = a.importance_sampling_level == "sequence"
+        eps_low, eps_high = ((a.sequence_epsilon_low, a.sequence_epsilon_high) if sequence   # §13
+                             else (a.epsilon_low, a.epsilon_high))
+        coef = self.entropy_coef()
         self.optimizer.zero_grad(set_to_none=True)
-        parts = []
+        parts, sampler = [], []
         for mb in batches:
-            logp, entropy = self.logprobs(mb, return_entropy=True)
+            logp, entropy = self.logprobs(mb, return_entropy=True, entropy_grad=coef > 0)
             if mb.logp_start is None:
                 mb.logp_start = logp.detach().cpu()
             logp_old = mb.logp_old if mb.logp_old is not None else logp.detach()  # mu = 1: ratio == 1
             adv = mb.advantages.to(logp.device)
-            tl = grpo_token_loss(logp, logp_old, mb.logp_ref, adv, beta=a.beta, eps_low=a.epsilon_low,
-                                 eps_high=a.epsilon_high, clip=a.clip, kl_target=a.kl_target,
-                                 beta_mirror=a.beta_mirror, kl_estimator=a.kl_estimator)
+            pg_weight, correction = self.policy_weights(mb, logp_old)
+            if correction is not None:
+                sampler.append(correction)
+            tl = grpo_token_loss(logp, logp_old, mb.logp_ref, adv, beta=a.beta, eps_low=eps_low, eps_high=eps_high,
+                                 clip=a.clip, kl_target=a.kl_target, beta_mirror=a.beta_mirror,
+                                 kl_estimator=a.kl_estimator, level=a.importance_sampling_level,
+                                 seq_index=mb.seq_ids.to(logp.device), delta=a.delta,
+                                 cispo_max_weight=a.cispo_max_weight, pg_weight=pg_weight,
+                                 entropy=entropy if coef > 0 else None, entropy_coef=coef)
             loss = aggregate(tl.loss, mb.weights.to(logp.device))
             loss.backward()
-            parts.append(diag.TokenStats(loss.item(), entropy, tl.clipped_low, tl.clipped_high, adv, tl.kl_ref,
-                                         tl.kl_mirror))
+            parts.append(diag.TokenStats(loss.item(), entropy.detach(), tl.clipped_low, tl.clipped_high, adv,
+                                         tl.kl_ref, tl.kl_mirror))
         stats = diag.update_stats(parts, kl_ref_on=a.kl_target in ("ref", "both"),
                                   kl_mirror_on=a.kl_target in ("mirror", "both"))
+        extra = {**diag.sampler_correction_stats(sampler), "entropy/coef": coef}
         stop = diag.early_stop_reason(stats.unclipped_fraction, -stats.loss, prev_objective,
                                       a.early_stop_unclipped_fraction, a.early_stop_min_improvement)
         if stop is not None:
             self.optimizer.zero_grad(set_to_none=True)
-            return {"update/stop": stop, "update/unclipped_fraction": stats.unclipped_fraction}
+            return {"update/stop": stop, "update/unclipped_fraction": stats.unclipped_fraction, **extra}
         max_norm = self.recipe.optimizer.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model),
                                                    max_norm if max_norm > 0 else float("inf"))
@@ -243,7 +322,7 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {**stats.row(), "grad_norm": float(grad_norm), "update/stop": None, "nonfinite": not finite}
+        return {**stats.row(), **extra, "grad_norm": float(grad_norm), "update/stop": None, "nonfinite": not finite}
 
     def run_updates(self, batches: list[MicroBatch]) -> dict:
         """The mu updates of one batch (fewer when §7's early stop fires)."""
@@ -270,29 +349,34 @@ class Trainer:
     def train_step(self) -> Step:
         r, g, a = self.recipe, self.recipe.generation, self.recipe.algorithm
         clock = PhaseTimer()
+        row = dict.fromkeys(diag.STEP_KEYS)  # every key in every row; None where it does not apply
         with clock("select"):                                                          # 1. select
             examples = self.select_prompts()
-        with clock("rollout"):                                                         # 2. rollout
-            completions = self.engine.generate([e.prompt_ids for e in examples], self.sampling)
-        with clock("reward"):                                                          # 3. reward
-            result, texts = self.score(examples, completions)
-            rewards = result.total.view(len(examples), g.num_generations)
-            extra = {"dead_band": a.sign_dead_band} if a.advantage == "sign" else {}
-            advantages = group_advantages(rewards, a.advantage, **extra)
-        row = dict.fromkeys(diag.STEP_KEYS)  # every key in every row; None where it does not apply
-        row.update(diag.rollout_stats(result, torch.tensor([len(c.token_ids) for c in completions]),
-                                      torch.tensor([c.truncated for c in completions]), g.num_generations, advantages))
+        drawn = self.rollout(examples, clock)                                          # 2-3. rollout, reward
+        if a.dynamic_sampling:                                                         #   (§18: refill)
+            drawn, found = self.rollouts_with_contrast(drawn, clock)
+            row.update(found)
+        examples, completions, texts, result = drawn.examples, drawn.completions, drawn.texts, drawn.result
+        with clock("reward"):
+            advantages = self.advantages(result)
+        truncated = torch.tensor([c.truncated for c in completions], dtype=torch.bool)
+        row.update(diag.rollout_stats(result, torch.tensor([len(c.token_ids) for c in completions]), truncated,
+                                      g.num_generations, advantages))
         if self.step == 0 and self.state.p_ref is None:
             self.state.p_ref = row["success_rate"]
         row.update(diag.p_star(self.state.p_ref, result.total, a.kl_target, a.beta, a.advantage, g.num_generations))
-        keep = trained_completions(result.total, g.num_generations, a.skip_zero_std_groups)
+        keep = trained_completions(result.total, g.num_generations, a.skip_zero_std_groups,
+                                   exclude=truncated if a.mask_truncated_completions else None)   # §16
         if keep:
             with clock("pack"):                                                        # 4. pack
                 batches = self.pack(examples, completions, advantages.view(-1), keep)
             with clock("no_grad"):                                                     # 5. no-grad passes
-                self.no_grad_logprobs(batches)
+                row.update(self.no_grad_logprobs(batches))
             with clock("update"):                                                      # 6. update(s)
                 row.update(self.run_updates(batches))
+            if a.entropy_target is not None and row.get("entropy") is not None:        # §16: adapt the bonus
+                self.state.entropy_coef = adapt_entropy_coef(self.entropy_coef(), row["entropy"], a.entropy_target,
+                                                             a.entropy_coef_lr)
             every = r.train.update_diagnostics_every  # a forward costs ~a tenth of a step: not every step
             if every and (self.step + 1) % every == 0:
                 with clock("diagnostics"):                                             # 7. diagnose

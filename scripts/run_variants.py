@@ -5,7 +5,8 @@
 Variants (recipes/quickstart.yaml otherwise, on one warm-started base built as scripts/quickstart.py does):
 the four advantage modes with the quickstart's kl_target none (so "mean_std" is also the "kl none" run),
 then kl_target ref (beta 0.04), mirror (mu 2) and both (mu 2), all with mean_std and k3, and both (mu 2)
-with the k2 estimator. Runs are sequential.
+with the k2 estimator; then one run per option of docs/algorithm.md §13-§18 and per shaping reward. Runs are
+sequential.
 For each: held-out accuracy before/after (greedy, 200 problems), the mean over the run's steps of
 update/frac_pos_up and update/frac_neg_down (docs/algorithm.md §8: did preferred completions become more likely and
 dispreferred ones less?), and whether every diagnostic key is in every step row of metrics.jsonl.
@@ -42,6 +43,28 @@ VARIANTS = {
     "kl_both_mu2": ["algorithm.kl_target=both", "algorithm.mu=2"],
     # k3's exp(lp_other - lp) explodes on tokens pushed far below the other policy; k2's gradient is linear
     "kl_both_mu2_k2": ["algorithm.kl_target=both", "algorithm.mu=2", "algorithm.kl_estimator=k2"],
+    # docs/algorithm.md §13-§18 (issue 16). A ratio differs from 1 only on a batch's second update, so the
+    # ratio variants run at mu 2 beside a plain mu 2 baseline.
+    "mu2": ["algorithm.mu=2"],
+    "gspo_mu2": ["algorithm.importance_sampling_level=sequence", "algorithm.mu=2"],
+    "cispo_mu2": ["algorithm.clip=cispo", "algorithm.mu=2"],
+    "delta_mu2": ["algorithm.delta=1.5", "algorithm.mu=2"],
+    "sampler_token_truncate": ["algorithm.sampler_correction=token_truncate"],
+    "sampler_token_mask": ["algorithm.sampler_correction=token_mask", "algorithm.sampler_correction_min=0.5"],
+    "sampler_sequence_truncate": ["algorithm.sampler_correction=sequence_truncate"],
+    "sampler_sequence_mask": ["algorithm.sampler_correction=sequence_mask", "algorithm.sampler_correction_min=0.5"],
+    "mask_truncated": ["algorithm.mask_truncated_completions=true"],
+    "top_entropy_0.2": ["algorithm.top_entropy_quantile=0.2"],
+    "entropy_coef_0.01": ["algorithm.entropy_coef=0.01"],
+    "entropy_target_0.3": ["algorithm.entropy_coef=0.01", "algorithm.entropy_target=0.3"],
+    "scale_batch": ["algorithm.scale_rewards=batch"],
+    "scale_none": ["algorithm.scale_rewards=none"],   # the same advantages as "mean"
+    "math_format_sum": ["rewards.functions=[{function: math}, {function: format, weight: 0.5}]"],
+    "math_format_normalize_then_sum": ["rewards.functions=[{function: math}, {function: format, weight: 0.5}]",
+                                       "algorithm.reward_aggregation=normalize_then_sum"],
+    "dynamic_sampling": ["algorithm.dynamic_sampling=true"],
+    "math_overlong": ["rewards.functions=[{function: math}, {function: overlong, kwargs: {buffer: 2}}]"],
+    "math_repetition": ["rewards.functions=[{function: math}, {function: repetition, kwargs: {ngram: 1}}]"],
 }
 
 
@@ -78,7 +101,26 @@ def summarise(run_dir: Path, result: dict, seconds: float) -> dict:
         "kl_ref_last": last.get("kl/ref"), "kl_mirror_last": last.get("kl/mirror"),
         "p_ref": last.get("kl/p_ref"), "p_star": last.get("kl/p_star"),
         "missing_keys": missing, "seconds": round(seconds, 1),
+        "notes": notes(steps),
     }
+
+
+def notes(steps: list[dict]) -> str:
+    """The option's own figures over the run (docs/algorithm.md §15-§18), where it logs any."""
+    out = []
+    for key, label in (("sampler/weight_mean", "IS weight"), ("sampler/masked_fraction", "masked"),
+                       ("entropy/kept_fraction", "kept")):
+        m = _mean(r.get(key) for r in steps)
+        if m is not None:
+            out.append(f"{label} {m:.3f}")
+    coefs = [r["entropy/coef"] for r in steps if r.get("entropy/coef") is not None]
+    if coefs and coefs[-1]:
+        out.append(f"entropy coef {coefs[0]:.3g} -> {coefs[-1]:.3g}")
+    if any(r.get("dynamic/draws") is not None for r in steps):
+        extra = sum(r["dynamic/extra_rollouts"] for r in steps)
+        out.append(f"{extra} extra rollouts, {sum(r['dynamic/groups_discarded'] for r in steps)} groups discarded, "
+                   f"{sum(r['dynamic/groups_short'] for r in steps)} short")
+    return "; ".join(out)
 
 
 def fmt(v, spec=".3f"):
@@ -95,7 +137,7 @@ def table(summary: dict) -> str:
         lines.append(f"| {name} | {s['steps']} | {fmt(s['acc_before'], '.1%')} | {fmt(s['acc_after'], '.1%')} | "
                      f"{fmt(s['frac_pos_up'])} | {fmt(s['frac_neg_down'])} | {fmt(s['logp_change_pos'], '+.4f')} | "
                      f"{fmt(s['logp_change_neg'], '+.4f')} | {fmt(s['mu_ran'], '.2f')} | "
-                     f"{fmt(s['success_rate_last20'])} | {pstar} | {keys} | {s['seconds']:.0f}s |")
+                     f"{fmt(s['success_rate_last20'])} | {pstar} | {keys} | {s['seconds']:.0f}s | {s.get('notes', '')} |")
     return "\n".join(lines)
 
 

@@ -108,3 +108,15 @@ def test_every_cited_section_exists():
 def test_the_patterns(text, spec, cites):
     assert bool(SPEC_CITATION.search(text)) == spec
     assert cited_sections(text) == cites
+
+
+def test_every_recipe_key_in_the_readmes_trl_table_exists():
+    """The README's "Coming from TRL" table is written by hand: each recipe key it names must be a field."""
+    from lowmem_grpo.recipe import field_reference
+
+    keys = {key for key, *_ in field_reference()} | {"seed"}
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`((?:model|lora|data|rewards|generation|algorithm|optimizer|train|output)\.[\w\[\].]+)", section))
+    named = {n.rstrip("._") for n in named}
+    assert len(named) > 30 and not named - keys, sorted(named - keys)

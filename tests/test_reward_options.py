@@ -47,7 +47,8 @@ def load(*functions, answer_field: str = "answer") -> Rewards:
 # Unknown and ill-typed options are validate errors
 
 MISSPELT = {"math": "extrct", "format": "patern", "exact": "patern", "code": "timout",
-            "code_binary": "tests_feild", "countdown": "use_al"}
+            "code_binary": "tests_feild", "countdown": "use_al", "overlong": "max_len",
+            "think_format": "think_tga", "repetition": "n_gram"}
 
 
 def test_every_builtin_has_a_case():
@@ -68,7 +69,8 @@ def test_validate_names_a_misspelt_option(name, tmp_path):
 # option, ill-typed value, the allowed type the message names
 ILL_TYPED = {"math": ("workers", "two", "int"), "format": ("pattern", 5, "str"),
              "code": ("total_timeout", "long", "float | None"), "code_binary": ("hide_paths", ["/x", 1], "list[str] | None"),
-             "countdown": ("use_all", "yes", "bool")}
+             "countdown": ("use_all", "yes", "bool"), "overlong": ("buffer", 0.5, "int | None"),
+             "think_format": ("answer_tag", None, "str"), "repetition": ("ngram", 2.0, "int")}
 
 
 @pytest.mark.parametrize("name", sorted(ILL_TYPED))
@@ -199,7 +201,8 @@ def test_builtin_signature_matches_its_schema(name):
     spec = BUILTINS[name]
     params = inspect.signature(resolve(name)).parameters
     named = {n: p.default for n, p in params.items()
-             if p.kind is p.KEYWORD_ONLY and n not in ("prompts", "rows", "answer_field")}
+             if p.kind is p.KEYWORD_ONLY
+             and n not in ("prompts", "rows", "answer_field", "completion_ids", "max_new_tokens")}
     schema = spec.options.model_fields
     rest = set(schema) - set(named)
     assert set(named) <= set(schema), named
@@ -211,6 +214,8 @@ def test_builtin_signature_matches_its_schema(name):
         want = schema[n].default
         assert (list(default) if isinstance(default, tuple) else default) == want, (name, n)
     assert ("answer_field" in params) == spec.reads_answer
+    assert ("completion_ids" in params) == spec.reads_completion_ids
+    assert ("max_new_tokens" in params) == spec.reads_max_new_tokens
 
 
 def test_sandbox_limits_are_declared_once():
@@ -255,8 +260,9 @@ def test_user_function_with_var_kwargs_takes_any_option():
 
 
 def test_user_function_must_take_what_every_call_passes():
+    # (without a `rows` parameter the auto rule calls it TRL's way: lowmem-grpo's convention is asked for here)
     with pytest.raises(RewardError, match=r"rewards\.functions\.0\.function: .*rowless_reward.* rows"):
-        load({"function": "test_reward_options:rowless_reward"})
+        load({"function": "test_reward_options:rowless_reward", "convention": "lowmem"})
     with pytest.raises(RewardError, match=r"kwargs\.rows: .*passed by the trainer"):
         load({"function": "user_rewards:digit_count", "kwargs": {"rows": []}})
 

@@ -61,10 +61,10 @@ def test_training_success_rate_equals_eval_accuracy_with_skips():
     scores = [1.0, 0.0, NAN, 1.0, NAN, 0.0, 1.0, 1.0]
     by_prompt = {str(i): s for i, s in enumerate(scores)}
 
-    def rewards(texts, prompts, rows):
+    def rewards(texts, prompts, rows, **_):   # eval also passes completion_ids and prompt_messages
         return result_of([by_prompt[t] for t in texts])
 
-    examples = [SimpleNamespace(prompt_ids=[i], prompt_text=f"p{i}", row={}) for i in range(len(scores))]
+    examples = [SimpleNamespace(prompt_ids=[i], prompt_text=f"p{i}", row={}, messages=None) for i in range(len(scores))]
     accuracy = greedy(_Engine(), _Tok(), rewards, examples, max_new_tokens=1, batch_size=3)
     result = result_of(scores)
     row = diag.rollout_stats(result, torch.ones(8, dtype=torch.long), torch.zeros(8, dtype=torch.bool), 4,

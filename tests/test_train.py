@@ -119,15 +119,16 @@ def test_unavailable_engine_is_a_clear_error(tiny_model_dir, tiny_data, tmp_path
 
 
 def test_loop_state_comes_back_from_the_checkpoint_not_the_metrics(tiny_model_dir, tiny_data, tmp_path):
-    """p_ref (the reference's success rate, §4) and the non-finite counters are saved in each checkpoint and
+    """p_ref (the reference's success rate, §4), the adapted entropy coefficient (§16) and the non-finite counters are saved in each checkpoint and
     restored from it: a resumed run whose metrics.jsonl was lost still has them."""
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 2, "preflight": False})
     t = Trainer(recipe_from_dict(d), **QUIET)
     t.fit()
     t.state.nonfinite_total = 5  # as if five steps had been skipped: the next save must carry it
+    t.state.entropy_coef = 0.3   # as if algorithm.entropy_target had adapted it (§16)
     t.save()
     saved = ckpt.load_trainer_state(ckpt.latest(tmp_path / "run"))["extra"]["loop"]
-    assert saved == {"nonfinite_run": 0, "nonfinite_total": 5, "p_ref": t.state.p_ref}
+    assert saved == {"nonfinite_run": 0, "nonfinite_total": 5, "p_ref": t.state.p_ref, "entropy_coef": 0.3}
     assert t.state.p_ref == read_metrics(tmp_path / "run")[1]["success_rate"]  # step 1's rate (row 0: eval)
     (tmp_path / "run" / "metrics.jsonl").unlink()
     resumed = Trainer(recipe_from_dict(d), run_dir=tmp_path / "run", resume=True, **QUIET)

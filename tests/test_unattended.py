@@ -165,6 +165,48 @@ def test_kill9_at_random_moments_then_resume_matches_straight_run(tiny_model_dir
     assert any(r["loss"] for r in straight.values())
 
 
+@pytest.mark.slow
+def test_kill9_with_dynamic_sampling_then_resume_matches_straight_run(tiny_model_dir, tiny_data, tmp_path):
+    """Dynamic sampling (docs/algorithm.md §18) draws extra prompts by (seed, step, draw) and samples with the
+    checkpointed RNG: kill -9 while stepping, resume, and every metric equals an uninterrupted run's."""
+    steps, rng = 12, random.Random(7)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": steps, "preflight": False},
+                    output={"save_every": 1, "keep_last": 2}, algorithm={"dynamic_sampling": True},
+                    generation={"num_generations": 4, "max_new_tokens": 2},
+                    rewards={"functions": [{"function": "user_rewards:even_code_sum"}]})
+    d["data"]["eval_path"] = ""
+    recipe = write_recipe(tmp_path / "r.yaml", d)
+    run = tmp_path / "run"
+    kills = 0
+    for i in range(6):
+        log = tmp_path / f"log{i}.txt"
+        proc = _spawn([str(recipe)] if i == 0 else ["--resume", str(run)], log)
+        first = (lambda: ckpt.latest(run) is not None) if i == 0 else (lambda: "| reward" in log.read_text())
+        alive = _wait(first, proc, poll=0.01)
+        time.sleep(rng.uniform(0.0, 0.4))
+        if alive and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        assert rc in (0, -signal.SIGKILL), (i, rc, log.read_text()[-3000:])
+        if rc == 0:
+            break
+        kills += 1
+    assert kills >= 3, kills
+    p = _spawn(["--resume", str(run)], tmp_path / "final.txt")
+    assert p.wait(timeout=120) == 0, (tmp_path / "final.txt").read_text()[-3000:]
+
+    d["output"]["dir"] = str(tmp_path / "straight")
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+
+    def rows(path):
+        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(_VOLATILE)}
+                for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())}
+
+    cut, straight = rows(run), rows(tmp_path / "straight")
+    assert sorted(cut) == list(range(1, steps + 1)) and cut == straight
+    assert sum(r["dynamic/extra_rollouts"] for r in straight.values()) > 0  # the extra draws were exercised
+
+
 # -- 4. Ctrl-C -----------------------------------------------------------------------------------------------
 
 def _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every: int):

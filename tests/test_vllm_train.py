@@ -98,3 +98,21 @@ def test_cli_train_with_vllm_engine(vllm_model_dir, tiny_data, tmp_path):
     assert "held-out accuracy before:" in p.stdout and "held-out accuracy after:" in p.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("loss") is not None] == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_sampler_correction_through_vllm(vllm_model_dir, tiny_data, tmp_path, mode):
+    """The vLLM engine reports its log-probs: the correction of docs/algorithm.md §15 weights each token by the
+    trainer/sampler ratio at the rollout weights, which here is near 1 (the same modules, float32)."""
+    d = _recipe(vllm_model_dir, tiny_data, tmp_path / "run", train={"steps": 2, "eval_max_prompts": 4},
+                algorithm={"sampler_correction": mode, "sampler_correction_min": 0.5})
+    from lowmem_grpo.train import Trainer
+
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    t.fit()
+    rows = [r for r in read_metrics(tmp_path / "run") if r.get("loss") is not None]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["sampler/weight_mean"] == pytest.approx(1.0, abs=0.05), r["sampler/weight_mean"]
+        assert r["sampler/masked_fraction"] == 0
+        assert r["rollout/logprob_abs_diff"] is not None

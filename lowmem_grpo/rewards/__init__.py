@@ -1,32 +1,40 @@
 """Verifiable rewards: the interface, the built-ins, and loading user functions.
 
-A reward function has one signature:
+A reward function is called in one of two conventions, lowmem-grpo's own or TRL's (GRPOTrainer, TRL 1.x),
+so that reward code written for TRL runs unchanged; rewards/conventions.py says which and how (the rule
+of `rewards.functions[].convention`). lowmem-grpo's:
 
     def reward(completions: list[str], *, prompts: list[str], rows: list[dict], **kwargs) -> list[float | None]
 
-`completions[i]` was sampled for `prompts[i]`, whose dataset row (with its answer, tests, ...) is
-`rows[i]`. It returns one score per completion; None means "cannot be scored" (for example an
-unparseable gold answer): the completion is skipped, counted, and takes no part in its group's advantage.
-`kwargs` are the recipe's `rewards.functions[].kwargs`.
+`completions[i]` (text) was sampled for `prompts[i]` (the prompt text the model saw), whose dataset row is
+`rows[i]`; None means "cannot be scored": the completion is skipped. A TRL-shaped function's None means
+"does not apply": the weighted sum leaves it out. A function of either convention may be `async def`: the
+coroutines of one batch are awaited together, concurrently, on an event loop.
+
+Either way `kwargs` are the recipe's `rewards.functions[].kwargs`: each must be a parameter of the function
+(or it takes **kwargs).
 
 Built-ins are named by a short name (options.BUILTINS: `math`, `code`, `countdown`, ...); their kwargs follow
-a typed schema each (rewards/options.py). Anything else is `package.module:function`, and each of its kwargs
-must be a parameter of the function (or the function takes **kwargs). The reference answer's row field is
-data.answer_field alone: the built-ins that read it (`math`, `exact`) get it as `answer_field=`.
+a typed schema each (rewards/options.py) and they are called lowmem-grpo's way. The reference answer's row
+field is data.answer_field alone: the built-ins that read it (`math`, `exact`) get it as `answer_field=`.
 
 torch is imported only when a batch is scored, so that validating a recipe (which checks the built-ins'
-options) does not import it.
+options and the user functions' conventions) does not import it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from math import isfinite  # (not `import math`: the submodule rewards.math would shadow it)
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from .conventions import (CONVENTIONS, TRL_PASSED, _keywords, _parameters, _required_columns,  # noqa: F401
+                          calling_convention, signature_problems, trl_signature_problems)
 from .options import BUILTINS as _SPECS
 from .options import option_problems
 
@@ -36,9 +44,6 @@ if TYPE_CHECKING:
     from ..recipe import RewardsConfig
 
 BUILTINS = {name: spec.function for name, spec in _SPECS.items()}   # name -> 'module:function'
-_PASSED = ("prompts", "rows")   # keyword arguments every reward receives from the trainer
-
-
 class RewardError(Exception):
     """A reward function that cannot be loaded, raised, or returned something unusable."""
 
@@ -89,48 +94,111 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
 
 @dataclass
 class RewardResult:
-    total: torch.Tensor                 # [n] weighted sum; NaN where any function skipped
-    per_function: dict[str, torch.Tensor]  # name -> [n] (NaN = skipped)
+    total: torch.Tensor                 # [n] weighted sum; NaN where the completion is skipped
+    per_function: dict[str, torch.Tensor]  # name -> [n] (NaN = skipped, or not applicable for a TRL-shaped function)
     errors: dict[str, int] = field(default_factory=dict)  # name -> completions scored 0 after an error
     skipped: int = 0
 
 
-def signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str, str]]:
-    """(key, message) for each keyword argument a user reward function cannot accept: the recipe's kwargs,
-    and prompts/rows, which every call passes. [] when it takes **kwargs or cannot be inspected."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):   # some C callables: a bad call still fails, with the reward named
-        return []
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    accepted = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+@dataclass(frozen=True)
+class TrainerState:
+    """`trainer_state=` of a TRL-shaped function: the part of transformers' TrainerState a reward reads."""
+
+    global_step: int = 0   # optimizer steps done before this batch (0 during the first)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Signatures: which convention a function is called in, and whether the recipe's kwargs fit it
+# ----------------------------------------------------------------------------------------------------
+
+def function_problems(cfg: RewardsConfig, conventions: Optional[dict] = None) -> list[tuple[str, str]]:
+    """(recipe key, message) for each user reward function that cannot be loaded or called as its recipe entry
+    says (module, callable, convention, kwargs); built-ins are checked by the recipe's own validation.
+    `conventions`, when given, gets {recipe key of the function: 'lowmem' | 'trl'} for each usable one.
+    Imports the users' modules, not torch: `lowmem-grpo validate` calls it."""
     problems = []
-    for key in kwargs:
-        if key in _PASSED:
-            problems.append((f"kwargs.{key}", f"reward {name!r}: {key!r} is passed by the trainer, not a kwarg"))
-        elif not takes_any and key not in accepted:
-            problems.append((f"kwargs.{key}", f"reward {name!r} has no parameter {key!r} and no **kwargs "
-                                              f"(its keyword parameters: {', '.join(accepted) or 'none'})"))
-    missing = [k for k in _PASSED if not takes_any and k not in accepted]
-    if missing:
-        problems.append(("function", f"reward {name!r} must accept the keyword arguments "
-                                     f"{', '.join(missing)} (or **kwargs): every call passes prompts= and rows="))
+    for i, spec in enumerate(cfg.functions):
+        if spec.function in _SPECS:
+            continue
+        try:
+            fn = resolve(spec.function)
+        except RewardError as exc:
+            problems.append((f"rewards.functions.{i}.function", str(exc)))
+            continue
+        convention, found = calling_convention(spec.function, fn, getattr(spec, "convention", "auto"), dict(spec.kwargs))
+        problems += [(f"rewards.functions.{i}.{k}", m) for k, m in found]
+        if conventions is not None and not found:
+            conventions[f"rewards.functions.{i}"] = convention
     return problems
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calling the functions
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Raised:
+    """What a reward function raised (kept apart from what it returned)."""
+    exc: BaseException
+
+
+def _await_all(awaitables: list) -> list:
+    """The results of the awaitables (an exception as _Raised), awaited concurrently on one event loop: a fresh
+    one, or, when this thread already runs a loop (a notebook), a fresh one on a helper thread."""
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        results = asyncio.run(gather())
+    else:
+        with ThreadPoolExecutor(1) as pool:
+            results = pool.submit(asyncio.run, gather()).result()
+    return [_Raised(r) if isinstance(r, BaseException) else r for r in results]
+
+
+def _outputs(calls: list[tuple[Callable, tuple, dict]]) -> list:
+    """Each call's return value, or _Raised. Every function is called first; then the coroutines of the
+    async ones are awaited together, so that several async functions of a recipe run concurrently."""
+    outs, pending = [], {}
+    for i, (fn, args, kwargs) in enumerate(calls):
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as exc:  # any failure of user code is reported with the reward named, not raised raw
+            out = _Raised(exc)
+        if inspect.isawaitable(out):
+            pending[i] = out
+        outs.append(out)
+    if pending:
+        for i, out in zip(pending, _await_all(list(pending.values()))):
+            outs[i] = out
+    return outs
 
 
 class Rewards:
     """The recipe's reward functions, loaded once, applied to a batch of completions.
 
     answer_field: the row field holding the reference answer (the recipe's data.answer_field), passed to
-    the built-ins that read it."""
+    the built-ins that read it. max_new_tokens: generation.max_new_tokens, passed to the built-ins that read
+    it. prompt_field: data.prompt_field, the one dataset column TRL-shaped functions do not get by name
+    (they get it as prompts=). Rewards.from_recipe passes all three."""
 
-    def __init__(self, cfg: RewardsConfig, *, answer_field: str):
+    def __init__(self, cfg: RewardsConfig, *, answer_field: str, max_new_tokens: Optional[int] = None,
+                 prompt_field: str = "prompt"):
         if not isinstance(answer_field, str) or not answer_field:
             raise RewardError(f"answer_field must be a non-empty row field name (data.answer_field), got {answer_field!r}")
         self.cfg = cfg
-        self.answer_field = answer_field
-        self.functions = []
-        self.notes: list[str] = []   # start-up lines of the built-ins (e.g. the code sandbox's protections), to log
+        self.answer_field, self.max_new_tokens, self.prompt_field = answer_field, max_new_tokens, prompt_field
+        self.functions = []                      # (label, fn, weight, kwargs it is always called with)
+        self.conventions: dict[str, str] = {}    # label -> 'lowmem' | 'trl'
+        self.notes: list[str] = []   # start-up lines (the code sandbox's protections, TRL-shaped functions), to log
+        self._index: dict[str, int] = {}         # label -> its rewards.functions index, for errors
+        self._columns_read: dict[str, list[str]] = {}   # TRL-shaped label -> dataset columns it requires
+        self._accepts: dict[str, Optional[set]] = {}    # TRL-shaped label -> the names it takes (None: **kwargs)
+        self._auto_trl: set = set()              # TRL-shaped by the auto rule (for hints when they fail)
+        self._wants_ids: set = set()             # built-ins called with completion_ids=
+        self._reads_answer = False
         problems = []
         for i, spec in enumerate(cfg.functions):
             try:
@@ -138,23 +206,58 @@ class Rewards:
             except RewardError as exc:
                 problems.append(f"rewards.functions.{i}.function: {exc}")
                 continue
-            kwargs = dict(spec.kwargs)
-            builtin = _SPECS.get(spec.function)
-            if builtin is None:
-                found = signature_problems(spec.function, fn, kwargs)
-            else:  # checked again here: a RewardsConfig can be built, or changed, without validation
-                found = [(f"kwargs.{k}", m) for k, m in option_problems(spec.function, kwargs)]
-                if builtin.reads_answer:
-                    kwargs["answer_field"] = answer_field
-                if builtin.startup and not found:   # e.g. the code rewards refuse a weak sandbox here, at load
-                    try:
-                        self.notes += resolve(builtin.startup)(**dict(spec.kwargs))
-                    except Exception as exc:
-                        found.append(("function", f"{type(exc).__name__}: {exc}"))
+            label = self._label(spec.function, i)
+            kwargs, convention, found = self._load(label, spec, fn, max_new_tokens)
             problems += [f"rewards.functions.{i}.{k}: {m}" for k, m in found]
-            self.functions.append((self._label(spec.function, i), fn, spec.weight, kwargs))
+            self.functions.append((label, fn, spec.weight, kwargs))
+            self.conventions[label], self._index[label] = convention, i
         if problems:
             raise RewardError("\n".join(problems))
+
+    @classmethod
+    def from_recipe(cls, recipe) -> "Rewards":
+        """The recipe's rewards, with every field they read from the rest of the recipe."""
+        return cls(recipe.rewards, answer_field=recipe.data.answer_field,
+                   max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field)
+
+    def _load(self, label: str, spec, fn: Callable, max_new_tokens: Optional[int]) -> tuple[dict, str, list]:
+        """(the kwargs it is called with, its convention, (key, message) problems) of one recipe entry."""
+        kwargs = dict(spec.kwargs)
+        convention = getattr(spec, "convention", "auto")
+        builtin = _SPECS.get(spec.function)
+        if builtin is None:
+            convention, found = calling_convention(spec.function, fn, convention, kwargs)
+            if convention == "trl":
+                self._columns_read[label] = _required_columns(fn)
+                params = _parameters(fn)
+                accepted, takes_any = _keywords(params) if params is not None else ([], True)
+                self._accepts[label] = None if takes_any else set(accepted)
+                if getattr(spec, "convention", "auto") == "auto":
+                    self._auto_trl.add(label)
+                self.notes.append(f"reward {label!r}: called as TRL's GRPOTrainer calls reward functions "
+                                  "(keyword arguments; dataset columns by name)")
+            return kwargs, convention, found
+        # a built-in: checked again here, as a RewardsConfig can be built, or changed, without validation
+        found = [(f"kwargs.{k}", m) for k, m in option_problems(spec.function, kwargs)]
+        if convention == "trl":
+            found.append(("convention", f"built-in reward {spec.function!r} takes lowmem-grpo's convention; "
+                                        "allowed here: auto, lowmem"))
+        if builtin.reads_answer:
+            kwargs["answer_field"] = self.answer_field
+            self._reads_answer = True
+        if getattr(builtin, "reads_max_new_tokens", False):
+            if max_new_tokens is None:
+                found.append(("function", f"reward {spec.function!r} reads generation.max_new_tokens, which was not "
+                                          "given (Rewards(..., max_new_tokens=))"))
+            kwargs["max_new_tokens"] = max_new_tokens
+        if getattr(builtin, "reads_completion_ids", False):
+            self._wants_ids.add(label)
+        if builtin.startup and not found:   # e.g. the code rewards refuse a weak sandbox here, at load
+            try:
+                self.notes += resolve(builtin.startup)(**dict(spec.kwargs))
+            except Exception as exc:
+                found.append(("function", f"{type(exc).__name__}: {exc}"))
+        return kwargs, "lowmem", found
 
     def _label(self, name: str, i: int) -> str:
         short = name.rsplit(":", 1)[-1]
@@ -165,24 +268,128 @@ class Rewards:
     def names(self) -> list[str]:
         return [f[0] for f in self.functions]
 
-    def __call__(self, completions: list[str], prompts: list[str], rows: list[dict]) -> RewardResult:
+    @property
+    def reads_answer(self) -> bool:
+        """Whether a configured built-in reads the reference answer (data.answer_field) from every row."""
+        return self._reads_answer
+
+    # -- one batch ---------------------------------------------------------------------------------------
+
+    def __call__(self, completions: list[str], prompts: list[str], rows: list[dict], *,
+                 completion_ids: Optional[list[list[int]]] = None, step: int = 0,
+                 prompt_messages: Optional[list[Optional[list[dict]]]] = None) -> RewardResult:
+        """Score completions[i], sampled for prompts[i] (the text the model saw) of dataset row rows[i].
+        completion_ids[i]: its token ids; step: optimizer steps done (TRL's trainer_state.global_step);
+        prompt_messages[i]: the prompt as chat messages when its row held them (else None)."""
         import torch
 
         n = len(completions)
+        any_trl = any(self._is_trl(name) for name, *_ in self.functions)
+        trl_args = self._trl_arguments(completions, prompts, rows, completion_ids, step, prompt_messages) if any_trl else {}
+        calls = [self._call(name, fn, kwargs, trl_args, completions, prompts, rows, completion_ids)
+                 for name, fn, _, kwargs in self.functions]
+        outputs = _outputs(calls)
+        chat = prompt_messages is not None and any(m is not None for m in prompt_messages)
         total = torch.zeros(n, dtype=torch.float64)
+        trl_scored = torch.zeros(n, dtype=torch.bool)
+        any_lowmem = False
         per_fn, errors = {}, {}
-        for name, fn, weight, kwargs in self.functions:
+        for (name, fn, weight, kwargs), out in zip(self.functions, outputs):
             try:
-                scores = check_scores(name, fn(completions, prompts=prompts, rows=rows, **kwargs), n)
+                if isinstance(out, _Raised):
+                    raise out.exc
+                scores = check_scores(name, out, n)
             except Exception as exc:
                 if self.cfg.on_error == "raise":
                     if isinstance(exc, RewardError):
                         raise
-                    raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
+                    raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}"
+                                      f"{self._hint(name, exc, chat)}") from exc
                 errors[name] = n
                 scores = [0.0] * n
             values = torch.tensor([float("nan") if s is None else s for s in scores], dtype=torch.float64)
             per_fn[name] = values
-            total += weight * values
+            if self._is_trl(name):                    # None: does not apply; the sum leaves it out
+                scored = ~torch.isnan(values)
+                total += torch.where(scored, weight * values, torch.zeros_like(values))
+                trl_scored |= scored
+            else:                                      # None: cannot be scored; the completion is skipped
+                total += weight * values
+                any_lowmem = True
+        if any_trl and not any_lowmem:
+            total[~trl_scored] = float("nan")         # every function returned None: no reward at all
         skipped = int(torch.isnan(total).sum())
         return RewardResult(total, per_fn, errors, skipped)
+
+    def _call(self, name: str, fn: Callable, kwargs: dict, trl_args: dict, completions, prompts, rows,
+              completion_ids) -> tuple[Callable, tuple, dict]:
+        """(fn, positional args, keyword args) of one function's call, in its convention."""
+        if not self._is_trl(name):
+            extra = {}
+            if name in self._wants_ids:
+                if completion_ids is None:
+                    raise RewardError(f"reward {name!r} reads the completions' token ids, and this call passed "
+                                      "none (Rewards(...)(..., completion_ids=))")
+                extra["completion_ids"] = completion_ids
+            return fn, (completions,), {"prompts": prompts, "rows": rows, **kwargs, **extra}
+        where = f"rewards.functions.{self._index[name]}"
+        clash = sorted(set(kwargs) & set(trl_args))
+        if clash:
+            raise RewardError(f"{where}.kwargs.{clash[0]}: {clash[0]!r} is also a dataset column, and a TRL-shaped "
+                              f"reward gets every column as a keyword argument: rename the kwarg or the column")
+        missing = [p for p in self._columns_read.get(name, []) if p not in trl_args and p not in kwargs]
+        if missing:
+            columns = [c for c in trl_args if c not in TRL_PASSED]
+            raise RewardError(f"{where}.function: reward {name!r} requires the argument {missing[0]!r}, which is not "
+                              f"one TRL passes ({', '.join(TRL_PASSED)}), a dataset column (columns: "
+                              f"{', '.join(columns) or 'none'}; the prompt field {self.prompt_field!r} comes as "
+                              f"prompts=) or one of its kwargs")
+        accepts = self._accepts.get(name)   # without **kwargs: only what it names (TRL would pass it all)
+        passed = trl_args if accepts is None else {k: v for k, v in trl_args.items() if k in accepts}
+        return fn, (), {**passed, **kwargs}
+
+    def _is_trl(self, name: str) -> bool:
+        return self.conventions.get(name) == "trl"   # (a function put in .functions by hand is lowmem-grpo's)
+
+    def _trl_arguments(self, completions, prompts, rows, completion_ids, step, prompt_messages) -> dict:
+        """TRL's keyword arguments for a batch: prompts, completions (chat messages where the row's prompt was
+        a message list), completion_ids, trainer_state, and one list per dataset column."""
+        def chat(i: int) -> bool:
+            return prompt_messages is not None and prompt_messages[i] is not None
+
+        args = {
+            "prompts": [prompt_messages[i] if chat(i) else p for i, p in enumerate(prompts)],
+            "completions": [[{"role": "assistant", "content": c}] if chat(i) else c for i, c in enumerate(completions)],
+            "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
+            "trainer_state": TrainerState(global_step=step),
+        }
+        for column in self._columns(rows):
+            args[column] = [row.get(column) if isinstance(row, dict) else None for row in rows]
+        return args
+
+    def _columns(self, rows) -> list[str]:
+        """The dataset columns passed by name: every string field of the batch's rows (first seen first) but
+        the prompt field; one with the name of TRL's own arguments is an error naming it."""
+        seen: dict[str, None] = {}
+        for row in rows:
+            if isinstance(row, dict):
+                seen.update((k, None) for k in row if isinstance(k, str) and k != self.prompt_field)
+        clash = [c for c in seen if c in TRL_PASSED]
+        if clash:
+            raise RewardError(f"dataset column {clash[0]!r} has the name of an argument the trainer passes to "
+                              f"TRL-shaped reward functions ({', '.join(TRL_PASSED)}; here: "
+                              f"{', '.join(n for n, c in self.conventions.items() if c == 'trl')}): rename the column")
+        return list(seen)
+
+    def _hint(self, name: str, exc: Exception, chat: bool) -> str:
+        """What to try when a function the auto rule called TRL's way fails as if it expected lowmem-grpo's."""
+        if name not in self._auto_trl:
+            return ""
+        if isinstance(exc, KeyError) and exc.args and exc.args[0] == "rows":
+            return (f" (it has no `rows` parameter, so it was called TRL's way, without rows=; for prompts= and rows= "
+                    f"set convention: lowmem in rewards.functions.{self._index[name]})")
+        if chat:
+            return (" (it has no `rows` parameter, so it was called TRL's way: on chat prompts its completions are "
+                    "[{'role': 'assistant', 'content': text}] lists; for text set convention: lowmem in "
+                    f"rewards.functions.{self._index[name]})")
+        return ""

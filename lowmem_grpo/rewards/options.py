@@ -5,7 +5,9 @@ validated (recipe.py calls `option_problems`), again when `Rewards` loads them, 
 options table is generated from these schemas (scripts/gen_recipe_reference.py).
 
 The reference answer is not an option of any reward: `math` and `exact` read the row field named by
-data.answer_field, which `Rewards(..., answer_field=)` passes to them, so a recipe names it once.
+data.answer_field, which `Rewards(..., answer_field=)` passes to them, so a recipe names it once. Likewise
+`overlong` is passed each completion's token ids (completion_ids=) and generation.max_new_tokens
+(max_new_tokens=) by the trainer: neither is an option (the Builtin flags below say who gets what).
 
 This module stays light (pydantic and the standard library; the reward modules it reads defaults from
 import nothing heavier at module level), so validating a recipe does not import torch or math-verify.
@@ -15,13 +17,15 @@ from __future__ import annotations
 
 import re
 import types
+from math import isfinite
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from . import code as _code
 from . import math as _math
+from . import shaping as _shaping
 from .format import DEFAULT_PATTERN
 from .sandbox import SandboxLimits
 
@@ -87,12 +91,66 @@ class CodeOptions(SandboxLimits):
         "root, uid drop; docs/sandbox.md); false: the reward refuses to start there, naming what is missing.")
 
 
+class OverlongOptions(_Options):
+    """DAPO's soft overlong punishment (Yu et al. 2025, §3.4): L_max is max_length, L_cache is buffer."""
+
+    max_length: Optional[int] = Field(
+        None, ge=1, description="L_max, in tokens: past it a completion scores -1; null: generation.max_new_tokens "
+        "(a completion cut there has exactly L_max tokens, so it gets its -1 from the buffer's last token).")
+    buffer: Optional[int] = Field(
+        None, ge=0, description="L_cache, in tokens: the score falls linearly from 0 to -1 over the last buffer "
+        f"tokens before L_max; must be less than max_length; null: L_max // {_shaping.BUFFER_DIVISOR} (DAPO: 4096 of 20480).")
+
+    @field_validator("buffer")
+    @classmethod
+    def _below_max_length(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        # with a null max_length the bound is generation.max_new_tokens, known only when the reward is called
+        max_length = info.data.get("max_length")
+        if value is not None and max_length is not None and value >= max_length:
+            raise ValueError(f"buffer must be less than max_length ({max_length}), got {value}")
+        return value
+
+
+class ThinkFormatOptions(_Options):
+    think_tag: str = Field(_shaping.DEFAULT_THINK_TAG, description="Tag of the reasoning block, which comes first "
+                           "(`<think>...</think>` by default); 1.0 needs each tag exactly once.")
+    # validate_default: a think_tag set to 'answer' must clash with the default answer_tag too
+    answer_tag: str = Field(_shaping.DEFAULT_ANSWER_TAG, validate_default=True, description="Tag of the answer block "
+                            "(`<answer>...</answer>` by default), which must follow the reasoning block with nothing "
+                            "but whitespace around and between them.")
+
+    @field_validator("think_tag", "answer_tag")
+    @classmethod
+    def _tag_name(cls, value: str, info: ValidationInfo) -> str:
+        _shaping.check_tag_name(info.field_name, value)
+        if info.field_name == "answer_tag" and value == info.data.get("think_tag"):
+            raise ValueError(f"answer_tag must differ from think_tag, got {value!r} for both")
+        return value
+
+
+class RepetitionOptions(_Options):
+    ngram: int = Field(_shaping.DEFAULT_NGRAM, ge=1, description="n of the word n-grams counted (words split on "
+                       "whitespace); a completion of fewer than n words scores 0.")
+    max_penalty: float = Field(_shaping.DEFAULT_MAX_PENALTY, gt=0, description="The score is -max_penalty * "
+                               "(1 - distinct / total n-grams), in [-max_penalty, 0] (near -max_penalty for one n-gram repeated "
+                               "throughout).")
+
+    @field_validator("max_penalty")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not isfinite(value):   # gt=0 already refuses nan; inf would make a completion without repeats nan
+            raise ValueError(f"max_penalty must be a finite number, got {value!r}")
+        return value
+
+
 @dataclass(frozen=True)
 class Builtin:
     function: str                 # 'module:function' of the implementation
     options: type[BaseModel]      # the schema of its recipe kwargs
     reads_answer: bool = False    # called with answer_field=data.answer_field
     startup: Optional[str] = None  # 'module:function' called with the kwargs when loaded: lines to log; raises to refuse
+    reads_completion_ids: bool = False  # called with completion_ids= (each completion's token id list)
+    reads_max_new_tokens: bool = False  # called with max_new_tokens=generation.max_new_tokens
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -103,6 +161,22 @@ BUILTINS: dict[str, Builtin] = {
     "code_binary": Builtin("lowmem_grpo.rewards.code:code_binary_reward", CodeOptions,
                            startup="lowmem_grpo.rewards.code:startup_report"),
     "countdown": Builtin("lowmem_grpo.rewards.countdown:countdown_reward", CountdownOptions),
+    # shaping rewards (rewards/shaping.py): to follow a correctness reward, never to be the first function
+    "overlong": Builtin("lowmem_grpo.rewards.shaping:overlong_reward", OverlongOptions,
+                        reads_completion_ids=True, reads_max_new_tokens=True),
+    "think_format": Builtin("lowmem_grpo.rewards.shaping:think_format_reward", ThinkFormatOptions),
+    "repetition": Builtin("lowmem_grpo.rewards.shaping:repetition_reward", RepetitionOptions),
+}
+
+# What the trainer passes to the built-ins flagged for it, so never a recipe option:
+# keyword -> (Builtin flag, why a reward that gets it refuses it as an option).
+PASSED_BY_TRAINER = {
+    "answer_field": ("reads_answer", "reads the reference answer from the row field data.answer_field: "
+                                     "set it there, not in this reward's kwargs"),
+    "completion_ids": ("reads_completion_ids", "is passed completion_ids (each completion's token ids) by the "
+                                               "trainer: it is not an option"),
+    "max_new_tokens": ("reads_max_new_tokens", "is passed max_new_tokens by the trainer (generation.max_new_tokens): "
+                                               "set it there, not in this reward's kwargs"),
 }
 
 
@@ -141,13 +215,15 @@ def option_problems(function: str, kwargs: dict) -> list[tuple[str, str]]:
     allowed = f"allowed: {', '.join(names)}" if names else "it takes no options"
     problems, known = [], {}
     for key, value in kwargs.items():
-        if key == "answer_field":
-            if spec.reads_answer:
-                problems.append((key, f"reward {function!r} reads the reference answer from the row field "
-                                      "data.answer_field: set it there, not in this reward's kwargs"))
-            else:
+        if key in PASSED_BY_TRAINER:
+            flag, why = PASSED_BY_TRAINER[key]
+            if getattr(spec, flag):
+                problems.append((key, f"reward {function!r} {why}"))
+            elif key == "answer_field":
                 problems.append((key, f"unknown option of reward {function!r} (it does not read the reference "
                                       f"answer; {allowed})"))
+            else:
+                problems.append((key, f"unknown option of reward {function!r} ({allowed})"))
         elif key not in model.model_fields:
             problems.append((_key(key), f"unknown option of reward {function!r} ({allowed})"))
         else:

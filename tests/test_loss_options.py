@@ -1,0 +1,488 @@
+"""The options of docs/algorithm.md §13-§17 against plain float64 hand evaluations.
+
+Each hand evaluation is written from the formula in the document with Python floats and the math module, one
+token (or completion) at a time; gradients are the hand-derived derivatives, not finite differences.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from lowmem_grpo.advantages import STD_EPS, group_advantages, normalize_then_sum_advantages
+from lowmem_grpo.loss import (adapt_entropy_coef, aggregate, cispo_surrogate, entropy_threshold, grpo_token_loss,
+                              k3_kl, kl_terms, ratio_clip_surrogate, sampler_correction_weights, sequence_log_ratio,
+                              target_clip_surrogate, top_entropy_mask)
+
+TOL = 1e-9
+NAN = float("nan")
+
+
+# -- inputs -------------------------------------------------------------------------------------------------
+
+def _sequences(spec, seed):
+    """Tokens of completions given as (id, n_tokens, advantage, mean log-ratio), shuffled so that a
+    completion's tokens are not contiguous. Returns per-token Python lists."""
+    rng = random.Random(seed)
+    toks = []
+    for sid, n, adv, mean_lr in spec:
+        diffs = [rng.uniform(-0.3, 0.3) for _ in range(n)]
+        shift = mean_lr - sum(diffs) / n
+        for d in diffs:
+            lp_old = rng.uniform(-3.0, -0.6)
+            lp = lp_old + d + shift
+            toks.append((sid, lp, lp_old, lp + rng.gauss(0.0, 0.3), adv))
+    rng.shuffle(toks)
+    return {k: [t[i] for t in toks] for i, k in enumerate(("ids", "lp", "lp_old", "lp_ref", "adv"))}
+
+
+def _tokens(cases, seed):
+    """Single tokens given as (advantage, ratio), each its own completion (ids 3, 4, ...)."""
+    rng = random.Random(seed)
+    lp_old = [rng.uniform(-3.0, -1.7) for _ in cases]
+    lp = [lo + math.log(r) for lo, (_, r) in zip(lp_old, cases)]
+    return {"ids": [3 + i for i in range(len(cases))], "lp": lp, "lp_old": lp_old,
+            "lp_ref": [x + rng.gauss(0.0, 0.3) for x in lp], "adv": [a for a, _ in cases]}
+
+
+def _tensors(d):
+    lp = torch.tensor(d["lp"], dtype=torch.float64, requires_grad=True)
+    f64 = {k: torch.tensor(d[k], dtype=torch.float64) for k in ("lp_old", "lp_ref", "adv")}
+    return lp, f64["lp_old"], f64["lp_ref"], f64["adv"], torch.tensor(d["ids"])
+
+
+def _hand_weights(ids):
+    """sequence_mean aggregation by hand: 1 / (N |o_i|) for each token."""
+    n = {i: ids.count(i) for i in set(ids)}
+    return [1.0 / (len(n) * n[i]) for i in ids]
+
+
+def _hand_seq_ratio(d):
+    """s_i = exp((1/|o_i|) sum_t (lp - lp_old)) for each completion id."""
+    sums, counts = {}, {}
+    for sid, lp, lo in zip(d["ids"], d["lp"], d["lp_old"]):
+        sums[sid] = sums.get(sid, 0.0) + (lp - lo)
+        counts[sid] = counts.get(sid, 0) + 1
+    return {sid: math.exp(sums[sid] / counts[sid]) for sid in sums}, counts
+
+
+def _close(got, want, tol=TOL):
+    got = got.tolist() if torch.is_tensor(got) else got
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) < tol, (k, a, b)
+
+
+def _hand_k3(lp, lp_ref):
+    return math.exp(lp_ref - lp) - (lp_ref - lp) - 1.0
+
+
+def _hand_k3_grad(lp, lp_ref):
+    return 1.0 - math.exp(lp_ref - lp)
+
+
+# -- §13 sequence-level ratios ---------------------------------------------------------------------------------
+
+def test_sequence_log_ratio_is_the_mean_over_the_sequence():
+    d = _sequences([(9, 3, 0.0, 0.2), (2, 1, 0.0, -0.4), (5, 4, 0.0, 0.05)], seed=1)
+    lp, lp_old, _, _, ids = _tensors(d)
+    slr = sequence_log_ratio(lp, lp_old, ids)
+    ratios, counts = _hand_seq_ratio(d)
+    _close(slr, [math.log(ratios[i]) for i in d["ids"]])
+    # gradient of sum_t c_t slr_t: token u of completion i gets sum_{t in i} c_t / |o_i|
+    c = [0.5 + 0.25 * k for k in range(len(d["ids"]))]
+    (grad,) = torch.autograd.grad((slr * torch.tensor(c, dtype=torch.float64)).sum(), lp)
+    per_seq = {i: sum(ck for ck, j in zip(c, d["ids"]) if j == i) for i in counts}
+    _close(grad, [per_seq[i] / counts[i] for i in d["ids"]])
+
+
+GSPO_SPEC = [  # (id, tokens, A, mean log-ratio); eps 3e-4 / 4e-4
+    (7, 4, 1.2, 0.01),     # A > 0, s above 1 + eps_high: clipped high
+    (2, 3, -0.8, -0.01),   # A < 0, s below 1 - eps_low: clipped low
+    (0, 5, 0.5, 1e-4),     # inside the window
+    (11, 2, -1.1, 0.02),   # A < 0, s above the window: the unclipped term, gradient kept
+    (4, 3, 0.9, -0.02),    # A > 0, s below the window: the unclipped term, gradient kept
+    (5, 2, 0.0, 0.03),     # no advantage
+]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_gspo_sequence_clip_equals_hand_formula(beta):
+    eps_low, eps_high = 3e-4, 4e-4
+    d = _sequences(GSPO_SPEC, seed=3)
+    lp, lp_old, lp_ref, adv, ids = _tensors(d)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=beta, eps_low=eps_low, eps_high=eps_high, level="sequence",
+                         seq_index=ids)
+    w = _hand_weights(d["ids"])
+    loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
+    s, counts = _hand_seq_ratio(d)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    hand, clipped = 0.0, {}
+    for sid, lpt, lrf, a, wt in zip(d["ids"], d["lp"], d["lp_ref"], d["adv"], w):
+        r = s[sid]
+        surr = min(r * a, min(max(r, lo), hi) * a)
+        hand += wt * (-surr + beta * _hand_k3(lpt, lrf))
+        clipped[sid] = "high" if a > 0 and r > hi else "low" if a < 0 and r < lo else "no"
+    assert abs(loss.item() - hand) < TOL
+    assert tl.clipped_high.tolist() == [clipped[i] == "high" for i in d["ids"]]
+    assert tl.clipped_low.tolist() == [clipped[i] == "low" for i in d["ids"]]
+    assert set(clipped.values()) == {"high", "low", "no"}
+    # d loss / d lp_u = -(sum_{t in i} w_t) A_i s_i / |o_i| on an unclipped sequence, 0 on a clipped one
+    W = {i: sum(wt for wt, j in zip(w, d["ids"]) if j == i) for i in counts}
+    (grad,) = torch.autograd.grad(loss, lp)
+    want = []
+    for sid, lpt, lrf, a, wt in zip(d["ids"], d["lp"], d["lp_ref"], d["adv"], w):
+        pg = 0.0 if clipped[sid] != "no" else -W[sid] * a * s[sid] / counts[sid]
+        want.append(pg + wt * beta * _hand_k3_grad(lpt, lrf))
+    _close(grad, want)
+    assert any(abs(g) > 1e-3 for g, i in zip(want, d["ids"]) if i in (11, 4))
+
+
+@pytest.mark.parametrize("clip", ["ratio", "cispo"])
+def test_sequence_level_equals_token_level_at_mu1(clip):
+    """With lp_old = lp (mu = 1) every ratio is 1 in value and, because aggregation weights are constant within
+    a completion, the sequence level's gradient (1/|o_i|) sum_t w_it A_i equals the token level's w_it A_i."""
+    d = _sequences([(4, 3, 0.7, 0.0), (1, 5, -1.3, 0.0), (8, 2, 0.2, 0.0)], seed=19)
+    lp = torch.tensor(d["lp"], dtype=torch.float64, requires_grad=True)
+    ids, adv = torch.tensor(d["ids"]), torch.tensor(d["adv"], dtype=torch.float64)
+    w = torch.tensor(_hand_weights(d["ids"]), dtype=torch.float64)
+    grads = []
+    for level in ("token", "sequence"):
+        tl = grpo_token_loss(lp, lp.detach(), lp.detach(), adv, beta=0.0, clip=clip, level=level, seq_index=ids)
+        grads.append(torch.autograd.grad(aggregate(tl.loss, w), lp)[0])
+    _close(grads[1], grads[0].tolist(), tol=1e-12)
+    _close(grads[0], [-wt * a for wt, a in zip(w.tolist(), d["adv"])], tol=1e-12)
+
+
+# -- §14 the two-sided clip and CISPO -----------------------------------------------------------------------
+
+DELTA_CASES = [  # (A, r) with eps 0.2 / 0.28, delta 2
+    (-1.0, 5.0),   # A < 0, r beyond delta: capped at delta A, no gradient
+    (-1.0, 1.6),   # A < 0, 1 + eps_high < r < delta: the unclipped term, as without delta
+    (1.0, 5.0),    # A > 0 above the window: clipped high (delta changes nothing)
+    (-0.5, 0.5),   # A < 0 below the window: clipped low
+    (0.7, 0.5),    # A > 0 below the window: unclipped
+    (0.7, 1.1),    # inside
+    (0.0, 3.0),
+]
+
+
+def _hand_delta_token(a, r, lo, hi, delta):
+    """(-objective, d(-objective)/d lp) of min(min(r, delta) A, clip(r, lo, hi) A), d r / d lp = r."""
+    first, second = min(r, delta) * a, min(max(r, lo), hi) * a
+    if first < second:
+        slope = a * r if r < delta else 0.0
+    elif second < first:
+        slope = a * r if lo < r < hi else 0.0
+    else:
+        slope = a * r
+    return -min(first, second), -slope
+
+
+@pytest.mark.parametrize("delta", [2.0, None])
+def test_two_sided_clip_equals_hand_formula(delta):
+    d = _tokens(DELTA_CASES, seed=5)
+    lp, lp_old, lp_ref, adv, ids = _tensors(d)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=0.0, eps_low=0.2, eps_high=0.28, delta=delta)
+    w = [1.0 / len(DELTA_CASES)] * len(DELTA_CASES)
+    loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
+    hand = [_hand_delta_token(a, r, 0.8, 1.28, math.inf if delta is None else delta) for a, r in DELTA_CASES]
+    assert abs(loss.item() - sum(wt * v for wt, (v, _) in zip(w, hand))) < TOL
+    (grad,) = torch.autograd.grad(loss, lp)
+    _close(grad, [wt * g for wt, (_, g) in zip(w, hand)])
+    # the cap matters exactly for A < 0 beyond delta: value -delta A (= 2) and no gradient
+    if delta is not None:
+        assert abs(tl.loss[0].item() - 2.0) < TOL and grad[0].item() == 0.0
+    else:
+        assert abs(tl.loss[0].item() - 5.0) < TOL and abs(grad[0].item() - w[0] * 5.0) < TOL
+    assert tl.clipped_high.tolist() == [False, False, True, False, False, False, False]
+    assert tl.clipped_low.tolist() == [False, False, False, True, False, False, False]
+
+
+CISPO_CASES = [  # (A, r), max weight 2.5
+    (1.0, 4.0),    # A > 0, weight capped; PPO's ratio clip would have dropped this token's gradient
+    (1.0, 1.3),    # A > 0, uncapped
+    (-0.6, 3.0),   # A < 0, weight capped
+    (-0.6, 0.4),   # A < 0, uncapped; PPO's ratio clip would have dropped this one too
+    (0.0, 9.0),    # no advantage: not counted as capped
+]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_cispo_equals_hand_formula(beta):
+    M = 2.5
+    d = _tokens(CISPO_CASES, seed=7)
+    lp, lp_old, lp_ref, adv, ids = _tensors(d)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=beta, clip="cispo", cispo_max_weight=M)
+    w = [0.1, 0.2, 0.3, 0.25, 0.15]
+    loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
+    hand, want = 0.0, []
+    for (a, r), lpt, lrf, wt in zip(CISPO_CASES, d["lp"], d["lp_ref"], w):
+        weight = min(r, M)  # detached: the derivative of -weight A lp is -weight A
+        hand += wt * (-weight * a * lpt + beta * _hand_k3(lpt, lrf))
+        want.append(wt * (-weight * a + beta * _hand_k3_grad(lpt, lrf)))
+    assert abs(loss.item() - hand) < TOL
+    (grad,) = torch.autograd.grad(loss, lp)
+    _close(grad, want)
+    assert all(abs(g) > 1e-3 for g, (a, _) in zip(want, CISPO_CASES) if a != 0)  # no token loses its gradient
+    assert tl.clipped_high.tolist() == [True, False, True, False, False]
+    assert not tl.clipped_low.any()
+    # the bare function: sg(min(r, M)) A lp
+    direct = cispo_surrogate(lp, lp - lp_old, adv, M)
+    _close(direct, [min(r, M) * a * lpt for (a, r), lpt in zip(CISPO_CASES, d["lp"])])
+
+
+def test_cispo_at_sequence_level_uses_the_sequence_ratio():
+    M = 1.01
+    d = _sequences([(3, 3, 1.0, 0.02), (8, 2, -0.5, 0.0), (1, 4, -2.0, 0.05)], seed=9)
+    lp, lp_old, lp_ref, adv, ids = _tensors(d)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=0.0, clip="cispo", cispo_max_weight=M, level="sequence",
+                         seq_index=ids)
+    s, _ = _hand_seq_ratio(d)
+    _close(tl.loss, [-min(s[i], M) * a * lpt for i, a, lpt in zip(d["ids"], d["adv"], d["lp"])])
+    (grad,) = torch.autograd.grad(tl.loss.sum(), lp)
+    _close(grad, [-min(s[i], M) * a for i, a in zip(d["ids"], d["adv"])])
+    assert tl.clipped_high.tolist() == [i in (3, 1) for i in d["ids"]]
+
+
+# -- the policy-gradient weight and the entropy bonus (§15, §16) -------------------------------------------------
+
+def test_pg_weight_scales_only_the_policy_term_and_entropy_bonus_gradient():
+    cases = [(1.0, 1.1), (-0.6, 0.9), (0.8, 1.5), (-1.2, 0.7), (0.4, 1.0)]
+    d = _tokens(cases, seed=11)
+    lp, lp_old, lp_ref, adv, ids = _tensors(d)
+    pgw_list = [0.0, 1.3, 0.0, 0.6, 2.0]  # zeros: a masked token (top-entropy mask or sampler mask)
+    pgw = torch.tensor(pgw_list, dtype=torch.float64, requires_grad=True)  # must be treated as detached
+    H_list = [0.3, 1.7, 0.05, 2.2, 0.9]
+    H = torch.tensor(H_list, dtype=torch.float64, requires_grad=True)
+    beta, coef = 0.04, 0.02
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=beta, eps_low=0.2, eps_high=0.28, pg_weight=pgw,
+                         entropy=H, entropy_coef=coef)
+    w = [0.3, 0.1, 0.2, 0.15, 0.25]
+    loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
+    hand, g_lp, g_h = 0.0, [], []
+    for (a, r), lpt, lrf, pw, h, wt in zip(cases, d["lp"], d["lp_ref"], pgw_list, H_list, w):
+        surr = min(r * a, min(max(r, 0.8), 1.28) * a)
+        clipped = (a > 0 and r > 1.28) or (a < 0 and r < 0.8)
+        hand += wt * (-surr * pw + beta * _hand_k3(lpt, lrf) - coef * h)
+        g_lp.append(wt * (-(0.0 if clipped else a * r) * pw + beta * _hand_k3_grad(lpt, lrf)))
+        g_h.append(-coef * wt)  # the bonus is not scaled by pg_weight
+    assert abs(loss.item() - hand) < TOL
+    grad_lp, grad_h = torch.autograd.grad(loss, (lp, H), retain_graph=True)
+    _close(grad_lp, g_lp)
+    _close(grad_h, g_h)
+    assert g_lp[0] != 0.0  # a masked token still feels the KL penalty
+    loss.backward()
+    assert pgw.grad is None
+
+
+# -- §15 the sampler-mismatch correction ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_sampler_correction_weights_equal_hand_formula(mode):
+    ids = [6, 2, 6, 9, 2, 6, 9, 0]
+    log_ratio = [0.1, -0.9, 1.2, 0.05, 0.3, -0.2, -0.1, 0.02]  # lp at rollout - lp of the engine
+    rng = random.Random(13)
+    lp_sampler = [rng.uniform(-4.0, -0.5) for _ in ids]
+    lp_rollout = [s + x for s, x in zip(lp_sampler, log_ratio)]
+    low, high = 0.5, 2.0
+    if mode.startswith("token"):
+        ratio = [math.exp(x) for x in log_ratio]
+    else:  # the product of the sequence's token ratios
+        prod = {}
+        for i, x in zip(ids, log_ratio):
+            prod[i] = prod.get(i, 1.0) * math.exp(x)
+        ratio = [prod[i] for i in ids]
+    if mode.endswith("truncate"):
+        want_w, want_m = [min(r, high) for r in ratio], [False] * len(ids)
+    else:
+        want_m = [not (low <= r <= high) for r in ratio]
+        want_w = [0.0 if m else r for r, m in zip(ratio, want_m)]
+    lp_r = torch.tensor(lp_rollout, dtype=torch.float64, requires_grad=True)
+    weights, masked = sampler_correction_weights(lp_r, torch.tensor(lp_sampler, dtype=torch.float64),
+                                                 torch.tensor(ids), mode, low, high)
+    _close(weights, want_w)
+    assert masked.tolist() == want_m and masked.dtype == torch.bool
+    assert weights.dtype == torch.float64 and not weights.requires_grad
+    # every branch: kept and masked (or truncated and not)
+    if mode.endswith("mask"):
+        assert any(want_m) and not all(want_m)
+    else:
+        assert any(r > high for r in ratio) and any(r < high for r in ratio)
+
+
+def test_sampler_correction_none_and_unknown():
+    w, m = sampler_correction_weights(torch.zeros(3), torch.ones(3), None, "none", 0.0, 3.0)
+    assert w.tolist() == [1.0, 1.0, 1.0] and not m.any()
+    with pytest.raises(ValueError, match="sampler correction"):
+        sampler_correction_weights(torch.zeros(3), torch.ones(3), None, "tokens", 0.0, 3.0)
+
+
+# -- §16 token selection by entropy, the entropy coefficient --------------------------------------------------
+
+def _hand_quantile(values, q):
+    """The q-quantile with linear interpolation between order statistics."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (pos - lo) * (v[hi] - v[lo])
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.35, 0.5, 0.9])
+def test_entropy_threshold_and_mask(quantile):
+    rng = random.Random(17)
+    ent = [rng.uniform(0.0, 3.0) for _ in range(23)]
+    t = torch.tensor(ent, dtype=torch.float64)
+    thr = entropy_threshold(t, quantile)
+    assert abs(thr - _hand_quantile(ent, 1 - quantile)) < TOL
+    assert abs(thr - torch.quantile(t, 1 - quantile).item()) < TOL  # torch.quantile's semantics
+    mask = top_entropy_mask(t, thr)
+    assert mask.tolist() == [e >= thr for e in ent]
+    # the top `quantile` share of tokens, up to the one straddling the threshold
+    assert abs(mask.sum().item() - quantile * len(ent)) <= 1
+    assert entropy_threshold(t.float(), quantile) == pytest.approx(thr, abs=1e-6)
+
+
+def test_entropy_quantile_one_keeps_every_token():
+    t = torch.tensor([0.0, 0.5, 2.0])
+    thr = entropy_threshold(t, 1.0)
+    assert thr == float("-inf") and top_entropy_mask(t, thr).all()
+    with pytest.raises(ValueError, match="quantile"):
+        entropy_threshold(t, 0.0)
+
+
+def test_adapt_entropy_coef_both_directions_and_clamp():
+    coef, target, lr = 0.01, 0.5, 0.1
+    assert abs(adapt_entropy_coef(coef, 0.3, target, lr) - (0.01 + 0.1 * 0.2)) < TOL  # below target: raise
+    assert abs(adapt_entropy_coef(coef, 0.55, target, lr) - (0.01 - 0.1 * 0.05)) < TOL  # above: lower
+    assert adapt_entropy_coef(coef, 2.0, target, lr) == 0.0  # would go negative: clamped at 0
+    ent = torch.tensor([0.1, 0.2, 0.6])  # mean 0.3
+    assert abs(adapt_entropy_coef(coef, ent, target, lr) - 0.03) < 1e-7
+
+
+# -- §17 reward scaling and several rewards -----------------------------------------------------------------
+
+REWARDS = [[1.0, 2.0, NAN, 6.0], [0.0, 0.0, 0.0, 0.0], [3.0, 0.5, 0.5, 1.0]]
+
+
+def _hand_means(rows):
+    out = []
+    for row in rows:
+        v = [x for x in row if not math.isnan(x)]
+        out.append(sum(v) / len(v))
+    return out
+
+
+def _hand_std(values):
+    m = sum(values) / len(values)
+    return math.sqrt(sum((x - m) ** 2 for x in values) / (len(values) - 1))
+
+
+@pytest.mark.parametrize("scale", ["batch", "none"])
+def test_scale_rewards_equal_hand_formula(scale):
+    r = torch.tensor(REWARDS, dtype=torch.float64)
+    adv = group_advantages(r, "mean_std", scale=scale)
+    means = _hand_means(REWARDS)
+    all_valid = [x for row in REWARDS for x in row if not math.isnan(x)]
+    div = _hand_std(all_valid) + 1e-4 if scale == "batch" else 1.0
+    want = []
+    for g, row in enumerate(REWARDS):
+        flat = len(set(x for x in row if not math.isnan(x))) < 2
+        want += [0.0 if math.isnan(x) or flat else (x - means[g]) / div for x in row]
+    _close(adv.view(-1), want)
+    if scale == "none":
+        assert torch.equal(adv, group_advantages(r, "mean"))
+
+
+def test_scale_rewards_only_with_mean_std():
+    r = torch.tensor(REWARDS)
+    assert torch.equal(group_advantages(r, scale="group"), group_advantages(r))
+    with pytest.raises(ValueError, match="'batch'.*'rloo'"):
+        group_advantages(r, "rloo", scale="batch")
+    with pytest.raises(ValueError, match="'none'.*'sign'"):
+        group_advantages(r, "sign", scale="none")
+
+
+def _hand_group_adv(row, valid, divide):
+    """(R - mean) / (std + 1e-4) over the row's valid entries (without the division when not `divide`);
+    0 where invalid or when those are all equal."""
+    v = [x for x, ok in zip(row, valid) if ok]
+    if len(v) < 2 or len(set(v)) < 2:
+        return [0.0] * len(row)
+    m, s = sum(v) / len(v), (_hand_std(v) + 1e-4 if divide else 1.0)
+    return [(x - m) / s if ok else 0.0 for x, ok in zip(row, valid)]
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_normalize_then_sum_equals_hand_formula(scale):
+    correct = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]]
+    length = [[0.2, 0.9, 0.5, NAN], [0.4, 0.4, 0.4, 0.4], [0.0, 0.0, 0.0, 0.0]]  # skips one; group 2 is flat
+    weights = [1.0, 0.5]
+    adv = normalize_then_sum_advantages([torch.tensor(correct, dtype=torch.float64),
+                                         torch.tensor(length, dtype=torch.float64)], weights, scale=scale)
+    total, valid_all = [], []
+    for g in range(3):
+        valid = [not (math.isnan(a) or math.isnan(b)) for a, b in zip(correct[g], length[g])]
+        a1, a2 = (_hand_group_adv(f[g], valid, divide=scale != "none") for f in (correct, length))
+        total += [weights[0] * x + weights[1] * y for x, y in zip(a1, a2)]
+        valid_all += valid
+    if scale != "none":
+        sd = _hand_std([t for t, ok in zip(total, valid_all) if ok])
+        total = [t / (sd + STD_EPS) for t in total]
+    want = [t if ok else 0.0 for t, ok in zip(total, valid_all)]
+    _close(adv.view(-1), want)
+    assert adv[0, 3] == 0 and (adv[1] == 0).all()  # the skipped completion, the group without contrast
+    assert (adv[2] != 0).all()  # one function without contrast, the other with: that one decides
+
+
+def test_normalize_then_sum_needs_one_weight_per_function():
+    with pytest.raises(ValueError, match="one weight per reward function"):
+        normalize_then_sum_advantages([torch.zeros(1, 2)], [1.0, 2.0])
+
+
+# -- defaults and invalid combinations ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("clip", ["ratio", "target"])
+@pytest.mark.parametrize("kl_target", ["ref", "mirror", "both", "none"])
+def test_defaults_give_todays_loss_exactly(clip, kl_target):
+    g = torch.Generator().manual_seed(1)
+    n = 40
+    lp = (torch.randn(n, generator=g, dtype=torch.float64) - 2).requires_grad_()
+    spread = 0.5 if clip == "ratio" else 1.6  # so that both bounds bind somewhere
+    lp_old = (lp.detach() + spread * torch.randn(n, generator=g, dtype=torch.float64)).clamp(max=-0.05)
+    lp_ref = lp.detach() + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    kw = dict(beta=0.04, eps_low=0.2, eps_high=0.28, clip=clip, kl_target=kl_target, beta_mirror=0.1)
+    plain = grpo_token_loss(lp, lp_old, lp_ref, adv, **kw)
+    explicit = grpo_token_loss(lp, lp_old, lp_ref, adv, **kw, level="token", seq_index=torch.arange(n), delta=None,
+                               pg_weight=None, entropy=torch.ones(n), entropy_coef=0.0)
+    # today's composition, from the unchanged building blocks
+    surr = (ratio_clip_surrogate(lp, lp_old, adv, 0.2, 0.28) if clip == "ratio"
+            else target_clip_surrogate(lp, lp_old, adv))
+    penalty, _, _ = kl_terms(lp, lp_ref, lp_old, target=kl_target, beta=0.04, beta_mirror=0.1, estimator="k3")
+    today = -surr if penalty is None else -surr + penalty
+    for tl in (plain, explicit):
+        assert torch.equal(tl.loss, today)
+        grads = [torch.autograd.grad(x.sum(), lp, retain_graph=True)[0] for x in (tl.loss, today)]
+        assert torch.equal(*grads)
+    assert torch.equal(plain.clipped_low, explicit.clipped_low)
+    assert torch.equal(plain.clipped_high, explicit.clipped_high)
+    assert plain.clipped_low.any() and plain.clipped_high.any()
+    if kl_target == "ref":
+        assert torch.equal(plain.kl_ref, k3_kl(lp, lp_ref))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(clip="target", level="sequence", seq_index=torch.zeros(3, dtype=torch.long)), "not defined at level"),
+    (dict(level="sequence"), "needs seq_index"),
+    (dict(clip="cispo", delta=2.0), "delta only applies"),
+    (dict(clip="target", delta=2.0), "delta only applies"),
+    (dict(level="tokens"), "importance sampling level"),
+    (dict(clip="clipped"), "unknown clip"),
+])
+def test_invalid_option_combinations(kwargs, words):
+    x = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=words):
+        grpo_token_loss(x, x, x, x, beta=0.0, **kwargs)
