@@ -4,6 +4,9 @@ Everything between the model's forward and the loss works on flat [n_tok] tensor
 tokens of a micro-batch (docs/algorithm.md §5): the hidden state at position t predicts token t + 1, so
 completion token k of a sequence with prompt length p is predicted at position p - 1 + k. Only those
 positions are projected onto the vocabulary (the chunked kernel in logprobs.py), never [tokens x vocab].
+
+Tokens an environment wrote into a completion (docs/algorithm.md §20) are in the input ids, as context, and
+nowhere else: not in the flat tensors, not in |o_i|, not among the sampler's log-probs.
 """
 
 from __future__ import annotations
@@ -87,19 +90,47 @@ def _layout(prompts: list[list[int]], completions: list[list[int]], share: bool)
     return rows, torch.tensor(row_of), torch.tensor(start), torch.tensor(p_len)
 
 
+def model_token_mask(completions: list[list[int]], env_masks: Optional[list[Optional[list]]]) -> Optional[torch.Tensor]:
+    """[all completion tokens] bool, True where the model sampled the token (§20); None when no completion
+    holds an environment token (every token is trained). A mask whose length is not its completion's is a
+    ValueError naming the completion."""
+    if env_masks is None or all(m is None or not any(m) for m in env_masks):
+        return None
+    if len(env_masks) != len(completions):
+        raise ValueError(f"{len(env_masks)} environment masks for {len(completions)} completions")
+    for i, (c, m) in enumerate(zip(completions, env_masks)):
+        if m is not None and len(m) != len(c):
+            raise ValueError(f"completion {i}: its environment mask has {len(m)} entries for {len(c)} tokens")
+    env = chain.from_iterable(m if m is not None else [False] * len(c) for c, m in zip(completions, env_masks))
+    return ~torch.tensor(list(env), dtype=torch.bool)
+
+
+def _kept(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    return t if keep is None else t[keep]
+
+
 def pack(prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, micro_batch_size: int,
          aggregation: str, max_completion_length: int, pad_id: int,
-         sampler_logprobs: Optional[list[list[float]]] = None, share_prompts: bool = False) -> list[MicroBatch]:
+         sampler_logprobs: Optional[list[list[float]]] = None, share_prompts: bool = False,
+         env_masks: Optional[list[Optional[list]]] = None) -> list[MicroBatch]:
     """Micro-batches of `micro_batch_size` completions, with the flat per-token tensors of their completion
     tokens in completion order. The aggregation weights are computed over the whole batch, so the
     micro-batches' weighted sums add up to the batch's aggregate. With share_prompts, a micro-batch whose
     completions of one prompt can share one copy of it (SHARED_MAX_WIDTH, SHARED_MIN_SAVING) is laid out
-    so (§12): same log-probs, fewer tokens. No Python loop per token."""
+    so (§12): same log-probs, fewer tokens. `env_masks[i]` (per token of completions[i], True where an
+    environment wrote it; None: the model's alone) leaves those tokens in the input ids only (§20).
+    No Python loop per token."""
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
+    trained = model_token_mask(completions, env_masks)   # None: every completion token is trained
     seq_of_token = torch.repeat_interleave(torch.arange(len(completions)), lengths)
-    all_weights = aggregation_weights(seq_of_token, lengths, aggregation, max_completion_length)
+    if trained is not None:   # |o_i| counts the model's tokens only (§20)
+        lengths_trained = torch.zeros_like(lengths).index_add_(0, seq_of_token, trained.long())
+        seq_of_token = seq_of_token[trained]
+    else:
+        lengths_trained = lengths
+    all_weights = aggregation_weights(seq_of_token, lengths_trained, aggregation, max_completion_length)
     adv = advantages.to(torch.float32)
-    batches, tok0 = [], 0
+    batches, tok0, all0 = [], 0, 0
     for s0 in range(0, len(completions), micro_batch_size):
         s1 = min(len(completions), s0 + micro_batch_size)
         layout = _layout(prompts[s0:s1], completions[s0:s1], share=False)
@@ -120,18 +151,22 @@ def pack(prompts: list[list[int]], completions: list[list[int]], advantages: tor
         # the hidden state at t predicts token t + 1: a completion's first token is predicted at its prompt's
         # last position, token k at its own token k - 1
         positions = torch.where(k == 0, p_len[seq] - 1, start[seq] + k - 1)
-        n_tok = seq.numel()
+        keep = None if trained is None else trained[all0: all0 + seq.numel()]
+        all0 += seq.numel()
+        n_tok = seq.numel() if keep is None else int(keep.sum())
         if len(rows) == s1 - s0:
             mask = torch.zeros((len(rows), width), dtype=torch.long)
             mask[owner, col] = 1
             position_ids = None
         else:
             mask, position_ids = _shared_attention(row_len, row_of, start, c_len, p_len, width)
-        mb = MicroBatch(ids, mask, row_of[seq], positions,
-                        torch.tensor(list(chain.from_iterable(completions[s0:s1])), dtype=torch.long),
-                        adv[s0:s1][seq], all_weights[tok0: tok0 + n_tok], seq + s0, position_ids=position_ids)
-        if sampler_logprobs is not None:
-            mb.logp_sampler = torch.tensor(list(chain.from_iterable(sampler_logprobs[s0:s1])), dtype=torch.float32)
+        mb = MicroBatch(ids, mask, _kept(row_of[seq], keep), _kept(positions, keep),
+                        _kept(torch.tensor(list(chain.from_iterable(completions[s0:s1])), dtype=torch.long), keep),
+                        _kept(adv[s0:s1][seq], keep), all_weights[tok0: tok0 + n_tok], _kept(seq + s0, keep),
+                        position_ids=position_ids)
+        if sampler_logprobs is not None:   # (NaN at environment tokens: never kept)
+            mb.logp_sampler = _kept(torch.tensor(list(chain.from_iterable(sampler_logprobs[s0:s1])),
+                                                 dtype=torch.float32), keep)
         batches.append(mb)
         tok0 += n_tok
     return batches

@@ -12,6 +12,7 @@ from .recipe import RecipeError, load_recipe
 
 def _user_errors() -> tuple:
     from .data import DataError
+    from .environment import EnvError
     from .export import ExportError
     from .model import ModelLoadError
     from .rewards import RewardError
@@ -19,7 +20,8 @@ def _user_errors() -> tuple:
     from .memory import MemoryModelError
     from .train import TrainingError
 
-    return (RecipeError, DataError, EngineError, ExportError, ModelLoadError, RewardError, TrainingError, MemoryModelError)
+    return (RecipeError, DataError, EngineError, EnvError, ExportError, ModelLoadError, RewardError, TrainingError,
+            MemoryModelError)
 
 
 def _run(fn, errors: tuple = ()):
@@ -50,7 +52,9 @@ def validate(recipe, overrides):
         # user reward functions: importable, and callable in their convention (lowmem-grpo's or TRL's)
         from .rewards import function_problems
 
-        problems = function_problems(r.rewards, conventions)
+        from .environment import environment_problems
+
+        problems = function_problems(r.rewards, conventions) + environment_problems(r.environment)
         if problems:
             raise RecipeError(recipe, problems)
         return r

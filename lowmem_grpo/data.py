@@ -180,6 +180,12 @@ class PromptSet:
             raise DataError(f"{self.path}: {where}: {exc} (set data.on_bad_row: skip to skip such rows)") from None
         self.skipped.append(f"row {number}: {exc}")
 
+    def render_message(self, row: dict, message: str) -> Example:
+        """`message` (an environment's first user message, docs/algorithm.md §20) rendered as this row's prompt
+        would be: in place of its prompt field, through data.template and the chat template. DataError as for
+        a row."""
+        return self._render({**row, self.cfg.prompt_field: message}, self.tokenizer)
+
     def _render_at(self, i: int) -> Example:
         return self._render(self.source.row(i), self.tokenizer)
 

@@ -31,6 +31,7 @@ STEP_KEYS = (
     "sampler/weight_mean", "sampler/masked_fraction", "entropy/threshold", "entropy/kept_fraction", "entropy/coef",
     "dynamic/draws", "dynamic/prompts_drawn", "dynamic/extra_rollouts", "dynamic/groups_discarded",
     "dynamic/groups_surplus", "dynamic/groups_short",
+    "env/turns", "env/tokens", "env/errors", "env/truncated",
 )
 
 
@@ -66,8 +67,9 @@ class Solved:
 
 
 def solved(result) -> Solved:
-    """Which completions of a RewardResult are solved: the primary reward (the recipe's first function)
-    reached SOLVED_THRESHOLD. A completion it skipped is neither right nor wrong."""
+    """Which completions of a RewardResult are solved: the primary reward (the recipe's first function; with
+    rewards from an environment alone, its "environment" column, docs/algorithm.md §20) reached
+    SOLVED_THRESHOLD. A completion it skipped is neither right nor wrong."""
     primary = next(iter(result.per_function.values()))
     valid = ~torch.isnan(primary)
     return Solved(valid & (primary >= SOLVED_THRESHOLD), valid)
@@ -97,6 +99,25 @@ def rollout_stats(result, lengths: torch.Tensor, truncated: torch.Tensor, group_
     row.update(rollout_diagnostics(done.correct.view_as(rewards), done.valid.view_as(rewards), advantages))
     for name, n in result.errors.items():
         row[f"reward_errors/{name}"] = n
+    return row
+
+
+def environment_stats(records: Sequence, truncated: torch.Tensor) -> dict:
+    """docs/algorithm.md §20, per step: mean model turns and environment tokens per completion, environment
+    errors (completions whose episode an error ended), the share a limit cut, and env/<name>: each of the
+    environment's own counters summed over the completions. `records` are the completions' EnvRecords (None:
+    no environment drove it); {} when none did."""
+    if not records or all(r is None for r in records):
+        return {}
+    n = len(records)
+    row = {"env/turns": sum(r.turns for r in records if r is not None) / n,
+           "env/tokens": sum(r.env_tokens for r in records if r is not None) / n,
+           "env/errors": sum(1 for r in records if r is not None and r.error is not None),
+           "env/truncated": int(truncated.sum()) / n}
+    for r in records:
+        for name, value in (r.counters if r is not None else ()):
+            if f"env/{name}" not in STEP_KEYS:   # (a counter cannot overwrite the statistics above)
+                row[f"env/{name}"] = row.get(f"env/{name}", 0) + value
     return row
 
 

@@ -6,8 +6,10 @@ One implementation: `Trainer.evaluate` calls `greedy` on its held-out prompts, a
 there equals the trainer's number for it.
 
 A completion is correct when it is solved (diagnostics.solved: the recipe's first reward function scores
-it >= 1, a right answer for the built-in verifiable rewards); a completion that function skips (None) is
-not counted. Training's success_rate uses the same rule.
+it >= 1, a right answer for the built-in verifiable rewards; with an environment and no reward functions,
+the environment's summed reward, docs/algorithm.md §20); a completion that function skips (None) is not
+counted. Training's success_rate uses the same rule. With an environment, every completion here is an
+episode it drives (rollout/turns.py), greedy or sampled as below.
 
 pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"): per prompt, n completions
 sampled at generation.temperature, c of them correct; pass@k = 1 - C(n-c, k) / C(n, k), the unbiased
@@ -27,6 +29,7 @@ import torch
 from .diagnostics import solved
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
+from .rollout.turns import environment_rewards, prompt_messages, prompt_text
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -48,19 +51,32 @@ def _record(result, i: int) -> tuple[dict, Optional[float]]:
     return per, (None if math.isnan(total) else total)
 
 
+def _generate(engine, rollout: Optional[Callable], examples: list, params: SamplingParams) -> list:
+    """The completions: `rollout(examples, params)` when given (an environment's episodes, docs/algorithm.md
+    §20), else the engine's."""
+    return rollout(examples, params) if rollout is not None else engine.generate([e.prompt_ids for e in examples], params)
+
+
+def _score(rewards, texts: list, completions: list, at: list):
+    """The RewardResult of completions[j], sampled for example at[j]."""
+    return rewards(texts, [prompt_text(c, e) for c, e in zip(completions, at)], [e.row for e in at],
+                   completion_ids=[c.token_ids for c in completions],
+                   prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, at)],
+                   environment=environment_rewards(completions))
+
+
 def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = EVAL_BATCH,
-           records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
+           records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
+           rollout: Optional[Callable] = None) -> dict:
     """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
-    with skips as 0, over all prompts) and n (prompts counted). `records` gets one dict per prompt."""
+    with skips as 0, over all prompts) and n (prompts counted). `records` gets one dict per prompt.
+    `rollout(examples, params)`: how completions are made, when not engine.generate (an environment)."""
     correct, counted, reward_sum = 0, 0, 0.0
     for i in range(0, len(examples), batch_size):
         chunk = examples[i: i + batch_size]
-        completions = engine.generate([e.prompt_ids for e in chunk],
-                                      SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
+        completions = _generate(engine, rollout, chunk, SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = rewards(texts, [e.prompt_text for e in chunk], [e.row for e in chunk],
-                         completion_ids=[c.token_ids for c in completions],
-                         prompt_messages=[getattr(e, "messages", None) for e in chunk])
+        result = _score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
         judged = solved(result)
         correct += int(judged.correct.sum())
         counted += judged.counted
@@ -76,7 +92,8 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
 
 
 def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Sequence[int],
-            batch_size: int = EVAL_BATCH, records: Optional[list] = None, done: Callable[[int], None] = lambda n: None) -> dict:
+            batch_size: int = EVAL_BATCH, records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
+            rollout: Optional[Callable] = None) -> dict:
     """params.n samples per prompt; pass@k for each k in `ks` (<= params.n), averaged over the prompts
     with at least k scored samples (a prompt whose samples the first reward skips is left out)."""
     if not ks or max(ks) > params.n:
@@ -85,11 +102,9 @@ def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Se
     step = max(1, batch_size // params.n)
     for i in range(0, len(examples), step):
         chunk = examples[i: i + step]
-        completions = engine.generate([e.prompt_ids for e in chunk], params)
+        completions = _generate(engine, rollout, chunk, params)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = rewards(texts, [chunk[c.prompt_index].prompt_text for c in completions],
-                         [chunk[c.prompt_index].row for c in completions], completion_ids=[c.token_ids for c in completions],
-                         prompt_messages=[getattr(chunk[c.prompt_index], "messages", None) for c in completions])
+        result = _score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
         counts = [[0, 0] for _ in chunk]
         judged = solved(result)
         for j, c in enumerate(completions):
@@ -191,11 +206,14 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     done = bar.update if bar is not None else (lambda n: None)
     engine = make_engine(EngineConfig.from_recipe(recipe), model, tok)
     try:
-        summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done))
+        rollout = _episodes(recipe, engine, tok, pset)
+        summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done,
+                              rollout=rollout))
         summary["correct"] = sum(1 for r in records if r["correct"])
         torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
         params = SamplingParams.from_generation(g, n=max(ks))
-        summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done))
+        summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done,
+                               rollout=rollout))
     finally:
         engine.close()
         if bar is not None:
@@ -210,6 +228,17 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     for line in summary_lines(summary, ks):
         log(line)
     return summary
+
+
+def _episodes(recipe, engine, tokenizer, pset) -> Optional[Callable]:
+    """With environment.name, the rollout through its episodes (as the trainer's, docs/algorithm.md §20)."""
+    if not recipe.environment.name:
+        return None
+    from .environment import EnvironmentFactory
+    from .rollout.turns import TurnLimits, runner
+
+    return runner(engine, tokenizer, EnvironmentFactory(recipe.environment), TurnLimits.from_recipe(recipe.environment),
+                  pset.render_message)
 
 
 def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:

@@ -10,7 +10,9 @@ state) plus the largest of three phases, which never overlap:
 
 Every term is a count of tensors the code really allocates (sizes from the model's config and the
 recipe), not a fit to measurements; scripts/bench_memory.py prints the prediction beside the measured
-peak. On CPU the peak is the process's RSS, so the runtime term is the resident size of Python and the
+peak. With an environment (docs/algorithm.md §20) a completion holds the model's turns and the
+environment's observations, up to environment.max_total_tokens in all: that, not generation.max_new_tokens,
+is the completion length every phase is sized with (KV cache, activations, log-prob rows). On CPU the peak is the process's RSS, so the runtime term is the resident size of Python and the
 libraries once a first step has run: imports (~230 MiB), the code and allocator pages that loading a
 model, generating and the first backward touch (~300 MiB); measured on Linux x86-64, torch 2.13 CPU.
 On CUDA the prediction is torch.cuda.max_memory_allocated, which excludes the CUDA context (~0.5 GiB
@@ -85,7 +87,7 @@ class Workload:
     num_generations: int = 8
     micro_batch_size: int = 4
     prompt_tokens: int = 512
-    completion_tokens: int = 256
+    completion_tokens: int = 256   # with an environment: environment.max_total_tokens (model + environment tokens)
     chunk_tokens: int = 1024
     chunk_vocab: int = 8192
     gradient_checkpointing: bool = True
@@ -93,6 +95,7 @@ class Workload:
     engine: str = "hf"
     kv_cache_bytes: Optional[int] = None  # vLLM: the recipe's explicit KV budget
     device: str = "cuda"
+    environment: bool = False  # multi-turn rollouts: completion_tokens is environment.max_total_tokens
 
 
 @dataclass
@@ -231,6 +234,14 @@ def estimate(s: ModelShape, w: Workload) -> Estimate:
 # From a recipe, and advice when it does not fit
 # ----------------------------------------------------------------------------------------------------
 
+def completion_tokens(recipe) -> int:
+    """The longest completion a recipe samples: generation.max_new_tokens, or with an environment its
+    max_total_tokens (model turns and observations together; a turn alone is capped at max_new_tokens)."""
+    if recipe.environment.name:
+        return recipe.environment.max_total_tokens
+    return recipe.generation.max_new_tokens
+
+
 def workload_from_recipe(recipe, prompt_tokens: int, device: str) -> Workload:
     r = recipe
     targets = ("all-linear",) if r.lora.target_modules == "all-linear" else tuple(r.lora.target_modules)
@@ -239,11 +250,11 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str) -> Workload:
         compute_bytes=DTYPE_BYTES[r.model.compute_dtype], lora_r=r.lora.r, lora_targets=targets,
         optimizer=r.optimizer.name, prompts_per_step=r.train.prompts_per_step,
         num_generations=r.generation.num_generations, micro_batch_size=r.train.micro_batch_size,
-        prompt_tokens=prompt_tokens, completion_tokens=r.generation.max_new_tokens,
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens(r),
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
         gradient_checkpointing=r.model.gradient_checkpointing,
         eval_prompts=r.train.eval_max_prompts if (r.data.eval_path or r.data.eval_fraction) else 0, engine=r.generation.engine,
-        kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device)
+        kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device, environment=bool(r.environment.name))
 
 
 @dataclass
@@ -290,15 +301,19 @@ def _fields_for(term: str, w: Workload) -> str:
     if "KV cache" in term or "sampling" in term or "prefill" in term:
         if term.startswith("eval"):
             return "train.eval_max_prompts (fewer held-out prompts decoded at once)"
-        return "train.prompts_per_step / generation.num_generations / generation.max_new_tokens"
+        return "train.prompts_per_step / generation.num_generations / " + _length_field(w)
     if term.startswith("optimizer"):
         return "optimizer.name: adamw_8bit or a smaller lora.r"
     if term.startswith("LoRA"):
         return "a smaller lora.r"
     if term.startswith("runtime"):
         return "(fixed cost of the runtime)"
-    return "generation.max_new_tokens / data.max_prompt_tokens (shorter sequences)" + (
+    return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)" + (
         "" if w.gradient_checkpointing else " or model.gradient_checkpointing: true")
+
+
+def _length_field(w: Workload) -> str:
+    return "environment.max_total_tokens" if w.environment else "generation.max_new_tokens"
 
 
 def device_budget(device: str) -> Optional[int]:

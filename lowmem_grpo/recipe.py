@@ -114,7 +114,8 @@ class RewardSpec(_Section):
 class RewardsConfig(_Section):
     functions: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(function="math")],
-        description="Reward functions; the total reward is their weighted sum.")
+        description="Reward functions; the total reward is their weighted sum (plus an environment's reward, "
+        "docs/algorithm.md §20). Empty only with environment.name: rewards from the environment alone.")
     on_error: Literal["raise", "zero"] = Field(
         "raise", description="A reward function that raises or returns bad values: stop with an error, or score 0 and count it.")
 
@@ -129,6 +130,51 @@ class GenerationConfig(_Section):
     kv_cache_memory_bytes: int = Field(
         1 << 30, ge=1 << 20, description="engine=vllm: bytes of KV cache, allocated once at start-up (vLLM would "
         "otherwise take most of the GPU, or of the machine on CPU); too small only makes vLLM preempt and recompute.")
+
+
+class EnvironmentConfig(_Section):
+    """docs/algorithm.md §20: multi-turn rollouts driven by an environment (either rollout engine)."""
+
+    name: str = Field(
+        "", description="The environment, as 'package.module:Class' (reset(row) -> first message or None; step(model_text) "
+        "-> (observation, reward, done); a class attribute `stop` lists strings that end a model turn besides EOS), or "
+        "python (the built-in tool: code between <python> and </python> runs in the sandbox; kwargs timeout_s, "
+        "max_output_chars, memory_mb, allow_weak_sandbox); one instance per completion, driven by the trainer in "
+        "training and eval (docs/algorithm.md §20). Empty (default): none, single-turn rollouts.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor.")
+    max_turns: int = Field(4, ge=1, description="At most this many model turns per completion; an episode the "
+                                                "environment has not ended by then is cut (truncated).")
+    max_total_tokens: int = Field(
+        512, ge=1, description="At most this many tokens (model and environment) per completion; a model turn is "
+        "also capped at generation.max_new_tokens. An episode that fills it is cut (truncated).")
+    observation_max_tokens: int = Field(128, ge=1, description="An observation is cut to this many tokens before "
+                                                               "it is appended.")
+    observation_template: str = Field(
+        "\n{observation}\n", description="How an observation is written into the completion (a Python format string "
+        "with the one field {observation}); tokenized without special tokens.")
+    reward_weight: float = Field(
+        1.0, description="Weight of the environment's summed reward in the total, as a reward function named "
+        "'environment' (logged as reward/environment; a completion it gave no reward counts it as not applicable).")
+
+    @model_validator(mode="after")
+    def _fields(self) -> "EnvironmentConfig":
+        problems = []
+        from .environment import BUILTINS   # (here: the environment module reads this one's types)
+
+        if self.name and ":" not in self.name and self.name not in BUILTINS:
+            problems.append(("name", f"expected a built-in ({', '.join(sorted(BUILTINS))}) or 'package.module:Class' "
+                                     f"(or empty for no environment), got {self.name!r}"))
+        example = "e.g. '\\n{observation}\\n'"
+        try:
+            self.observation_template.format(observation="x")
+            if "{observation}" not in self.observation_template:
+                problems.append(("observation_template", f"must contain {{observation}}, {example}"))
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+            problems.append(("observation_template", f"must be a format string whose one field is {{observation}}, "
+                                                     f"{example} (formatting it failed: {exc!r})"))
+        if problems:
+            raise FieldProblems(problems)
+        return self
 
 
 class FieldProblems(ValueError):
@@ -327,6 +373,7 @@ class Recipe(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batch sizes and loop length.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where the run writes.")
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="Multi-turn rollouts (an environment).")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
 
     @model_validator(mode="after")
@@ -339,9 +386,17 @@ class Recipe(_Section):
                     and buffer >= self.generation.max_new_tokens):
                 problems.append((f"rewards.functions.{i}.kwargs.buffer", f"must be less than max_length, here "
                                  f"generation.max_new_tokens ({self.generation.max_new_tokens}), got {buffer}"))
+        problems += self._environment_problems()
         if problems:
             raise FieldProblems(problems)
         return self
+
+    def _environment_problems(self) -> list[tuple[str, str]]:
+        # (Either engine runs an environment: generation.engine is free here, docs/algorithm.md §20.)
+        if not self.environment.name and not self.rewards.functions:
+            return [("rewards.functions", "is empty: list at least one reward function, or set environment.name "
+                                          "for rewards from an environment alone")]
+        return []
 
 
 # Fields without a usable default. Checked on the raw mapping, so that they are reported together with
@@ -511,7 +566,9 @@ def field_reference() -> list[tuple[str, str, str, str]]:
             else:
                 default = "(required)" if field.is_required() else field.default
             type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            rows.append((prefix + name, type_name, repr(default) if not isinstance(default, str) else f"'{default}'",
+            # (a string with a newline, e.g. environment.observation_template, is shown escaped: one table row)
+            shown = f"'{default}'" if isinstance(default, str) and default.isprintable() else repr(default)
+            rows.append((prefix + name, type_name, shown,
                          field.description or ""))
 
     walk(Recipe, "")

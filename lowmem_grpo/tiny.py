@@ -14,6 +14,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -160,3 +161,209 @@ def warm_start(model, tokenizer, train_rows, probe_rows, target=(0.15, 0.40), lr
             if acc >= target[0]:
                 return acc, step
     return acc, max_steps
+
+
+# --- the tool-use task: 3-digit products, with the built-in python tool (scripts/tool_demo.py) ----------------
+#
+# A completion either answers directly ("123*456=" -> "56088") or hands the product to the tool:
+#
+#     <python>print(123*456)</python>          the model's first turn, ending at the tool's stop string
+#     \n<output>\n56088\n</output>\n           the environment's observation (environment.py's PythonTool, through
+#                                              the default observation_template): context, never trained
+#     56088                                    the model's second turn: the number copied from the output
+#
+# A 2-layer model cannot multiply 3-digit numbers in its head, but it can learn to copy digits.
+
+TOOL_CHARS = CHARS + [c for c in (chr(i) for i in range(32, 127)) if c not in CHARS] + ["\n"]
+TOOL_OPEN, TOOL_CLOSE = "<python>", "</python>"
+OUTPUT_CLOSE = "</output>"
+# Whole-word tokens for the tool's markup (as a real tokenizer has for its tool tags): shorter sequences, so a
+# faster demo on CPU. Any other text is one token per character.
+TOOL_WORDS = [TOOL_OPEN, TOOL_CLOSE, "<output>", OUTPUT_CLOSE, "print("]
+
+
+def build_tool_tokenizer():
+    """A fast tokenizer like build_tokenizer, one token per character over printable ASCII and newline (enough
+    for the tool's error messages too), plus one token for each of TOOL_WORDS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL.values()) + TOOL_CHARS + TOOL_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL["unk"]))
+    words = "|".join(w.replace("(", "\\(") for w in TOOL_WORDS)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(words + r"|[\s\S]"), behavior="isolated")   # "\n" too
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=SPECIAL["pad"], bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], unk_token=SPECIAL["unk"],
+        padding_side="left",
+    )
+
+
+def product_rows(n: int, seed: int, lo: int = 100, hi: int = 999) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        rows.append({"prompt": f"{a}*{b}=", "answer": str(a * b)})
+    return rows
+
+
+def split_product_data(n_train: int = 4000, n_test: int = 200, seed: int = 4321) -> tuple[list[dict], list[dict]]:
+    """Disjoint train/held-out 3-digit products: held-out prompts never appear in training."""
+    rows, seen = [], set()
+    for row in product_rows(4 * (n_train + n_test), seed):
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            rows.append(row)
+        if len(rows) == n_train + n_test:
+            break
+    return rows[:n_train], rows[n_train:]
+
+
+def tool_call(prompt: str) -> str:
+    """The model's tool call for a product prompt "123*456=": <python>print(123*456)</python>."""
+    return f"{TOOL_OPEN}print({prompt.rstrip('=')}){TOOL_CLOSE}"
+
+
+def tool_observation(output: str) -> str:
+    """What the environment appends after a call whose run printed `output` (a line): PythonTool's observation
+    through the default observation_template ("\\n{observation}\\n")."""
+    return f"\n<output>\n{output}\n{OUTPUT_CLOSE}\n"
+
+
+def prefers_tool(prompt: str) -> bool:
+    """The warm start's habit: it calls the tool on products whose first factor starts with 1, 2 or 3 (about a
+    third of them), and guesses the rest (but for a small share, see tool_sft_rows)."""
+    return prompt[0] in "123"
+
+
+def tool_sft_rows(rows: list[dict], seed: int = 0, other_share: float = 0.1) -> list[list[tuple[str, bool]]]:
+    """Supervised examples as segments (text, trained): the prompt (context), then either a direct answer (the
+    true product, trained) or a tool call (trained), the tool's observation (context: environment text is never
+    trained, as in GRPO) and the copied number (trained). Tool use on prefers_tool's prompts, and on a random
+    `other_share` of the others, so that sampling still calls the tool there now and then."""
+    rng = random.Random(seed)
+    out = []
+    for r in rows:
+        if prefers_tool(r["prompt"]) or rng.random() < other_share:
+            out.append([(r["prompt"], False), (tool_call(r["prompt"]), True),
+                        (tool_observation(r["answer"]), False), (r["answer"], True)])
+        else:
+            out.append([(r["prompt"], False), (r["answer"], True)])
+    return out
+
+
+def segments_batch(tokenizer, examples: list[list[tuple[str, bool]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded bos + segments + eos, labels on the trained segments and on eos."""
+    seqs, labels = [], []
+    for segs in examples:
+        ids, lab = [tokenizer.bos_token_id], [-100]
+        for text, trained in segs:
+            t = tokenizer.encode(text, add_special_tokens=False)
+            ids += t
+            lab += t if trained else [-100] * len(t)
+        ids.append(tokenizer.eos_token_id)
+        lab.append(tokenizer.eos_token_id)
+        seqs.append(ids)
+        labels.append(lab)
+    width = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
+    lab = torch.tensor([[-100] * (width - len(s)) + s for s in labels])
+    att = (torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None]).long()
+    return ids, att, lab
+
+
+def final_answer(text: str) -> str:
+    """The completion's answer: its text after the last tool output (or after the last call when no output
+    came back), stripped. The tool's own output is never read as the answer: the model must copy it."""
+    for marker in (OUTPUT_CLOSE, TOOL_CLOSE):
+        if marker in text:
+            return text.rsplit(marker, 1)[1].strip()
+    return text.strip()
+
+
+def tool_answer_reward(completions: list[str], *, prompts: list[str], rows: list[dict], **kwargs) -> list[float]:
+    """1.0 when final_answer(completion) is exactly the row's answer, else 0.0 (as 'lowmem_grpo.tiny:tool_answer_reward')."""
+    return [float(final_answer(c) == str(r["answer"])) for c, r in zip(completions, rows)]
+
+
+def is_tool_call(text: str) -> bool:
+    """The completion holds a complete <python>...</python> call (whether or not a tool ran it)."""
+    return TOOL_OPEN in text and TOOL_CLOSE in text.split(TOOL_OPEN, 1)[1]
+
+
+def simulated_tool(turn: str) -> str:
+    """The observation for warm-start probes, without the sandbox: print(A*B) of two integers is computed
+    here (in-process, no code run); anything else gives an error line."""
+    import re
+
+    m = re.fullmatch(r"[\s\S]*<python>print\((\d{1,4})\*(\d{1,4})\)</python>", turn)
+    return tool_observation(str(int(m.group(1)) * int(m.group(2))) if m else "error")
+
+
+@torch.no_grad()
+def _greedy_until(model, tokenizer, texts: list[str], max_new_tokens: int, stop: Optional[str] = None) -> list[str]:
+    enc = tokenizer([tokenizer.bos_token + t for t in texts], return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    new = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    if stop is not None:
+        new = [t.split(stop, 1)[0] + stop if stop in t else t for t in new]
+    return new
+
+
+def greedy_tool_eval(model, tokenizer, rows: list[dict], max_new_tokens: int = 40, batch_size: int = 256) -> dict:
+    """Greedy two-turn episodes on rows with simulated_tool standing in for the sandbox (a quick probe for the
+    warm start; the demo's figures come from the trainer's eval with the real tool): accuracy, tool_call_rate,
+    and tool_accuracy (accuracy where the tool was called)."""
+    was_training = model.training
+    model.eval()
+    correct = calls = tool_correct = 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        first = _greedy_until(model, tokenizer, [r["prompt"] for r in chunk], max_new_tokens, stop=TOOL_CLOSE)
+        called = [j for j, t in enumerate(first) if t.endswith(TOOL_CLOSE)]
+        texts = list(first)
+        if called:
+            ctx = [chunk[j]["prompt"] + first[j] + simulated_tool(first[j]) for j in called]
+            second = _greedy_until(model, tokenizer, ctx, 10)
+            for j, s in zip(called, second):
+                texts[j] = first[j] + simulated_tool(first[j]) + s
+        for j, (t, r) in enumerate(zip(texts, chunk)):
+            ok = final_answer(t) == r["answer"]
+            correct += ok
+            if j in called:
+                calls += 1
+                tool_correct += ok
+    model.train(was_training)
+    n = max(1, len(rows))
+    return {"accuracy": correct / n, "tool_call_rate": calls / n, "tool_accuracy": tool_correct / max(1, calls)}
+
+
+def warm_start_tool(model, tokenizer, train_rows, probe_rows, rate_band=(0.2, 0.45), min_tool_accuracy=0.9,
+                    other_share=0.1, lr=3e-3, batch_size=64, max_steps=4000, check_every=100, seed=0,
+                    log=print) -> tuple[dict, int]:
+    """Supervised pass on tool_sft_rows until, on `probe_rows` (training problems, never the held-out set), the
+    greedy tool-call rate lies in `rate_band` and the calls it makes end in the right number at least
+    `min_tool_accuracy` of the time. Returns (the probe's greedy_tool_eval, steps)."""
+    rng = random.Random(seed)
+    examples = tool_sft_rows(train_rows, seed=seed, other_share=other_share)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    probe = {"accuracy": 0.0, "tool_call_rate": 0.0, "tool_accuracy": 0.0}
+    for step in range(1, max_steps + 1):
+        ids, att, lab = segments_batch(tokenizer, rng.sample(examples, batch_size))
+        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % check_every == 0:
+            probe = greedy_tool_eval(model, tokenizer, probe_rows)
+            log(f"  warm-start step {step}: loss {loss.item():.3f}, probe accuracy {100 * probe['accuracy']:.1f}%, "
+                f"tool calls {100 * probe['tool_call_rate']:.1f}% ({100 * probe['tool_accuracy']:.1f}% of them right)")
+            if rate_band[0] <= probe["tool_call_rate"] <= rate_band[1] and probe["tool_accuracy"] >= min_tool_accuracy:
+                return probe, step
+    return probe, max_steps

@@ -2,7 +2,8 @@
 
 One step (Trainer.train_step):
   1. select     the step's prompts, a pure function of (seed, step) (data.batch_indices)
-  2. rollout    G completions per prompt from the current policy (rollout/)
+  2. rollout    G completions per prompt from the current policy (rollout/); with an environment, multi-turn
+                episodes it answers between the model's turns (rollout/turns.py, docs/algorithm.md §20)
   3. reward     one score per completion (NaN = skipped), weighted over the functions (rewards/); then one
                 advantage per completion from its group (advantages.py, docs/algorithm.md §2)
   4. pack       completions -> micro-batches of flat per-token tensors (batch.py)
@@ -22,7 +23,7 @@ import math
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,6 +33,7 @@ from .advantages import group_advantages, normalize_then_sum_advantages
 from .batch import MicroBatch, completion_logprobs, pack, trained_completions
 from .data import batch_indices, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
+from .environment import EnvironmentFactory
 from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
                    top_entropy_mask)
@@ -45,6 +47,8 @@ from .rewards import Rewards
 from .rewards.code import judging_notes
 from .rollout import make_engine
 from .rollout.base import EngineConfig, SamplingParams
+from .rollout.turns import (TurnLimits, environment_rewards, model_tokens, prompt_ids, prompt_messages, prompt_text,
+                            runner)
 from .sinks import SinkError, open_sinks
 
 
@@ -132,6 +136,10 @@ class Trainer:
         if not next(self.model.parameters()).is_cuda:
             return_freed_memory_to_os()
         self.rewards = Rewards.from_recipe(recipe)
+        self.env = EnvironmentFactory(recipe.environment) if recipe.environment.name else None   # §20
+        self._env_error_logged = False
+        for note in self.env.notes if self.env else []:
+            log(f"[lowmem-grpo] {note}")
         # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set). Rows
         # need data.answer_field only when a reward reads it.
         sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer)
@@ -183,17 +191,40 @@ class Trainer:
               else extra_indices(n, size, self.step, draw, r.seed))
         return [self.train_set.examples[i] for i in at]
 
+    def generator(self, prompts) -> Callable:
+        """generate(examples, params) -> completions, for examples of the PromptSet `prompts`: the engine's, or
+        with an environment its episodes (rollout/turns.py, §20; the set renders reset()'s first messages)."""
+        if self.env is None:
+            return lambda examples, params: self.engine.generate([e.prompt_ids for e in examples], params)
+        return runner(self.engine, self.tokenizer, self.env, TurnLimits.from_recipe(self.recipe.environment),
+                      prompts.render_message)
+
+    @property
+    def completion_cap(self) -> int:
+        """The most tokens a completion holds: max_new_tokens, or with an environment max_total_tokens (§20)."""
+        return self.recipe.environment.max_total_tokens if self.env is not None else self.recipe.generation.max_new_tokens
+
     def rollout(self, examples, clock: PhaseTimer) -> Rollouts:
-        """G completions per prompt, decoded and scored."""
+        """G completions per prompt, decoded (with an environment: its observations too) and scored."""
         with clock("rollout"):
-            completions = self.engine.generate([e.prompt_ids for e in examples], self.sampling)
+            completions = self.generator(self.train_set)(examples, self.sampling)
+        self._log_env_error(completions)
         with clock("reward"):
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
             at = [examples[c.prompt_index] for c in completions]
-            result = self.rewards(texts, [e.prompt_text for e in at], [e.row for e in at],
+            result = self.rewards(texts, [prompt_text(c, e) for c, e in zip(completions, at)], [e.row for e in at],
                                   completion_ids=[c.token_ids for c in completions], step=self.step,
-                                  prompt_messages=[e.messages for e in at])
+                                  prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, at)],
+                                  environment=environment_rewards(completions))
         return Rollouts(examples, completions, texts, result)
+
+    def _log_env_error(self, completions) -> None:
+        """The run's first environment error, once (all of them are counted in env/errors)."""
+        bad = next((c.env.error for c in completions if c.env is not None and c.env.error), None)
+        if bad and not self._env_error_logged:
+            self._env_error_logged = True
+            self.log(f"[lowmem-grpo] environment {self.recipe.environment.name!r}: {bad} (that completion's episode "
+                     "ended there; such errors are counted in env/errors, and only this first one is printed)")
 
     def rollouts_with_contrast(self, first: Rollouts, clock: PhaseTimer) -> tuple[Rollouts, dict]:
         """§18: more draws until prompts_per_step groups have contrast (or the bound); those groups."""
@@ -215,7 +246,7 @@ class Trainer:
         extra = {"dead_band": a.sign_dead_band} if a.advantage == "sign" else {}
         if a.reward_aggregation == "normalize_then_sum" and len(result.per_function) > 1:
             return normalize_then_sum_advantages([v.view(-1, g) for v in result.per_function.values()],
-                                                 [f.weight for f in self.recipe.rewards.functions],
+                                                 self.rewards.weights,
                                                  a.advantage, a.scale_rewards, **extra)
         return group_advantages(result.total.view(-1, g), a.advantage, scale=a.scale_rewards, **extra)
 
@@ -225,11 +256,11 @@ class Trainer:
         if self.recipe.algorithm.sampler_correction != "none" and any(s is None for s in sampler):
             raise TrainingError(f"algorithm.sampler_correction={self.recipe.algorithm.sampler_correction!r} needs the "
                                 "rollout engine's log-probs, and this engine did not report them")
-        return pack([examples[completions[i].prompt_index].prompt_ids for i in keep],
+        return pack([prompt_ids(completions[i], examples[completions[i].prompt_index]) for i in keep],
                     [completions[i].token_ids for i in keep], advantages[keep], r.train.micro_batch_size,
-                    r.algorithm.aggregation, r.generation.max_new_tokens, self.tokenizer.pad_token_id,
+                    r.algorithm.aggregation, self.completion_cap, self.tokenizer.pad_token_id,
                     sampler_logprobs=sampler if all(s is not None for s in sampler) else None,
-                    share_prompts=self.share_prompts)
+                    share_prompts=self.share_prompts, env_masks=[completions[i].env_mask for i in keep])
 
     def logprobs(self, mb: MicroBatch, return_entropy: bool = False, entropy_grad: bool = False):
         t = self.recipe.train
@@ -360,8 +391,9 @@ class Trainer:
         with clock("reward"):
             advantages = self.advantages(result)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.bool)
-        row.update(diag.rollout_stats(result, torch.tensor([len(c.token_ids) for c in completions]), truncated,
+        row.update(diag.rollout_stats(result, torch.tensor([model_tokens(c) for c in completions]), truncated,
                                       g.num_generations, advantages))
+        row.update(diag.environment_stats([c.env for c in completions], truncated))   # §20 ({} without one)
         if self.step == 0 and self.state.p_ref is None:
             self.state.p_ref = row["success_rate"]
         row.update(diag.p_star(self.state.p_ref, result.total, a.kl_target, a.beta, a.advantage, g.num_generations))
@@ -384,7 +416,7 @@ class Trainer:
             row.update(diag.sampler_agreement([(mb.logp_at_rollout, mb.logp_sampler) for mb in batches
                                                if mb.logp_sampler is not None and mb.logp_at_rollout is not None]))
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], **clock.row(),
-                    "time/rollout_tokens_per_s": sum(len(c.token_ids) for c in completions)
+                    "time/rollout_tokens_per_s": sum(model_tokens(c) for c in completions)
                     / max(clock.seconds["rollout"], 1e-9),
                     "memory/peak_mib": peak_memory_mib(), "sample": texts[0] if texts else "",
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
@@ -403,8 +435,9 @@ class Trainer:
         longest = self.train_set.longest_prompt()
         n = min(r.train.micro_batch_size, r.train.prompts_per_step * g.num_generations)
         filler = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        mb = pack([longest] * n, [[filler] * g.max_new_tokens] * n, torch.ones(n), n, r.algorithm.aggregation,
-                  g.max_new_tokens, self.tokenizer.pad_token_id)[0]
+        cap = self.completion_cap
+        mb = pack([longest] * n, [[filler] * cap] * n, torch.ones(n), n, r.algorithm.aggregation,
+                  cap, self.tokenizer.pad_token_id)[0]
         device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
         shape = ModelShape.from_config(self.model.config)
         workload = workload_from_recipe(r, len(longest), device)
@@ -418,13 +451,13 @@ class Trainer:
             budget = device_budget(device)
             advice = advise(shape, workload, budget).lines if budget else []
             raise TrainingError(
-                f"preflight: a micro-batch of {n} x ({len(longest)} prompt + {g.max_new_tokens} completion) tokens "
+                f"preflight: a micro-batch of {n} x ({len(longest)} prompt + {cap} completion) tokens "
                 f"ran out of memory ({type(exc).__name__}). Memory model: {fmt(predicted)} predicted"
                 + (f" of {fmt(budget)}" if budget else "") + ".\n" + "\n".join(advice)) from None
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         peak = peak_memory_mib()
-        self.log(f"[lowmem-grpo] preflight ok: micro-batch {n} x {len(longest) + g.max_new_tokens} tokens, "
+        self.log(f"[lowmem-grpo] preflight ok: micro-batch {n} x {len(longest) + cap} tokens, "
                  f"peak so far {peak:.0f} MiB (memory model, whole run: {predicted / 2**20:.0f} MiB)")
         return {"peak_mib": peak, "predicted_mib": predicted / 2**20}
 
@@ -434,7 +467,7 @@ class Trainer:
         if self.eval_set is None:
             return None
         return greedy_eval(self.engine, self.tokenizer, self.rewards, self.eval_set.examples[: self.recipe.train.eval_max_prompts],
-                           self.recipe.generation.max_new_tokens)
+                           self.recipe.generation.max_new_tokens, rollout=self.generator(self.eval_set))
 
     def _write_eval(self, result: Optional[dict]) -> None:
         if result:

@@ -135,6 +135,32 @@ def test_eval_counts_for_a_held_out_file_or_split(tiny_model_dir, tiny_data, tmp
     assert without.eval_prompts == 0
 
 
+def test_environment_tokens_size_the_completions(tiny_model_dir, tiny_data, tmp_path):
+    """With an environment a completion is up to environment.max_total_tokens tokens (model + environment,
+    docs/algorithm.md §20): the estimate sizes every phase with that and grows with it; without one,
+    max_total_tokens changes nothing and generation.max_new_tokens sizes the completions."""
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", generation={"max_new_tokens": 16})
+
+    def peak(**environment):
+        d["environment"] = environment
+        est, _, w = mm.estimate_recipe(recipe_from_dict(d), "cpu", prompt_tokens=8)
+        return est, w
+
+    plain, w_plain = peak()
+    unused, w_unused = peak(max_total_tokens=4096)
+    assert w_plain.completion_tokens == w_unused.completion_tokens == 16 and not w_plain.environment
+    assert unused.peak == plain.peak and unused.phases == plain.phases
+    small, w_small = peak(name="toy_envs:TwoTurns", max_total_tokens=64)
+    large, w_large = peak(name="toy_envs:TwoTurns", max_total_tokens=4096)
+    assert (w_small.completion_tokens, w_large.completion_tokens) == (64, 4096) and w_large.environment
+    assert plain.peak < small.peak < large.peak
+    for phase in ("rollout", "train"):
+        assert sum(small.phases[phase].values()) < sum(large.phases[phase].values())
+    assert any("4104 tok" in name for name in large.phases["rollout"])   # 8 prompt + 4096 completion tokens
+    assert "environment.max_total_tokens" in mm._fields_for("rollout KV cache", w_large)
+    assert "generation.max_new_tokens" in mm._fields_for("rollout KV cache", w_plain)
+
+
 def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
     path = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run"))
     res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB"])

@@ -185,11 +185,13 @@ class Rewards:
     (they get it as prompts=). Rewards.from_recipe passes all three."""
 
     def __init__(self, cfg: RewardsConfig, *, answer_field: str, max_new_tokens: Optional[int] = None,
-                 prompt_field: str = "prompt"):
+                 prompt_field: str = "prompt", environment_weight: Optional[float] = None):
         if not isinstance(answer_field, str) or not answer_field:
             raise RewardError(f"answer_field must be a non-empty row field name (data.answer_field), got {answer_field!r}")
         self.cfg = cfg
         self.answer_field, self.max_new_tokens, self.prompt_field = answer_field, max_new_tokens, prompt_field
+        # environment.reward_weight when the recipe names an environment (docs/algorithm.md §20), else None
+        self.environment_weight = environment_weight
         self.functions = []                      # (label, fn, weight, kwargs it is always called with)
         self.conventions: dict[str, str] = {}    # label -> 'lowmem' | 'trl'
         self.notes: list[str] = []   # start-up lines (the code sandbox's protections, TRL-shaped functions), to log
@@ -217,8 +219,10 @@ class Rewards:
     @classmethod
     def from_recipe(cls, recipe) -> "Rewards":
         """The recipe's rewards, with every field they read from the rest of the recipe."""
+        env = getattr(recipe, "environment", None)
         return cls(recipe.rewards, answer_field=recipe.data.answer_field,
-                   max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field)
+                   max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field,
+                   environment_weight=env.reward_weight if env is not None and env.name else None)
 
     def _load(self, label: str, spec, fn: Callable, max_new_tokens: Optional[int]) -> tuple[dict, str, list]:
         """(the kwargs it is called with, its convention, (key, message) problems) of one recipe entry."""
@@ -266,7 +270,13 @@ class Rewards:
 
     @property
     def names(self) -> list[str]:
-        return [f[0] for f in self.functions]
+        """The columns of a RewardResult's per_function: the functions', then "environment" when one is on."""
+        return [f[0] for f in self.functions] + (["environment"] if self.environment_weight is not None else [])
+
+    @property
+    def weights(self) -> list[float]:
+        """The weight of each of `names`, in order."""
+        return [f[2] for f in self.functions] + ([self.environment_weight] if self.environment_weight is not None else [])
 
     @property
     def reads_answer(self) -> bool:
@@ -277,10 +287,12 @@ class Rewards:
 
     def __call__(self, completions: list[str], prompts: list[str], rows: list[dict], *,
                  completion_ids: Optional[list[list[int]]] = None, step: int = 0,
-                 prompt_messages: Optional[list[Optional[list[dict]]]] = None) -> RewardResult:
+                 prompt_messages: Optional[list[Optional[list[dict]]]] = None,
+                 environment: Optional[list[Optional[float]]] = None) -> RewardResult:
         """Score completions[i], sampled for prompts[i] (the text the model saw) of dataset row rows[i].
         completion_ids[i]: its token ids; step: optimizer steps done (TRL's trainer_state.global_step);
-        prompt_messages[i]: the prompt as chat messages when its row held them (else None)."""
+        prompt_messages[i]: the prompt as chat messages when its row held them (else None); environment[i]: the
+        environment's summed reward of completion i (None: it gave none), with an environment on."""
         import torch
 
         n = len(completions)
@@ -316,10 +328,27 @@ class Rewards:
             else:                                      # None: cannot be scored; the completion is skipped
                 total += weight * values
                 any_lowmem = True
+        if self.environment_weight is not None:
+            trl_scored |= self._add_environment(environment, n, total, per_fn)
+            any_trl = True                            # its None means "does not apply", as a TRL-shaped function's
         if any_trl and not any_lowmem:
             total[~trl_scored] = float("nan")         # every function returned None: no reward at all
         skipped = int(torch.isnan(total).sum())
         return RewardResult(total, per_fn, errors, skipped)
+
+    def _add_environment(self, rewards: Optional[list], n: int, total, per_fn: dict):
+        """docs/algorithm.md §20: the environment's rewards as one more column, "environment", added to `total`
+        with its weight where it gave one; returns where it did ([n] bool)."""
+        import torch
+
+        if rewards is None or len(rewards) != n:
+            raise RewardError(f"an environment is on: the call must pass environment= with one reward (or None) "
+                              f"per completion ({n}), got {'none' if rewards is None else len(rewards)}")
+        values = torch.tensor([float("nan") if r is None else float(r) for r in rewards], dtype=torch.float64)
+        per_fn["environment"] = values
+        scored = ~torch.isnan(values)
+        total += torch.where(scored, self.environment_weight * values, torch.zeros_like(values))
+        return scored
 
     def _call(self, name: str, fn: Callable, kwargs: dict, trl_args: dict, completions, prompts, rows,
               completion_ids) -> tuple[Callable, tuple, dict]:

@@ -25,6 +25,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    stop: tuple[str, ...] = ()   # strings that end a completion besides EOS (an environment's turn ends, §20)
 
     @classmethod
     def from_generation(cls, g, n: Optional[int] = None) -> "SamplingParams":
@@ -51,12 +52,32 @@ class EngineConfig:
                    max_num_seqs=max(recipe.train.prompts_per_step * g.num_generations, EVAL_BATCH))
 
 
+@dataclass(frozen=True)
+class EnvRecord:
+    """What an environment did in one completion's episode (rollout/turns.py, docs/algorithm.md §20)."""
+
+    turns: int = 0                     # model turns taken
+    env_tokens: int = 0                # tokens the environment wrote (observations) into the completion
+    error: Optional[str] = None        # why the environment ended the episode badly (raised, wrong types); None: no error
+    reward: Optional[float] = None     # the sum of the rewards it gave over the turns; None: it gave none
+    prompt_text: Optional[str] = None  # reset()'s first message as rendered, when it gave one (else the example's)
+    counters: tuple = ()               # (name, value) pairs of its optional counters() at the episode's end
+
+
 @dataclass
 class Completion:
     prompt_index: int           # which prompt of the request it answers
-    token_ids: list             # sampled tokens, EOS included when the model stopped
-    truncated: bool             # hit max_new_tokens without EOS
-    logprobs: Optional[list] = None  # sampler's log-probs of token_ids, when the engine reports them
+    token_ids: list             # sampled tokens, EOS included when the model stopped (with an environment:
+                                # model turns and the environment's observations, in order)
+    truncated: bool             # hit max_new_tokens without EOS or a stop string (environment: a limit ended it)
+    logprobs: Optional[list] = None  # sampler's log-probs of token_ids, when the engine reports them; NaN at
+                                     # environment tokens (never read: they are not trained, §20)
+    stopped_by: Optional[str] = None  # the SamplingParams.stop string that ended it, else None
+    env_mask: Optional[list] = None   # per token of token_ids, True where the environment wrote it; None: all
+                                      # tokens are the model's
+    prompt_ids: Optional[list] = None  # the prompt it was sampled from when not its example's (an environment's
+                                       # first message, §20); None: the example's prompt_ids
+    env: Optional[EnvRecord] = None    # the environment's episode, when one drove the rollout
 
 
 class RolloutEngine(Protocol):

@@ -6,12 +6,19 @@ with its own log-probs (docs/algorithm.md §15). transformers applies a caller's
 its own warpers, so the warpers are passed here, in transformers' order, followed by the recorder, and
 generate's own are switched off (temperature 1, top_k 0, top_p 1): the same draws, one more log_softmax a
 token.
+
+SamplingParams.stop (an environment's turn markers, docs/algorithm.md §20) adds one stopping criterion that
+decodes each row's last few tokens per step; a row ends with the token that completes a stop string. Without
+stop strings nothing is added: the same tokens, log-probs and RNG draws as before.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..model import eval_mode
 from .base import Completion, SamplingParams
@@ -42,6 +49,44 @@ class _SampledLogprobs(LogitsProcessor):
         return torch.stack(self.steps, dim=1).tolist() if self.steps else [[] for _ in range(sequences.shape[0])]
 
 
+def first_stop(text: str, stop: tuple) -> Optional[str]:
+    """The stop string that occurs first in `text` (the first listed on a tie), or None."""
+    found = [(text.find(s), i, s) for i, s in enumerate(stop) if s and s in text]
+    return min(found)[2] if found else None
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row once its new tokens' text holds a stop string. Each step decodes only the row's last
+    `window` new tokens: every token decodes to at least one character, so a stop string that the latest
+    token completes lies inside them, and one completed earlier would have ended the row then."""
+
+    def __init__(self, tokenizer, stop: tuple, prompt_width: int):
+        self.tokenizer, self.stop, self.width = tokenizer, stop, prompt_width
+        self.window = 2 * max(len(s) for s in stop) + 4
+        self.ended: dict[int, tuple[int, str]] = {}   # row -> (its new tokens up to the stop's end, the stop string)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        n_new = input_ids.shape[1] - self.width
+        tails = input_ids[:, max(self.width, input_ids.shape[1] - self.window):].tolist()
+        for row, ids in enumerate(tails):
+            hit = None if row in self.ended else first_stop(self.tokenizer.decode(ids), self.stop)
+            if hit is not None:
+                self.ended[row] = (n_new, hit)
+        done = [row in self.ended for row in range(len(tails))]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def _cut(tokens: list, eos: int, stopped: Optional[tuple[int, str]]) -> tuple[list, bool, Optional[str]]:
+    """(a row's tokens up to its end, truncated, the stop string that ended it): EOS or the stop string
+    (`stopped`: its new-token count and string), whichever came first (EOS on the same token)."""
+    end = tokens.index(eos) + 1 if eos in tokens else None
+    if stopped is not None and (end is None or stopped[0] < end):
+        return tokens[: stopped[0]], False, stopped[1]
+    # Rows that finished are padded after their EOS; a row without EOS ran to max_new_tokens and every token is
+    # sampled (a pad id drawn mid-row, as a random model may, stays: it was sampled).
+    return (tokens, True, None) if end is None else (tokens[:end], False, None)
+
+
 def _warpers(params: SamplingParams) -> list:
     """transformers' sampling warpers for these params, in the order generate builds them."""
     out = []
@@ -68,7 +113,10 @@ class HFEngine:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
                       num_return_sequences=params.n, use_cache=True)
-        recorder = None
+        recorder, stops = None, None
+        if params.stop:
+            stops = _StopStrings(tok, tuple(params.stop), width)
+            kwargs.update(stopping_criteria=StoppingCriteriaList([stops]))
         if params.greedy:
             kwargs.update(do_sample=False)
         else:
@@ -82,13 +130,9 @@ class HFEngine:
         logprobs = recorder.finish(out) if recorder is not None else None
         completions = []
         for row, tokens in enumerate(new):
-            # Rows that finished are padded after their EOS; a row without EOS ran to max_new_tokens and
-            # every token is sampled (a pad id drawn mid-row, as a random model may, stays: it was sampled).
-            truncated = eos not in tokens
-            if not truncated:
-                tokens = tokens[: tokens.index(eos) + 1]
+            tokens, truncated, stopped_by = _cut(tokens, eos, stops.ended.get(row) if stops else None)
             lps = logprobs[row][: len(tokens)] if logprobs is not None else None
-            completions.append(Completion(row // params.n, tokens, truncated, lps))
+            completions.append(Completion(row // params.n, tokens, truncated, lps, stopped_by=stopped_by))
         return completions
 
     def close(self) -> None:

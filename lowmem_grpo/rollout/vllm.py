@@ -31,7 +31,18 @@ Side effects of an in-process engine, each handled here (tests/test_vllm_engine.
   generates, so training gets that memory back.
 - The KV cache is sized explicitly (`generation.kv_cache_memory_bytes`), else vLLM takes most of the
   machine (CPU) or of the GPU.
-- The prefix cache would serve KV computed with old weights: it is reset before every generate.
+- The prefix cache would serve KV computed with old weights: it is reset before every generate, and a
+  failed reset is an error. With an environment (docs/algorithm.md §20) each round of a step's episodes is
+  one generate whose prompts are the prompt + the earlier turns + the environment's tokens: that prefix is
+  recomputed from scratch each round (as the transformers engine does), never served from the previous
+  round's decode, so both engines see the same numbers (tests/test_environment_vllm.py).
+- Stop strings (an environment's turn markers) are vLLM's own, which need a tokenizer: the trainer's is saved
+  next to the config.json vLLM builds from. Requests without stop strings are not detokenized (as before);
+  with them, the stop string is kept in the output and the completion ends right after the token that
+  completes it, as in the transformers engine (rollout/hf.py). One difference is left: vLLM decodes a
+  completion's text after its prompt, the transformers engine decodes the new tokens alone; for a tokenizer
+  whose first token decodes differently at the start of a text (SentencePiece's leading space) a stop string
+  that starts with a space may then match one token apart in the first tokens of a turn.
 - `max_num_seqs` is what one step decodes at once (prompts_per_step x num_generations, at least a greedy
   eval batch), not vLLM's default (256 on CPU and small GPUs, 1024 on 70 GB+ GPUs): its warm-up samples
   max_num_seqs rows of fp32 logits (256 x 151,936 x 4 B = 148 MiB, plus the sampler's copies) on top of
@@ -490,9 +501,10 @@ def _restore_process_state(s: _ProcessState) -> None:
     _restore_environment(s.environ)
 
 
-def _write_model_folder(model) -> str:
-    """A folder holding only the trainer's config.json: vLLM builds its model from it (load_format=dummy,
-    weights never read) and never needs the hub, the tokenizer, or the model's quantization config."""
+def _write_model_folder(model, tokenizer=None) -> tuple[str, bool]:
+    """A folder holding the trainer's config.json, and its tokenizer when it can be saved: vLLM builds its
+    model from it (load_format=dummy, weights never read) and never needs the hub or the model's quantization
+    config. (folder, whether the tokenizer is there): vLLM's stop strings detokenize with it."""
     path = tempfile.mkdtemp(prefix="lowmem-grpo-vllm-")
     cfg = _base(model).config.to_dict()
     for key in ("quantization_config", "_pre_quantization_dtype"):
@@ -500,7 +512,14 @@ def _write_model_folder(model) -> str:
     cfg["use_cache"] = True
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, default=str)
-    return path
+    saved = False
+    if callable(getattr(tokenizer, "save_pretrained", None)):
+        try:
+            tokenizer.save_pretrained(path)
+            saved = True
+        except Exception:  # a tokenizer that cannot be saved: generation works, stop strings are refused
+            saved = False
+    return path, saved
 
 
 def _model_dtype(model) -> torch.dtype:
@@ -530,6 +549,7 @@ class VLLMEngine:
         self.cuda = next(model.parameters()).device.type == "cuda"
         self.eos = tokenizer.eos_token_id
         self.closed, self.sleeping, self.llm, self.folder, self.shared = False, False, None, None, []
+        self.stop_strings = False   # vLLM has the tokenizer (stop strings detokenize with it)
         for other in list(_LIVE):
             other.close()
         disable_cpu_4bit_repack(model)
@@ -538,12 +558,12 @@ class VLLMEngine:
         saved = _save_process_state()
         global _BINDING
         try:
-            self.folder = _write_model_folder(model)
+            self.folder, self.stop_strings = _write_model_folder(model, tokenizer)
             with _BINDING_LOCK:
                 _BINDING = self.binding
                 try:
                     self.llm = vllm.LLM(
-                        model=self.folder, skip_tokenizer_init=True, load_format="dummy",
+                        model=self.folder, skip_tokenizer_init=not self.stop_strings, load_format="dummy",
                         quantization=QUANTIZATION_NAME, dtype=str(_model_dtype(model)).replace("torch.", ""),
                         seed=int(config.seed),
                         kv_cache_memory_bytes=int(config.kv_cache_memory_bytes), enforce_eager=True,
@@ -618,13 +638,17 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self.closed:
             raise EngineError("this vLLM engine was closed")
-        requests, sps = to_requests(prompts, params, self.eos)
+        requests, sps = to_requests(prompts, params, self.eos, stop_strings=self.stop_strings)
         with eval_mode(self.model), _eager_compile():
             self._wake()
             try:
                 self._check_shared()
                 self.binding.refresh()
-                self.llm.reset_prefix_cache()  # cached KV was computed with the previous weights
+                # Cached KV was computed with the previous weights (or adapters on/off), or, between an
+                # environment's rounds, during decode: recompute every prompt, as the transformers engine does.
+                if self.llm.reset_prefix_cache() is False:
+                    raise EngineError("vLLM could not reset its prefix cache (requests still running?): the "
+                                      "next generate would reuse KV computed with other weights")
                 outputs = self.llm.generate(requests, sps, use_tqdm=False)
             finally:
                 self._sleep()
@@ -668,15 +692,27 @@ class VLLMEngine:
 # Requests and results
 # ----------------------------------------------------------------------------------------------------
 
-def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[int]):
-    """vLLM requests (token ids: the engine has no tokenizer) and their SamplingParams.
+def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[int], stop_strings: bool = False):
+    """vLLM requests (token ids) and their SamplingParams. `stop_strings`: vLLM has a tokenizer, so
+    SamplingParams.stop can be honoured (else they are an EngineError).
+
+    Stop strings are vLLM's own, matched in the completion's text (detokenized with special tokens, as the
+    transformers engine decodes it), kept in the output: vLLM ends the request at the token that completes
+    one, and to_completions reports which one (Completion.stopped_by). Without stop strings nothing is
+    detokenized.
 
     No per-request seed: in-process, vLLM's sampler draws from torch's global generator, so sampling
     follows the trainer's seed and RNG state (which checkpoints save: a resumed run replays the same
     samples). Per-request seeds would also crash vllm 0.32 on CPU as soon as a request is preempted
     ("CPU Generator does not use offset" in the model runner's bookkeeping)."""
+    if params.stop and not stop_strings:
+        raise EngineError(f"stop strings {list(params.stop)!r}: this vLLM engine was built without a tokenizer "
+                          "to match them with (the trainer's could not be saved for it); use generation.engine: hf")
     kwargs = dict(n=params.n, max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
                   stop_token_ids=[eos] if eos is not None else None)
+    if params.stop:
+        kwargs.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True,
+                      skip_special_tokens=False)
     if params.greedy:
         kwargs.update(temperature=0.0)
     else:
@@ -686,13 +722,18 @@ def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[
 
 def to_completions(outputs, eos: Optional[int]) -> list[Completion]:
     """Prompt i's n completions at [i*n, (i+1)*n), with the sampled tokens' log-probs (processed:
-    after temperature, as the trainer computes them)."""
+    after temperature, as the trainer computes them). A completion that ends with EOS is not truncated
+    and not stopped by a string (EOS wins when it also completes one, as in the transformers engine); one
+    that vLLM ended at a stop string (its stop_reason) ends with the token that completed it."""
     completions = []
     for i, out in enumerate(outputs):
         for c in sorted(out.outputs, key=lambda c: c.index):
             tokens = list(c.token_ids)
             lps = [_sampled_logprob(step, tok) for step, tok in zip(c.logprobs, tokens)] if c.logprobs else None
-            completions.append(Completion(i, tokens, not (tokens and tokens[-1] == eos), lps))
+            ended = bool(tokens) and tokens[-1] == eos
+            reason = getattr(c, "stop_reason", None)
+            stopped_by = reason if isinstance(reason, str) and not ended else None
+            completions.append(Completion(i, tokens, not ended and stopped_by is None, lps, stopped_by=stopped_by))
     return completions
 
 

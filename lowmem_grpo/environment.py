@@ -1,0 +1,312 @@
+"""Environments: what answers the model between its turns (docs/algorithm.md §20).
+
+An environment is any class with this shape (subclassing `Environment` is optional):
+
+    class MyEnv:
+        stop = ("</call>",)          # strings that end a model turn besides EOS (optional; default none)
+
+        def __init__(self, **kwargs): ...                  # the recipe's environment.kwargs
+        def reset(self, row: dict) -> str | None: ...      # the first user message; None: the dataset prompt
+        def step(self, model_text: str) -> tuple[str | None, float | None, bool]: ...
+            # (observation appended as environment tokens or None, a reward for this turn or None, done)
+
+Two optional extras: a classmethod `startup(**kwargs) -> list[str]`, run once when the trainer loads the
+environment (lines to log; what it raises stops the run: e.g. a sandbox too weak to run model-written code),
+and a method `counters() -> dict[str, number]`, read when an episode ends and summed over the step's
+completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors, tool_timeouts).
+
+The recipe names it as 'package.module:Class' (environment.name), or a built-in by its short name. The
+trainer builds one instance per completion and drives it (rollout/turns.py): reset once, then step after
+every model turn.
+
+Whatever an environment does wrong (its constructor, reset or step raises, or returns the wrong types) ends
+that completion's episode and is counted (env/errors), never a crashed run: `checked_reset` and
+`checked_step` say what is wrong in a sentence that names the method and what was allowed.
+
+Built-ins: `python` (PythonTool): code between <python> and </python> runs in the sandbox
+(rewards/sandbox.py), its output comes back as the observation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from math import isfinite
+from typing import Any, Optional
+
+# Built-in environments by short name -> 'module:Class'.
+BUILTINS: dict[str, str] = {"python": "lowmem_grpo.environment:PythonTool"}
+
+
+class EnvError(Exception):
+    """An environment that cannot be loaded or built as the recipe names it."""
+
+
+class EnvOutputError(Exception):
+    """What one environment call returned or raised; it ends that completion's episode and is counted."""
+
+
+class Environment:
+    """The interface, as a base class to subclass (optional: any class with these methods works)."""
+
+    stop: tuple[str, ...] = ()
+
+    def reset(self, row: dict) -> Optional[str]:
+        """The first user message for this dataset row; None: the dataset prompt, rendered as without an
+        environment."""
+        return None
+
+    def step(self, model_text: str) -> tuple[Optional[str], Optional[float], bool]:
+        """After a model turn (its text): (observation or None, reward or None, done)."""
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading: 'package.module:Class' -> a class, its kwargs checked against its constructor
+# ----------------------------------------------------------------------------------------------------
+
+def resolve(name: str) -> type:
+    """The class `name` names (a built-in's short name or 'package.module:Class'), or an EnvError saying why
+    not."""
+    target = BUILTINS.get(name, name)
+    if ":" not in target:
+        known = f"a built-in ({', '.join(sorted(BUILTINS))}) or " if BUILTINS else ""
+        raise EnvError(f"environment {name!r}: expected {known}'package.module:Class'")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is reported, not raised raw
+        raise EnvError(f"environment {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type):
+        raise EnvError(f"environment {name!r}: module {module_name!r} has no class {attr!r}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise EnvError(f"environment {name!r}: class {attr!r} has no {' and no '.join(missing)} method; an environment "
+                       "has reset(row) -> first message or None and step(model_text) -> (observation, reward, done)")
+    return cls
+
+
+def stop_strings(name: str, cls: type) -> tuple[str, ...]:
+    """The class's `stop` attribute as a tuple of non-empty strings, or an EnvError."""
+    stop = getattr(cls, "stop", ())
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+        raise EnvError(f"environment {name!r}: its `stop` attribute is {stop!r}; expected a tuple of non-empty strings")
+    return tuple(stop)
+
+
+def kwargs_problem(name: str, cls: type, kwargs: dict) -> Optional[str]:
+    """Why cls(**kwargs) cannot be called (a kwarg it does not take, a required one missing), or None."""
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        return f"environment {name!r} cannot be built with these kwargs ({', '.join(kwargs) or 'none'}): {exc}"
+    except ValueError:   # no signature to read (a C class): it is tried at the first rollout
+        return None
+    return None
+
+
+def environment_problems(cfg) -> list[tuple[str, str]]:
+    """(recipe key, message) for each reason the recipe's environment (an EnvironmentConfig) cannot be used;
+    [] when it can, or when there is none. Imports the user's module: `lowmem-grpo validate` calls it."""
+    if not cfg.name:
+        return []
+    try:
+        cls = resolve(cfg.name)
+        stop_strings(cfg.name, cls)
+    except EnvError as exc:
+        return [("environment.name", str(exc))]
+    problem = kwargs_problem(cfg.name, cls, dict(cfg.kwargs))
+    return [("environment.kwargs", problem)] if problem else []
+
+
+def startup_notes(name: str, cls: type, kwargs: dict) -> list[str]:
+    """The class's optional startup(**kwargs) hook, run once at load: its lines to log, or an EnvError with
+    what it raised (the run does not start)."""
+    hook = getattr(cls, "startup", None)
+    if hook is None:
+        return []
+    try:
+        notes = hook(**kwargs)
+    except Exception as exc:  # user code: reported as the environment's, not raised raw
+        raise EnvError(f"environment {name!r}: startup raised {type(exc).__name__}: {exc}") from None
+    return [str(n) for n in notes or []]
+
+
+class EnvironmentFactory:
+    """The recipe's environment, loaded once: `make()` builds one instance (one per completion)."""
+
+    def __init__(self, cfg):
+        problems = environment_problems(cfg)
+        if problems:
+            raise EnvError("\n".join(f"{key}: {message}" for key, message in problems))
+        self.name, self.kwargs = cfg.name, dict(cfg.kwargs)
+        self.cls = resolve(cfg.name)
+        self.stop = stop_strings(cfg.name, self.cls)
+        self.notes = startup_notes(cfg.name, self.cls, self.kwargs)
+
+    def make(self) -> Any:
+        """A new instance; what its constructor raises is an EnvOutputError (counted for that completion)."""
+        try:
+            return self.cls(**self.kwargs)
+        except Exception as exc:  # user code: counted for the completion, not raised raw
+            raise EnvOutputError(f"{self.name}(**kwargs) raised {type(exc).__name__}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Calling an instance: what it returns, checked
+# ----------------------------------------------------------------------------------------------------
+
+def _call(env, method: str, arg):
+    try:
+        return getattr(env, method)(arg)
+    except Exception as exc:  # user code: counted for the completion, not raised raw
+        raise EnvOutputError(f"{method}() raised {type(exc).__name__}: {exc}") from None
+
+
+def checked_reset(env, row: dict) -> Optional[str]:
+    """env.reset(row): the first user message (a str) or None, else an EnvOutputError."""
+    out = _call(env, "reset", row)
+    if out is not None and not isinstance(out, str):
+        raise EnvOutputError(f"reset() returned {type(out).__name__} {_short(out)}; allowed: a str (the first user "
+                             "message) or None (the dataset prompt)")
+    return out
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))  # numpy's too
+
+
+def checked_step(env, model_text: str) -> tuple[Optional[str], Optional[float], bool]:
+    """env.step(model_text) as (observation or None, a finite reward or None, done), else an EnvOutputError
+    naming the part that is wrong."""
+    out = _call(env, "step", model_text)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise EnvOutputError(f"step() returned {type(out).__name__} {_short(out)}; allowed: a tuple "
+                             "(observation: str or None, reward: number or None, done: bool)")
+    observation, reward, done = out
+    if observation is not None and not isinstance(observation, str):
+        raise EnvOutputError(f"step() returned observation {_short(observation)} ({type(observation).__name__}); "
+                             "allowed: a str or None")
+    if reward is not None:
+        if _is_bool(reward) or not isinstance(reward, (int, float)) and not hasattr(reward, "__float__"):
+            raise EnvOutputError(f"step() returned reward {_short(reward)} ({type(reward).__name__}); allowed: a "
+                                 "number or None")
+        try:
+            reward = float(reward)
+        except (TypeError, ValueError, OverflowError):
+            raise EnvOutputError(f"step() returned reward {_short(reward)}, not a number; allowed: a number or None") from None
+        if not isfinite(reward):
+            raise EnvOutputError(f"step() returned reward {reward}; allowed: a finite number or None")
+    if not _is_bool(done):
+        raise EnvOutputError(f"step() returned done {_short(done)} ({type(done).__name__}); allowed: True or False")
+    return observation, reward, bool(done)
+
+
+def checked_counters(env) -> dict:
+    """env.counters() when it has one, as {name: number}; {} without; else an EnvOutputError."""
+    fn = getattr(env, "counters", None)
+    if fn is None:
+        return {}
+    try:
+        out = fn()
+    except Exception as exc:  # user code: counted for the completion, not raised raw
+        raise EnvOutputError(f"counters() raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(out, dict) or not all(isinstance(k, str) and k and not _is_bool(v) and isinstance(v, (int, float))
+                                            and isfinite(v) for k, v in out.items()):
+        raise EnvOutputError(f"counters() returned {_short(out)}; allowed: a dict of names to finite numbers")
+    return {k: float(v) for k, v in out.items()}
+
+
+def _short(x, n: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in Python tool
+# ----------------------------------------------------------------------------------------------------
+
+class PythonTool(Environment):
+    """environment.name: python. A model turn that ends with </python> is a tool call: the code between the last
+    <python> and that </python> (a ``` fence inside is dropped) runs in the sandbox (rewards/sandbox.py; standard
+    library only, no network), and its output, cut to max_output_chars, comes back as the observation between
+    <output> and </output>. Code that does not parse, a </python> without <python>, a run past timeout_s or
+    killed by a limit: a tool error, counted (tool_errors, tool_timeouts), with an observation that says so,
+    and the episode goes on. A turn that ends without a tool call ends the episode. Gives no reward: the
+    recipe's reward functions score the completion (its text holds the calls and their outputs)."""
+
+    stop = ("</python>",)
+    OPEN, CLOSE = "<python>", "</python>"
+
+    def __init__(self, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
+                 allow_weak_sandbox: bool = False):
+        self.timeout_s, self.max_output_chars, self.memory_mb = float(timeout_s), int(max_output_chars), int(memory_mb)
+        self.calls = self.errors = self.timeouts = 0
+
+    @classmethod
+    def startup(cls, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
+                allow_weak_sandbox: bool = False) -> list[str]:
+        """Refuse a sandbox weaker than full isolation unless allow_weak_sandbox (as the code rewards do)."""
+        from .rewards.sandbox import SandboxLimits, missing_protections, sandbox_summary
+
+        if timeout_s <= 0 or max_output_chars < 1 or memory_mb < 1:
+            raise ValueError(f"timeout_s must be > 0, max_output_chars and memory_mb >= 1 (got {timeout_s}, "
+                             f"{max_output_chars}, {memory_mb})")
+        limits = SandboxLimits.of(memory_mb=memory_mb)
+        missing = missing_protections(limits)
+        if missing and not allow_weak_sandbox:
+            raise ValueError("refusing to run model-written code with weaker isolation; missing: "
+                             + "; ".join(f"{k} ({v})" for k, v in missing.items())
+                             + ". Set allow_weak_sandbox: true in environment.kwargs to accept that (docs/sandbox.md).")
+        return [f"environment python: {sandbox_summary(limits)}"]
+
+    def reset(self, row: dict) -> Optional[str]:
+        return None
+
+    def counters(self) -> dict:
+        return {"tool_calls": self.calls, "tool_errors": self.errors, "tool_timeouts": self.timeouts}
+
+    def step(self, model_text: str) -> tuple[Optional[str], Optional[float], bool]:
+        text = model_text.rstrip()
+        if not text.endswith(self.CLOSE):
+            return None, None, True                     # no tool call: the model is done
+        self.calls += 1
+        body = text[: -len(self.CLOSE)]
+        start = body.rfind(self.OPEN)
+        if start < 0:
+            return self._error(f"{self.CLOSE} without {self.OPEN}: nothing was run"), None, False
+        code = _unfenced(body[start + len(self.OPEN):])
+        try:
+            compile(code, "<python>", "exec")
+        except (SyntaxError, ValueError) as exc:
+            return self._error(f"the code does not parse: {type(exc).__name__}: {exc}"), None, False
+        return self._run(code), None, False
+
+    def _run(self, code: str) -> str:
+        from .rewards.sandbox import run_python
+
+        result = run_python(code, self.timeout_s, memory_mb=self.memory_mb)
+        output = (result.stdout + result.stderr)[: self.max_output_chars]
+        if result.timed_out:
+            self.timeouts += 1
+            return self._error(f"timed out after {self.timeout_s:g} s and was stopped", output)
+        if result.killed_reason is not None:
+            return self._error(f"stopped ({result.killed_reason})", output)
+        return f"<output>\n{output}</output>"
+
+    def _error(self, what: str, output: str = "") -> str:
+        self.errors += 1
+        return f"<output>\n{output}error: {what}\n</output>"
+
+
+def _unfenced(code: str) -> str:
+    """The code inside a ```python ... ``` fence when the tool call holds one, else the code as it is."""
+    stripped = code.strip()
+    if stripped.startswith("```") and stripped.endswith("```") and len(stripped) >= 6:
+        inner = stripped[3:-3]
+        first, _, rest = inner.partition("\n")
+        return rest if first.strip().isidentifier() or not first.strip() else inner
+    return code

@@ -1,0 +1,211 @@
+"""Multi-turn rollouts: the trainer drives one environment per completion (docs/algorithm.md §20).
+
+A completion becomes segments: tokens the model sampled, then tokens the environment wrote (an observation,
+formatted by environment.observation_template), then the model again, and so on. All completions of a step
+decode together: each round is one engine.generate call over the episodes still running (prompt = their
+prompt + everything so far, n = 1 each); a model turn ends at EOS, at one of the environment's stop strings,
+or at generation.max_new_tokens. Then env.step(turn text) gives (observation, reward, done), and the episode
+goes on until the environment says done, max_turns model turns were taken, or max_total_tokens tokens
+(model + environment) fill the completion.
+
+An observation is appended only when a model turn follows it; it is tokenized without special tokens and
+cut to observation_max_tokens and to the room left. Environment tokens carry env_mask True and a NaN
+sampler log-prob: context for the model, never trained (batch.pack).
+
+A completion is `truncated` when its last model turn was cut (no EOS or stop string within its budget), or a
+limit (max_turns, max_total_tokens) ended the episode before the environment said done. An environment that
+raises or returns the wrong types ends its episode there, with the error recorded (EnvRecord.error) and
+counted; the rewards it gave before stay.
+
+Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a resumed run replays them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from ..environment import EnvOutputError, checked_counters, checked_reset, checked_step
+from .base import Completion, EnvRecord, SamplingParams
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int = 4
+    max_total_tokens: int = 512
+    observation_max_tokens: int = 128
+    observation_template: str = "\n{observation}\n"
+
+    @classmethod
+    def from_recipe(cls, cfg) -> "TurnLimits":
+        """The limits of an EnvironmentConfig."""
+        return cls(cfg.max_turns, cfg.max_total_tokens, cfg.observation_max_tokens, cfg.observation_template)
+
+
+@dataclass
+class _Episode:
+    prompt_index: int
+    prompt_ids: list
+    env: object = None
+    own_prompt: bool = False         # reset() gave the first message: prompt_ids are its, not the example's
+    prompt_text: Optional[str] = None
+    tokens: list = field(default_factory=list)
+    env_mask: list = field(default_factory=list)
+    logprobs: Optional[list] = field(default_factory=list)   # None once a turn came without (greedy)
+    turns: int = 0
+    rewards: list = field(default_factory=list)
+    error: Optional[str] = None
+    done: bool = False
+    truncated: bool = False
+    stopped_by: Optional[str] = None
+    counters: dict = field(default_factory=dict)
+
+    def end(self, truncated: bool = False, error: Optional[str] = None) -> None:
+        self.done, self.truncated, self.error = True, self.truncated or truncated, error
+
+    def completion(self) -> Completion:
+        record = EnvRecord(turns=self.turns, env_tokens=sum(self.env_mask), error=self.error,
+                           reward=sum(self.rewards) if self.rewards else None,
+                           prompt_text=self.prompt_text if self.own_prompt else None,
+                           counters=tuple(sorted(self.counters.items())))
+        return Completion(self.prompt_index, self.tokens, self.truncated, self.logprobs, stopped_by=self.stopped_by,
+                          env_mask=self.env_mask, prompt_ids=self.prompt_ids if self.own_prompt else None, env=record)
+
+
+def _start(prompt_index: int, example, factory, render: Optional[Callable]) -> _Episode:
+    """A new episode: its own environment, reset on the example's row (its first message rendered as the
+    dataset prompt would be)."""
+    ep = _Episode(prompt_index, list(example.prompt_ids))
+    try:
+        ep.env = factory.make()
+        first = checked_reset(ep.env, example.row)
+        if first is not None:
+            if render is None:
+                raise EnvOutputError("reset() returned a first message, and this rollout cannot render prompts")
+            try:
+                rendered = render(example.row, first)
+            except Exception as exc:  # e.g. over data.max_prompt_tokens: that completion's outcome
+                raise EnvOutputError(f"reset()'s first message cannot be rendered as a prompt: {exc}") from None
+            ep.prompt_ids, ep.prompt_text, ep.own_prompt = list(rendered.prompt_ids), rendered.prompt_text, True
+    except EnvOutputError as exc:
+        ep.end(error=str(exc))
+    return ep
+
+
+def _room(ep: _Episode, limits: TurnLimits) -> int:
+    return limits.max_total_tokens - len(ep.tokens)
+
+
+def _model_turn(ep: _Episode, c: Completion, limits: TurnLimits) -> tuple[list, bool]:
+    """Append the engine's turn (cut to the room left); (its tokens, whether it was cut)."""
+    room = _room(ep, limits)
+    turn = list(c.token_ids[:room])
+    cut = c.truncated or len(c.token_ids) > room
+    ep.tokens += turn
+    ep.env_mask += [False] * len(turn)
+    if ep.logprobs is not None:
+        ep.logprobs = ep.logprobs + list(c.logprobs[: len(turn)]) if c.logprobs is not None else None
+    ep.turns += 1
+    ep.stopped_by = c.stopped_by if len(c.token_ids) <= room else None
+    return turn, cut
+
+
+def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLimits) -> None:
+    """Append the observation as environment tokens (template, observation_max_tokens, the room left)."""
+    if observation is None:
+        return
+    text = limits.observation_template.format(observation=observation)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: limits.observation_max_tokens]
+    ids = ids[: _room(ep, limits)]
+    ep.tokens += ids
+    ep.env_mask += [True] * len(ids)
+    if ep.logprobs is not None:
+        ep.logprobs = ep.logprobs + [math.nan] * len(ids)
+
+
+def _after_turn(ep: _Episode, turn: list, cut: bool, tokenizer, limits: TurnLimits) -> None:
+    """env.step on the turn's text, then: end the episode (done, error, a limit) or append the observation."""
+    ep.truncated = cut   # the last model turn so far was cut; a later turn that ends on its own clears it
+    try:
+        observation, reward, done = checked_step(ep.env, tokenizer.decode(turn, skip_special_tokens=True))
+    except EnvOutputError as exc:
+        ep.end(error=str(exc))
+        return
+    if reward is not None:
+        ep.rewards.append(reward)
+    if done:
+        ep.end()
+    elif ep.turns >= limits.max_turns or _room(ep, limits) <= 0:
+        ep.end(truncated=True)
+    else:
+        _observe(ep, observation, tokenizer, limits)
+        if _room(ep, limits) <= 0:   # the observation filled the completion: no room for a model turn
+            ep.end(truncated=True)
+
+
+def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, factory, limits: TurnLimits,
+                 render: Optional[Callable] = None) -> list[Completion]:
+    """params.n completions per example, each one environment episode; example i's at [i*n, (i+1)*n).
+    `factory.make()` builds an environment, `factory.stop` its turn-ending strings; `render(row, message)`
+    renders reset()'s first message as the dataset prompt would be (an Example), when one is given."""
+    episodes = [_start(i, e, factory, render) for i, e in enumerate(examples) for _ in range(params.n)]
+    while True:
+        active = [ep for ep in episodes if not ep.done]
+        if not active:
+            break
+        budget = min(params.max_new_tokens, max(_room(ep, limits) for ep in active))
+        turn_params = replace(params, n=1, max_new_tokens=budget, stop=tuple(factory.stop))
+        outs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], turn_params)
+        for ep, c in zip(active, outs):
+            turn, cut = _model_turn(ep, c, limits)
+            _after_turn(ep, turn, cut, tokenizer, limits)
+    for ep in episodes:
+        _read_counters(ep)
+    return [ep.completion() for ep in episodes]
+
+
+def _read_counters(ep: _Episode) -> None:
+    """The environment's optional counters() at the episode's end (a bad one is that episode's error)."""
+    if ep.env is None:
+        return
+    try:
+        ep.counters = checked_counters(ep.env)
+    except EnvOutputError as exc:
+        ep.error = ep.error or str(exc)
+
+
+def runner(engine, tokenizer, factory, limits: TurnLimits, render: Optional[Callable] = None) -> Callable:
+    """`generate(examples, params) -> completions` through episodes: what the trainer and eval call in place
+    of engine.generate when the recipe names an environment."""
+    def generate(examples: list, params: SamplingParams) -> list[Completion]:
+        return run_episodes(engine, tokenizer, examples, params, factory, limits, render)
+    return generate
+
+
+# -- what the rest of the step reads from an episode's completion ------------------------------------------
+
+def prompt_ids(c: Completion, example) -> list:
+    """The prompt completion `c` was sampled from: reset()'s first message when it gave one, else the example's."""
+    return c.prompt_ids if c.prompt_ids is not None else example.prompt_ids
+
+
+def prompt_text(c: Completion, example) -> str:
+    return c.env.prompt_text if c.env is not None and c.env.prompt_text is not None else example.prompt_text
+
+
+def prompt_messages(c: Completion, example) -> Optional[list]:
+    """The example's chat messages, unless the environment's first message replaced its prompt."""
+    return None if c.prompt_ids is not None else getattr(example, "messages", None)
+
+
+def environment_rewards(completions: list) -> Optional[list]:
+    """Each completion's environment reward (None: it gave none); None when no environment drove them."""
+    if all(c.env is None for c in completions):
+        return None
+    return [c.env.reward if c.env is not None else None for c in completions]
+
+
+def model_tokens(c: Completion) -> int:
+    """|o_i| (docs/algorithm.md §20): the tokens the model sampled, the environment's left out."""
+    return len(c.token_ids) - (sum(c.env_mask) if c.env_mask is not None else 0)

@@ -1,0 +1,549 @@
+"""Environments and multi-turn rollouts (docs/algorithm.md §20): stop strings in the transformers engine, the
+driver's turns, limits and counted errors, environment tokens out of the loss, rewards from the environment,
+and a toy two-turn environment through train and eval."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import QUIET, recipe_dict, write_recipe
+from lowmem_grpo import tiny
+from lowmem_grpo.data import Example
+from lowmem_grpo.environment import (EnvError, EnvironmentFactory, checked_step, environment_problems)
+from lowmem_grpo.recipe import EnvironmentConfig, RecipeError, recipe_from_dict
+from lowmem_grpo.rollout.base import Completion, SamplingParams
+from lowmem_grpo.rollout.turns import TurnLimits, run_episodes
+
+TOK = tiny.build_tokenizer()
+EOS = TOK.eos_token_id
+
+
+def ids(text: str) -> list:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+class FakeEngine:
+    """Scripted turns: every sequence gets `turn` (token ids) then EOS, cut at params.max_new_tokens (then
+    truncated); `eos=False` never ends a turn. Records each call's prompts and params."""
+
+    def __init__(self, turn="12", eos=True):
+        self.turn, self.eos, self.calls = ids(turn), eos, []
+
+    def generate(self, prompts, params):
+        self.calls.append(([list(p) for p in prompts], params))
+        out = []
+        for i in range(len(prompts)):
+            for _ in range(params.n):
+                full = self.turn + ([EOS] if self.eos else [])
+                tokens = full[: params.max_new_tokens]
+                out.append(Completion(i, tokens, tokens != full or not self.eos, [-0.5] * len(tokens)))
+        return out
+
+
+def examples(n=2):
+    return [Example({"prompt": f"{i}+{i}=", "answer": str(2 * i)}, f"{i}+{i}=", [TOK.bos_token_id] + ids(f"{i}+{i}="))
+            for i in range(n)]
+
+
+def factory(name="toy_envs:Scripted", **kwargs):
+    return EnvironmentFactory(EnvironmentConfig(name=name, kwargs=kwargs))
+
+
+LIMITS = TurnLimits(max_turns=4, max_total_tokens=64, observation_max_tokens=16, observation_template=" {observation} ")
+
+
+# -- the transformers engine's stop strings ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.rollout.hf import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return HFEngine(model, TOK)
+
+
+def test_stop_strings_end_a_completion_right_after_the_stop(hf_engine):
+    """Same seed with and without stop strings: the RNG draws are the same, so each completion with them is
+    the prefix of its twin that ends with the token completing the first stop string (none earlier)."""
+    prompts = [[TOK.bos_token_id] + ids("12+34="), [TOK.bos_token_id] + ids("5+6=")]
+    torch.manual_seed(0)
+    free = hf_engine.generate(prompts, SamplingParams(n=6, max_new_tokens=16))
+    torch.manual_seed(0)
+    stopped = hf_engine.generate(prompts, SamplingParams(n=6, max_new_tokens=16, stop=("5", "+")))
+    assert any(c.stopped_by for c in stopped) and any(not c.stopped_by for c in stopped)
+    for a, b in zip(free, stopped):
+        assert a.token_ids[: len(b.token_ids)] == b.token_ids and a.logprobs[: len(b.logprobs)] == b.logprobs
+        text = TOK.decode(b.token_ids)
+        if b.stopped_by is not None:
+            assert text.endswith(b.stopped_by) and not b.truncated
+            assert "5" not in TOK.decode(b.token_ids[:-1]) and "+" not in TOK.decode(b.token_ids[:-1])
+        else:
+            assert b.token_ids == a.token_ids and b.truncated == a.truncated
+            assert "5" not in text and "+" not in text
+
+
+def test_a_stop_string_never_met_changes_nothing(hf_engine):
+    prompts = [[TOK.bos_token_id] + ids("7+8=")]
+    torch.manual_seed(1)
+    a = hf_engine.generate(prompts, SamplingParams(n=4, max_new_tokens=10))
+    state_a = torch.get_rng_state()
+    torch.manual_seed(1)
+    b = hf_engine.generate(prompts, SamplingParams(n=4, max_new_tokens=10, stop=("zz",)))
+    assert torch.equal(state_a, torch.get_rng_state())
+    assert [(c.token_ids, c.logprobs, c.truncated) for c in a] == [(c.token_ids, c.logprobs, c.truncated) for c in b]
+    assert all(c.stopped_by is None for c in a + b)
+
+
+# -- the driver ----------------------------------------------------------------------------------------------------
+
+def test_driver_pauses_appends_the_observation_as_environment_tokens_and_resumes():
+    from toy_envs import Scripted
+
+    Scripted.seen = []
+    engine = FakeEngine("12")
+    out = run_episodes(engine, TOK, examples(2), SamplingParams(n=3, max_new_tokens=8), factory(), LIMITS)
+    assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1]
+    assert len(engine.calls) == 2                                  # one generate call per round, all together
+    (p1, params1), (p2, _) = engine.calls
+    assert params1.n == 1 and params1.stop == ("=",) and len(p1) == 6
+    turn, obs = ids("12") + [EOS], ids(" +1 ")
+    assert p2[0] == examples(2)[0].prompt_ids + turn + obs         # prompt + everything so far
+    for c in out:
+        assert c.token_ids == turn + obs + turn
+        assert c.env_mask == [False] * 3 + [True] * 4 + [False] * 3
+        assert all(math.isnan(x) for x in c.logprobs[3:7]) and c.logprobs[:3] == [-0.5] * 3
+        assert (c.env.turns, c.env.env_tokens, c.env.reward, c.env.error, c.truncated) == (2, 4, 1.0, None, False)
+    assert Scripted.seen == ["12"] * 12                            # the turn's text, special tokens dropped
+
+
+def test_driver_limits_turns_tokens_and_observation_length():
+    # never done: max_turns ends it, truncated; the observation is cut to observation_max_tokens
+    limits = TurnLimits(max_turns=3, max_total_tokens=64, observation_max_tokens=2, observation_template="{observation}")
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:NeverDone"), limits)
+    for c in out:
+        assert c.token_ids == (ids("12") + [EOS] + ids("00")) * 2 + ids("12") + [EOS]   # no observation after the last turn
+        assert (c.env.turns, c.env.reward, c.truncated) == (3, 3.0, True)
+    # max_total_tokens: the engine is asked for no more than the room left, and the completion stops there
+    engine = FakeEngine("123456", eos=False)
+    limits = TurnLimits(max_turns=9, max_total_tokens=10, observation_max_tokens=16, observation_template="{observation}")
+    out = run_episodes(engine, TOK, examples(1), SamplingParams(n=1, max_new_tokens=4),
+                       factory("toy_envs:NeverDone", observation="00"), limits)
+    assert [p.max_new_tokens for _, p in engine.calls] == [4, 4]
+    c = out[0]
+    assert c.token_ids == ids("1234") + ids("00") + ids("1234") and len(c.token_ids) == 10
+    assert c.truncated and c.env.turns == 2
+    # a model turn cut at max_new_tokens leaves the completion truncated when it is the last
+    out = run_episodes(FakeEngine("123456", eos=False), TOK, examples(1), SamplingParams(n=1, max_new_tokens=3),
+                       factory(replies=[[None, 1.0, True]]), LIMITS)
+    assert out[0].truncated and out[0].env.turns == 1 and out[0].token_ids == ids("123")
+
+
+@pytest.mark.parametrize("how, at, words", [
+    ("init", 1, "raised RuntimeError: cannot start"),
+    ("reset_raise", 1, "reset() raised ValueError: no such game"),
+    ("reset_type", 1, "reset() returned int 42"),
+    ("raise", 1, "step() raised ZeroDivisionError"),
+    ("raise", 2, "step() raised ZeroDivisionError"),
+    ("not_a_tuple", 1, "step() returned str 'oops'"),
+    ("short", 1, "step() returned tuple"),
+    ("obs_type", 1, "observation 7 (int)"),
+    ("reward_type", 1, "reward 'high' (str)"),
+    ("reward_nan", 1, "reward nan"),
+    ("done_type", 1, "done 'yes' (str)"),
+])
+def test_environment_errors_end_that_episode_and_are_counted(how, at, words):
+    out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:Faulty", how=how, at=at), LIMITS)
+    assert len(out) == 4
+    for c in out:
+        assert c.env.error is not None and words in c.env.error, c.env.error
+        started = how not in ("init", "reset_raise", "reset_type")
+        assert c.env.turns == (at if started else 0) and len(c.token_ids) == len(c.env_mask)
+        assert c.env.reward == (0.5 if at == 2 else None)    # the rewards given before the error stay
+    from lowmem_grpo.diagnostics import environment_stats
+
+    stats = environment_stats([c.env for c in out], torch.tensor([c.truncated for c in out]))
+    assert stats["env/errors"] == 4
+
+
+def test_step_outputs_checked():
+    class Env:
+        def __init__(self, out):
+            self.out = out
+
+        def step(self, text):
+            return self.out
+
+    import numpy as np
+
+    assert checked_step(Env(("a", np.float64(0.5), np.bool_(True))), "") == ("a", 0.5, True)
+    assert checked_step(Env([None, 2, False]), "") == (None, 2.0, False)
+
+
+def test_first_message_replaces_the_prompt():
+    from toy_envs import Scripted
+
+    def render(row, message):
+        return Example(row, "Q:" + message, [TOK.bos_token_id] + ids(message))
+
+    engine = FakeEngine("1")
+    out = run_episodes(engine, TOK, examples(1), SamplingParams(n=2, max_new_tokens=4),
+                       factory(first_message="9*9=", replies=[[None, 1.0, True]]), LIMITS, render=render)
+    assert engine.calls[0][0][0] == [TOK.bos_token_id] + ids("9*9=")
+    assert out[0].prompt_ids == [TOK.bos_token_id] + ids("9*9=") and out[0].env.prompt_text == "Q:9*9="
+    Scripted.seen = []
+
+
+def test_driver_with_the_transformers_engine_is_deterministic(hf_engine):
+    def run(seed):
+        torch.manual_seed(seed)
+        return run_episodes(hf_engine, TOK, examples(2), SamplingParams(n=3, max_new_tokens=4),
+                            factory("toy_envs:TwoTurns"), LIMITS)
+
+    a, b = run(5), run(5)
+    assert _nan_equal(a, b)
+    assert all(c.env.turns == 2 and c.env.reward is not None and c.env.env_tokens == len(ids(" +1= ")) for c in a)
+    assert [c.token_ids for c in run(6)] != [c.token_ids for c in a]
+
+
+def _nan_equal(a, b) -> bool:
+    """Completion lists equal, NaN log-probs (environment tokens) equal to each other."""
+    def key(c):
+        return (c.token_ids, c.env_mask, [None if math.isnan(x) else x for x in c.logprobs], c.env)
+    return [key(c) for c in a] == [key(c) for c in b]
+
+
+# -- environment tokens are context, never trained ----------------------------------------------------------------
+
+def _batch_with_environment_tokens(seed=0):
+    """Two groups of three; model turns with environment segments between them (and one completion without)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(4, 20, (n,), generator=g).tolist()
+
+    prompts, completions, masks = [], [], []
+    for group in range(2):
+        prompt = [1] + rand(3 + group)
+        for j in range(3):
+            segments = [(rand(2 + j), False), (rand(3), True), (rand(1 + j), False)] if (group, j) != (1, 2) \
+                else [(rand(4), False)]
+            if (group, j) == (0, 1):
+                segments += [(rand(2), True), (rand(2), False)]
+            prompts.append(prompt)
+            completions.append([t for seg, _ in segments for t in seg])
+            masks.append([env for seg, env in segments for _ in seg])
+    return prompts, completions, masks
+
+
+def _lora_model():
+    from lowmem_grpo.model import attach_lora
+    from lowmem_grpo.recipe import LoraConfig
+
+    model = tiny.build_model(TOK, tiny.TinyModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                     intermediate_size=64), seed=0).double()
+    model.config._attn_implementation = "sdpa"
+    model = attach_lora(model, LoraConfig(r=4, alpha=8), gradient_checkpointing=True)
+    for n, p in model.named_parameters():  # B = 0 at init would hide the LoRA path's gradient
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    model.train()
+    return model
+
+
+def _loss(model, mb_logp, mb_ref, adv, seq, sampler, entropy):
+    """GRPO's token loss with a KL to a reference, an entropy bonus and a sequence-level sampler correction."""
+    from lowmem_grpo.loss import grpo_token_loss, sampler_correction_weights
+
+    w, _ = sampler_correction_weights(mb_logp.detach(), sampler, seq, "sequence_truncate", 0.0, 3.0)
+    return grpo_token_loss(mb_logp, mb_logp.detach() - 0.05, mb_ref, adv, beta=0.1, seq_index=seq, pg_weight=w,
+                           entropy=entropy, entropy_coef=0.01).loss
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean", "constant"])
+def test_environment_tokens_get_zero_gradient_and_leave_the_normalisers_unchanged(aggregation, share, monkeypatch):
+    """§20: a batch with environment tokens (A) against the same sequences, every token computed, of which
+    only the model's are then trained, with normalisers counted by hand from the masks (B): the same loss and
+    gradients in float64; the hidden states (so the logits) that predict environment tokens get exactly zero
+    gradient; the sampler's NaN at environment tokens never reaches the loss."""
+    from lowmem_grpo import batch as batch_mod
+    from lowmem_grpo.batch import completion_logprobs, pack
+    from lowmem_grpo.loss import aggregate, aggregation_weights
+
+    model = _lora_model()
+    prompts, completions, masks = _batch_with_environment_tokens()
+    n = len(completions)
+    adv = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sampler_all = [[-1.0 - 0.1 * k for k in range(len(c))] for c in completions]
+    sampler = [[math.nan if e else x for x, e in zip(s, m)] for s, m in zip(sampler_all, masks)]
+    mbs_a = pack(prompts, completions, adv, 4, aggregation, 12, 0, sampler_logprobs=sampler, share_prompts=share,
+                 env_masks=masks)
+    mbs_b = pack(prompts, completions, adv, 4, aggregation, 12, 0, sampler_logprobs=sampler_all, share_prompts=share)
+    assert share == any(mb.position_ids is not None for mb in mbs_a)
+    model_tok = ~torch.tensor([e for m in masks for e in m])
+    # normalisers: |o_i| counts model tokens only
+    lengths = torch.tensor([m.count(False) for m in masks])
+    want_w = aggregation_weights(torch.repeat_interleave(torch.arange(n), lengths), lengths, aggregation, 12)
+    assert torch.equal(torch.cat([mb.weights for mb in mbs_a]), want_w)
+    assert not any(torch.isnan(mb.logp_sampler).any() for mb in mbs_a)
+
+    captured = []
+    real = batch_mod.hidden_states
+
+    def keep_hidden(*args, **kwargs):
+        h = real(*args, **kwargs)
+        if h.requires_grad:
+            h.retain_grad()
+            captured.append(h)
+        return h
+
+    def grads():
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+    # A: packed with the environment masks
+    monkeypatch.setattr(batch_mod, "hidden_states", keep_hidden)
+    model.zero_grad()
+    loss_a = 0.0
+    for mb in mbs_a:
+        with torch.no_grad():
+            ref = completion_logprobs(model, mb, 1.0, 64, 64)
+        captured.clear()
+        logp, ent = completion_logprobs(model, mb, 0.7, 64, 64, return_entropy=True, entropy_grad=True)
+        part = aggregate(_loss(model, logp, ref, mb.advantages.double(), mb.seq_ids, mb.logp_sampler.double(), ent),
+                         mb.weights)
+        part.backward()
+        loss_a += float(part.detach())
+        h = captured[-1]
+        trained = torch.zeros(h.shape[:2], dtype=torch.bool)
+        trained[mb.rows, mb.positions] = True
+        assert (h.grad[~trained] == 0).all() and (h.grad[trained].abs().sum(-1) > 0).all()
+    grads_a = grads()
+    # B: every token computed, only the model's trained, weights by hand
+    monkeypatch.setattr(batch_mod, "hidden_states", real)
+    model.zero_grad()
+    loss_b, t0, m0 = 0.0, 0, 0
+    for mb in mbs_b:
+        keep = model_tok[t0: t0 + mb.targets.numel()]
+        t0 += mb.targets.numel()
+        with torch.no_grad():
+            ref = completion_logprobs(model, mb, 1.0, 64, 64)[keep]
+        logp, ent = completion_logprobs(model, mb, 0.7, 64, 64, return_entropy=True, entropy_grad=True)
+        w = want_w[m0: m0 + int(keep.sum())]
+        m0 += int(keep.sum())
+        part = aggregate(_loss(model, logp[keep], ref, mb.advantages[keep].double(), mb.seq_ids[keep],
+                               mb.logp_sampler[keep].double(), ent[keep]), w)
+        part.backward()
+        loss_b += float(part.detach())
+    grads_b = grads()
+    assert loss_a == pytest.approx(loss_b, abs=1e-12, rel=1e-12)
+    scale = max(float(g.abs().max()) for g in grads_b.values())
+    assert scale > 1e-4
+    for k in grads_a:
+        assert float((grads_a[k] - grads_b[k]).abs().max()) <= 1e-10 * scale, k
+    # the negative control: trained as model tokens, those positions would change the loss
+    plain = pack(prompts, completions, adv, 4, aggregation, 12, 0)
+    assert sum(mb.weights.numel() for mb in plain) > want_w.numel()
+
+
+# -- rewards from the environment --------------------------------------------------------------------------------
+
+def test_environment_reward_is_a_column_whose_none_does_not_apply():
+    from lowmem_grpo.recipe import RewardsConfig
+    from lowmem_grpo.rewards import RewardError, Rewards
+
+    only = Rewards(RewardsConfig(functions=[]), answer_field="answer", environment_weight=2.0)
+    r = only(["a", "b", "c"], ["p"] * 3, [{}] * 3, environment=[1.0, None, 0.25])
+    assert torch.equal(r.per_function["environment"].isnan(), torch.tensor([False, True, False]))
+    assert r.total[0] == 2.0 and math.isnan(r.total[1]) and r.total[2] == 0.5 and r.skipped == 1
+    both = Rewards(RewardsConfig(functions=[{"function": "user_rewards:digit_count", "weight": 0.5}]),
+                   answer_field="answer", environment_weight=1.0)
+    r = both(["12", "3", "x"], ["p"] * 3, [{}] * 3, environment=[1.0, None, None])
+    digits = r.per_function["digit_count"]
+    assert list(r.per_function) == ["digit_count", "environment"] and both.weights == [0.5, 1.0]
+    assert torch.allclose(r.total, 0.5 * digits + torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    with pytest.raises(RewardError, match="environment="):
+        only(["a"], ["p"], [{}])
+
+
+# -- recipes -------------------------------------------------------------------------------------------------------
+
+def _problems(d):
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(d)
+    return dict(info.value.problems)
+
+
+def test_recipe_errors_name_the_field(tiny_model_dir, tiny_data, tmp_path):
+    base = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")
+    p = _problems({**base, "rewards": {"functions": []}})
+    assert "environment.name" in p["rewards.functions"]
+    # either engine runs an environment (tests/test_environment_vllm.py): vllm with one is no recipe error
+    assert recipe_from_dict({**base, "environment": {"name": "toy_envs:TwoTurns"},
+                             "generation": {"engine": "vllm"}}).generation.engine == "vllm"
+    p = _problems({**base, "environment": {"name": "TwoTurns", "observation_template": "{obs}"}})
+    assert "package.module:Class" in p["environment.name"] and "{observation}" in p["environment.observation_template"]
+    # empty functions with an environment: fine
+    r = recipe_from_dict({**base, "rewards": {"functions": []}, "environment": {"name": "toy_envs:TwoTurns"}})
+    assert r.environment.max_turns == 4 and r.environment.observation_template == "\n{observation}\n"
+    # an unknown class or module, a class that is no environment, kwargs it does not take
+    for name, kwargs, key, words in [("toy_envs:Nope", {}, "environment.name", "has no class 'Nope'"),
+                                     ("no_such_module:X", {}, "environment.name", "cannot import module"),
+                                     ("toy_envs:NoStep", {}, "environment.name", "no step method"),
+                                     ("toy_envs:TwoTurns", {"bogus": 1}, "environment.kwargs", "bogus")]:
+        problems = dict(environment_problems(EnvironmentConfig(name=name, kwargs=kwargs)))
+        assert words in problems[key], problems
+        with pytest.raises(EnvError, match=key):
+            EnvironmentFactory(EnvironmentConfig(name=name, kwargs=kwargs))
+
+
+def test_validate_and_train_report_an_unknown_environment_without_traceback(tiny_model_dir, tiny_data, tmp_path):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", environment={"name": "toy_envs:Missing"})
+    f = write_recipe(tmp_path / "r.yaml", d)
+    p = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "validate", str(f)], capture_output=True, text=True,
+                       env={**os.environ})
+    assert p.returncode == 2 and "environment.name" in p.stderr and "Missing" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+# -- through train and eval ----------------------------------------------------------------------------------------
+
+def test_two_turn_environment_trains_and_evaluates(tiny_model_dir, tiny_data, tmp_path):
+    """Rewards from the environment alone: its reward is the primary one ("solved" and eval accuracy read it),
+    every row carries the env/ metrics, and the loss is finite."""
+    from lowmem_grpo.diagnostics import STEP_KEYS
+    from lowmem_grpo.metrics import read_metrics
+    from lowmem_grpo.train import Trainer
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
+                    environment={"name": "toy_envs:TwoTurns", "max_total_tokens": 14,
+                                 "observation_template": " {observation} "},
+                    generation={"num_generations": 4, "max_new_tokens": 5},
+                    algorithm={"sampler_correction": "token_truncate"},
+                    train={"steps": 2, "eval_every": 1, "eval_max_prompts": 4})
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    out = trainer.fit()
+    observation = trainer.tokenizer(" +1= ", add_special_tokens=False)["input_ids"]
+    assert out["first_eval"]["n"] > 0 and 0 <= out["first_eval"]["accuracy"] <= 1
+    assert out["final_eval"] is not None
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert set(STEP_KEYS) <= set(row)
+        assert row["env/turns"] == 2.0 and row["env/errors"] == 0
+        assert row["env/tokens"] == len(observation)
+        assert row["reward/environment"] is not None and row["success_rate"] is not None
+        assert row["completion/mean_length"] <= 10        # model tokens only: two turns of at most 5
+        assert row["loss"] is not None and math.isfinite(row["loss"])
+    assert "eval/accuracy" in rows[0]
+
+
+def test_without_an_environment_the_env_metrics_are_none(tiny_model_dir, tiny_data, tmp_path):
+    from lowmem_grpo.metrics import read_metrics
+    from lowmem_grpo.train import Trainer
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 1, "preflight": False})
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    row = [r for r in read_metrics(tmp_path / "run") if "loss" in r][0]
+    assert all(row[k] is None for k in ("env/turns", "env/tokens", "env/errors", "env/truncated"))
+    assert "reward/environment" not in row
+
+
+# -- the built-in Python tool ------------------------------------------------------------------------------------
+
+class CharTokenizer:
+    """One token per character (ord + 3; 2 is EOS): enough of a tokenizer for the driver."""
+
+    eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(ch) + 3 for ch in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i - 3) for i in ids if i > 2)
+
+
+class TurnsEngine:
+    """Each round, every sequence gets the next of `turns` (text), ended by EOS unless it ends with a stop string."""
+
+    def __init__(self, turns):
+        self.turns, self.round, self.calls = turns, 0, []
+
+    def generate(self, prompts, params):
+        self.calls.append(params)
+        text = self.turns[min(self.round, len(self.turns) - 1)]
+        self.round += 1
+        stop = next((s for s in params.stop if text.endswith(s)), None)
+        tokens = CharTokenizer()(text)["input_ids"] + ([] if stop else [2])
+        return [Completion(i, tokens, False, [-1.0] * len(tokens), stopped_by=stop) for i in range(len(prompts))]
+
+
+def test_python_tool_runs_the_call_in_the_sandbox_and_counts():
+    from lowmem_grpo.environment import PythonTool
+
+    assert PythonTool.startup(allow_weak_sandbox=True)[0].startswith("environment python: sandbox:")
+    tool = PythonTool(timeout_s=2)
+    assert tool.step("let me compute <python>print(6*7)</python>") == ("<output>\n42\n</output>", None, False)
+    assert tool.step("<python>\n```python\nprint('fenced')\n```\n</python>")[0] == "<output>\nfenced\n</output>"
+    obs, _, done = tool.step("<python>print(1 +</python>")
+    assert "error: the code does not parse: SyntaxError" in obs and not done
+    obs, _, _ = tool.step("print(2)</python>")
+    assert "without <python>" in obs
+    obs, _, _ = PythonTool(timeout_s=0.5).step("<python>while True: pass</python>")
+    assert "timed out after 0.5 s" in obs
+    obs, _, _ = tool.step("<python>import sys; print('x'); sys.exit(3)</python>")   # a failing run is output, not an error
+    assert obs == "<output>\nx\n</output>"
+    assert tool.step("the answer is 42") == (None, None, True)
+    assert tool.counters() == {"tool_calls": 5, "tool_errors": 2, "tool_timeouts": 0}
+    with pytest.raises(ValueError, match="timeout_s"):
+        PythonTool.startup(timeout_s=0, allow_weak_sandbox=True)
+
+
+def test_python_tool_through_the_driver():
+    from lowmem_grpo.diagnostics import environment_stats
+
+    engine = TurnsEngine(["<python>print(6*7)</python>", "so 42"])
+    f = factory("python", timeout_s=5, allow_weak_sandbox=True)
+    assert f.stop == ("</python>",) and f.notes
+    tok = CharTokenizer()
+    ex = [Example({"prompt": "q"}, "q", tok("q")["input_ids"])]
+    limits = TurnLimits(max_turns=4, max_total_tokens=256, observation_max_tokens=64, observation_template=" {observation} ")
+    out = run_episodes(engine, tok, ex, SamplingParams(n=2, max_new_tokens=64), f, limits)
+    assert engine.calls[0].stop == ("</python>",) and len(engine.calls) == 2
+    for c in out:
+        text = tok.decode(c.token_ids)
+        assert text == "<python>print(6*7)</python> <output>\n42\n</output> so 42", text
+        env_text = tok.decode([t for t, e in zip(c.token_ids, c.env_mask) if e])
+        assert env_text == " <output>\n42\n</output> "
+        assert c.stopped_by is None and c.env.turns == 2 and c.env.reward is None and not c.truncated
+        assert dict(c.env.counters) == {"tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0}
+    stats = environment_stats([c.env for c in out], torch.tensor([False, False]))
+    assert stats["env/tool_calls"] == 2 and stats["env/errors"] == 0
+
+
+def test_eval_command_drives_the_environment_as_the_trainer_does(tiny_model_dir, tiny_data, tmp_path):
+    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.train import Trainer
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
+                    environment={"name": "toy_envs:TwoTurns", "max_total_tokens": 14},
+                    generation={"num_generations": 2, "max_new_tokens": 5}, train={"eval_max_prompts": 4})
+    recipe = recipe_from_dict(d)
+    trainer = Trainer(recipe, **QUIET)
+    try:
+        by_trainer = trainer.evaluate()
+    finally:
+        trainer.close()
+    summary = run_eval(recipe, name="toy", ks=(1, 2), out_dir=str(tmp_path / "eval"), **QUIET)
+    assert (summary["accuracy"], summary["mean_reward"], summary["n"]) == \
+        (by_trainer["accuracy"], by_trainer["mean_reward"], by_trainer["n"])
+    assert summary["pass@2/prompts"] == 4

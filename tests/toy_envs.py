@@ -1,0 +1,97 @@
+"""Toy environments for the tests (docs/algorithm.md §20), importable as 'toy_envs:<Class>' (tests/ is on the path).
+
+The tiny model's tokenizer knows only "0123456789+-*=() ", so observations use those characters.
+"""
+
+from __future__ import annotations
+
+
+class TwoTurns:
+    """Two model turns, rewards from the environment alone: after turn 1 it asks for more ("+1="), after turn 2
+    it scores that turn by its share of digits (1.0: all digits) and ends the episode."""
+
+    stop = ()
+
+    def __init__(self, ask: str = "+1="):
+        self.ask, self.turn = ask, 0
+
+    def reset(self, row: dict):
+        self.turn = 0
+        return None
+
+    def step(self, model_text: str):
+        self.turn += 1
+        if self.turn == 1:
+            return self.ask, None, False
+        digits = sum(ch.isdigit() for ch in model_text)
+        return None, digits / max(1, len(model_text)), True
+
+
+class Scripted:
+    """Replays `replies`, a list of [observation, reward, done] per turn (the last repeats), recording the texts
+    it was shown in `seen` (a class-level list, for the tests to read)."""
+
+    seen: list = []
+    stop = ("=",)
+
+    def __init__(self, replies=(("+1", None, False), (None, 1.0, True)), first_message=None):
+        self.replies, self.first_message, self.turn = [tuple(r) for r in replies], first_message, 0
+
+    def reset(self, row):
+        return self.first_message
+
+    def step(self, model_text):
+        Scripted.seen.append(model_text)
+        reply = self.replies[min(self.turn, len(self.replies) - 1)]
+        self.turn += 1
+        return reply
+
+
+class NeverDone:
+    """Answers every turn with an observation and a reward of 1, never ends: the limits must."""
+
+    stop = ()
+
+    def __init__(self, observation: str = "00000"):
+        self.observation = observation
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        return self.observation, 1.0, False
+
+
+class Faulty:
+    """Fails in the way `how` names, at turn `at` (1-based) or in reset/__init__."""
+
+    stop = ()
+
+    def __init__(self, how: str = "raise", at: int = 1):
+        if how == "init":
+            raise RuntimeError("cannot start")
+        self.how, self.at, self.turn = how, at, 0
+
+    def reset(self, row):
+        if self.how == "reset_raise":
+            raise ValueError("no such game")
+        if self.how == "reset_type":
+            return 42
+        return None
+
+    def step(self, model_text):
+        self.turn += 1
+        if self.turn < self.at:
+            return "1", 0.5, False
+        return {"raise": lambda: 1 / 0,
+                "not_a_tuple": lambda: "oops",
+                "short": lambda: ("1", 1.0),
+                "obs_type": lambda: (7, 1.0, False),
+                "reward_type": lambda: (None, "high", True),
+                "reward_nan": lambda: (None, float("nan"), True),
+                "done_type": lambda: (None, 1.0, "yes")}[self.how]()
+
+
+class NoStep:
+    def reset(self, row):
+        return None
