@@ -34,6 +34,14 @@ def ids(text: str) -> list:
 PROMPTS = [[TOK.bos_token_id] + ids(f"{i}+{i + 3}=") for i in range(4)]
 
 
+@pytest.fixture(autouse=True)
+def _leave_torch_rng_alone():
+    """These tests seed and sample: torch's global RNG is put back after each, so that tests run after them
+    (whose LoRA initialisations draw from it) see what they would see without them."""
+    with torch.random.fork_rng():
+        yield
+
+
 @pytest.fixture(scope="module")
 def engines(vllm_model_dir):
     """(transformers engine, vLLM engine) on the same float32 model."""
@@ -42,8 +50,9 @@ def engines(vllm_model_dir):
 
     from lowmem_grpo.rollout.hf import HFEngine
 
-    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
-    engine = V.VLLMEngine(model, TOK, EngineConfig(name="vllm", kv_cache_memory_bytes=32 << 20))
+    with torch.random.fork_rng():
+        model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+        engine = V.VLLMEngine(model, TOK, EngineConfig(name="vllm", kv_cache_memory_bytes=32 << 20))
     yield HFEngine(model, TOK), engine
     engine.close()
 
