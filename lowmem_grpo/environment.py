@@ -50,6 +50,8 @@ class Environment:
     """The interface, as a base class to subclass (optional: any class with these methods works)."""
 
     stop: tuple[str, ...] = ()
+    # True: instances share no state, so one round's step() calls may run together on threads (rollout/turns.py)
+    parallel_steps: bool = False
 
     def reset(self, row: dict) -> Optional[str]:
         """The first user message for this dataset row; None: the dataset prompt, rendered as without an
@@ -239,6 +241,7 @@ class PythonTool(Environment):
     recipe's reward functions score the completion (its text holds the calls and their outputs)."""
 
     stop = ("</python>",)
+    parallel_steps = True   # each call is its own sandboxed subprocess
     OPEN, CLOSE = "<python>", "</python>"
 
     def __init__(self, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,

@@ -200,6 +200,36 @@ def build_tool_tokenizer():
     )
 
 
+def build_tool_model(tokenizer, spec: TinyModelSpec = TinyModelSpec(max_position_embeddings=128), seed: int = 0):
+    """build_model's network (same sizes, with attention biases), as a Llama-architecture model. Why not
+    Qwen2: transformers' AutoTokenizer loads a folder whose config says qwen2 as Qwen2's byte-level BPE,
+    rebuilt from the vocabulary, which drops "\n" and " " and splits the tool tags; with a Llama config it loads
+    build_tool_tokenizer's folder as it was saved."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size or len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_bias=True,
+        rms_norm_eps=1e-6,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
+
+
 def product_rows(n: int, seed: int, lo: int = 100, hi: int = 999) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -343,7 +373,7 @@ def greedy_tool_eval(model, tokenizer, rows: list[dict], max_new_tokens: int = 4
 
 
 def warm_start_tool(model, tokenizer, train_rows, probe_rows, rate_band=(0.2, 0.45), min_tool_accuracy=0.9,
-                    other_share=0.1, lr=3e-3, batch_size=64, max_steps=4000, check_every=100, seed=0,
+                    other_share=0.1, lr=3e-3, batch_size=32, max_steps=4000, check_every=50, seed=0,
                     log=print) -> tuple[dict, int]:
     """Supervised pass on tool_sft_rows until, on `probe_rows` (training problems, never the held-out set), the
     greedy tool-call rate lies in `rate_band` and the calls it makes end in the right number at least

@@ -2,7 +2,7 @@
 
     python scripts/tool_demo.py [--seed N] [--rebuild] [--steps N]
 
-1. Builds a small Qwen2-architecture model and a character tokenizer that covers the tool syntax, and warm-starts
+1. Builds a small Llama-architecture model (tiny.build_tool_model) and a character tokenizer that covers the tool syntax, and warm-starts
    it on 3-digit products (123*456=): about a third of its supervised examples call the tool,
    <python>print(123*456)</python>, see its output (environment text: context, never trained) and copy the
    number; the rest guess the product directly, which a 2-layer model cannot do. It stops once the greedy
@@ -52,11 +52,11 @@ def build_base(base_dir: Path, data_dir: Path, log) -> None:
     tiny.write_jsonl(train_rows, data_dir / "train.jsonl")
     tiny.write_jsonl(test_rows, data_dir / "test.jsonl")
     tok = tiny.build_tool_tokenizer()
-    model = tiny.build_model(tok, tiny.TinyModelSpec(max_position_embeddings=128), seed=0)
+    model = tiny.build_tool_model(tok, tiny.TinyModelSpec(max_position_embeddings=128), seed=0)
     log(f"[tool demo] warm-starting a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on "
         "3-digit products (a third of the examples use the tool) ...")
     t0 = time.time()
-    probe, steps = tiny.warm_start_tool(model, tok, train_rows, train_rows[:200], log=lambda *a: None)
+    probe, steps = tiny.warm_start_tool(model, tok, train_rows, train_rows[:100], log=lambda *a: None)
     held = tiny.greedy_tool_eval(model, tok, test_rows)
     log(f"[tool demo] warm start: {steps} steps in {time.time() - t0:.0f}s; held-out (simulated tool): accuracy "
         f"{100 * held['accuracy']:.1f}%, tool calls {100 * held['tool_call_rate']:.1f}% "
@@ -98,7 +98,7 @@ def main() -> None:
         common.append(f"train.steps={args.steps}")
     runs = [("with the tool", common, out / f"run-tool-seed{args.seed}")]
     if not args.skip_baseline:   # no environment: a completion is one turn of up to max_total_tokens tokens
-        runs.append(("without the tool", common + ['environment.name=""', "generation.max_new_tokens=80"],
+        runs.append(("without the tool", common + ['environment.name=""', "generation.max_new_tokens=48"],
                      out / f"run-notool-seed{args.seed}"))
     figures = []
     for name, overrides, run_dir in runs:

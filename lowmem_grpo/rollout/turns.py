@@ -15,7 +15,9 @@ sampler log-prob: context for the model, never trained (batch.pack).
 A completion is `truncated` when its last model turn was cut (no EOS or stop string within its budget), or a
 limit (max_turns, max_total_tokens) ended the episode before the environment said done. An environment that
 raises or returns the wrong types ends its episode there, with the error recorded (EnvRecord.error) and
-counted; the rewards it gave before stay.
+counted; the rewards it gave before stay. A round's steps of an environment with parallel_steps (the Python
+tool: a sandboxed subprocess each) run together on a thread pool, others one after another; results keep the
+episodes' order.
 
 Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a resumed run replays them.
 """
@@ -23,11 +25,14 @@ Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from ..environment import EnvOutputError, checked_counters, checked_reset, checked_step
 from .base import Completion, EnvRecord, SamplingParams
+
+STEP_WORKERS = 8   # threads running a round's parallel_steps calls (the Python tool's each wait on a subprocess)
 
 
 @dataclass(frozen=True)
@@ -124,14 +129,38 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
 
 
-def _after_turn(ep: _Episode, turn: list, cut: bool, tokenizer, limits: TurnLimits) -> None:
-    """env.step on the turn's text, then: end the episode (done, error, a limit) or append the observation."""
-    ep.truncated = cut   # the last model turn so far was cut; a later turn that ends on its own clears it
+def _step(env, text: str):
+    """checked_step(env, text), or the EnvOutputError it raised (returned, so that a pool can carry it)."""
     try:
-        observation, reward, done = checked_step(ep.env, tokenizer.decode(turn, skip_special_tokens=True))
+        return checked_step(env, text)
     except EnvOutputError as exc:
-        ep.end(error=str(exc))
+        return exc
+
+
+def _step_all(envs: list, texts: list) -> list:
+    """_step over one round's episodes, in their order. Steps of environments that declare parallel_steps (the
+    Python tool: a sandboxed subprocess each) run together on a thread pool; any other's one after another (its
+    instances may share state). Each result lands at its episode's place: a run replays the same."""
+    together = [i for i, env in enumerate(envs) if getattr(env, "parallel_steps", False)]
+    out = [None] * len(envs)
+    if len(together) > 1:
+        with ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(together))) as pool:
+            for i, result in zip(together, pool.map(_step, [envs[i] for i in together], [texts[i] for i in together])):
+                out[i] = result
+    for i, env in enumerate(envs):
+        if out[i] is None:
+            out[i] = _step(env, texts[i])
+    return out
+
+
+def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits) -> None:
+    """With env.step's result on the turn's text (`stepped`: its output or the EnvOutputError): end the episode
+    (done, error, a limit) or append the observation."""
+    ep.truncated = cut   # the last model turn so far was cut; a later turn that ends on its own clears it
+    if isinstance(stepped, EnvOutputError):
+        ep.end(error=str(stepped))
         return
+    observation, reward, done = stepped
     if reward is not None:
         ep.rewards.append(reward)
     if done:
@@ -157,9 +186,11 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         budget = min(params.max_new_tokens, max(_room(ep, limits) for ep in active))
         turn_params = replace(params, n=1, max_new_tokens=budget, stop=tuple(factory.stop))
         outs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], turn_params)
-        for ep, c in zip(active, outs):
-            turn, cut = _model_turn(ep, c, limits)
-            _after_turn(ep, turn, cut, tokenizer, limits)
+        turns = [_model_turn(ep, c, limits) for ep, c in zip(active, outs)]
+        stepped = _step_all([ep.env for ep in active],
+                            [tokenizer.decode(turn, skip_special_tokens=True) for turn, _ in turns])
+        for ep, (_, cut), result in zip(active, turns, stepped):
+            _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
         _read_counters(ep)
     return [ep.completion() for ep in episodes]
