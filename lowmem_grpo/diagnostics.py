@@ -121,13 +121,20 @@ def environment_stats(records: Sequence, truncated: torch.Tensor) -> dict:
     return row
 
 
-def sample_table(prompts: Sequence[str], texts: Sequence[str], result, limit: int = 16) -> list[dict]:
-    """The first `limit` completions with their prompt and rewards, total and per function (None = skipped)."""
+SAMPLE_ROWS = 16   # completions in a step's sample table
+
+
+def sample_table(prompts: Sequence[str], texts: Sequence[str], result, limit: int = SAMPLE_ROWS,
+                 segments: Optional[Sequence[Optional[list]]] = None) -> list[dict]:
+    """The first `limit` completions with their prompt and rewards, total and per function (None = skipped);
+    with an environment, also each completion's segments: [who, text] runs, who "model" or "environment"
+    (docs/algorithm.md §20)."""
     def num(x) -> Optional[float]:
         return None if math.isnan(x) else float(x)
 
     return [{"prompt": prompts[i], "completion": texts[i], "reward": num(result.total[i]),
-             **{f"reward/{name}": num(values[i]) for name, values in result.per_function.items()}}
+             **{f"reward/{name}": num(values[i]) for name, values in result.per_function.items()},
+             **({"segments": segments[i]} if segments is not None and segments[i] is not None else {})}
             for i in range(min(limit, len(texts)))]
 
 

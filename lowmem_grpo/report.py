@@ -130,6 +130,10 @@ def render(run_dir, out_dir=None) -> dict:
         ("entropy.png", "Token entropy (nats)", [[("entropy", "entropy")]]),
         ("lengths.png", "Completion lengths",
          [[("completion/mean_length", "mean length (tokens)")], [("completion/truncated_fraction", "truncated fraction")]]),
+        ("environment.png", "Environment episodes (docs/algorithm.md §20; only runs with an environment)",
+         [[("env/turns", "model turns per completion")], [("env/tokens", "environment tokens per completion")],
+          [("env/tool_calls", "tool calls"), ("env/tool_errors", "tool errors"), ("env/tool_timeouts", "tool timeouts"),
+           ("env/errors", "environment errors")]]),
         ("time_memory.png", "Step time and memory",
          [[("time/step_s", "step (s)"), ("time/rollout_s", "rollout (s)")], [("memory/peak_mib", "peak memory (MiB)")]]),
     ]

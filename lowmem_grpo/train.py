@@ -48,7 +48,7 @@ from .rewards.code import judging_notes
 from .rollout import make_engine
 from .rollout.base import EngineConfig, SamplingParams
 from .rollout.turns import (TurnLimits, environment_rewards, model_tokens, prompt_ids, prompt_messages, prompt_text,
-                            runner)
+                            runner, segments)
 from .sinks import SinkError, open_sinks
 
 
@@ -421,7 +421,8 @@ class Trainer:
                     "memory/peak_mib": peak_memory_mib(), "sample": texts[0] if texts else "",
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         every = r.output.samples_every  # the table is built only for the steps that write it
-        samples = (diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result)
+        samples = (diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result,
+                                     segments=[segments(c, self.tokenizer) for c in completions[:diag.SAMPLE_ROWS]])
                    if every and (self.step + 1) % every == 0 else None)
         return Step(row, samples)
 

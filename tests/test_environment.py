@@ -547,3 +547,30 @@ def test_eval_command_drives_the_environment_as_the_trainer_does(tiny_model_dir,
     assert (summary["accuracy"], summary["mean_reward"], summary["n"]) == \
         (by_trainer["accuracy"], by_trainer["mean_reward"], by_trainer["n"])
     assert summary["pass@2/prompts"] == 4
+
+
+def test_sample_table_shows_segments_and_report_plots_the_episodes(tiny_model_dir, tiny_data, tmp_path):
+    """The sample table gives each completion's model and environment runs (docs/algorithm.md §20), and
+    `lowmem-grpo report` draws the env/ metrics (a figure only runs with an environment have)."""
+    import json
+
+    from lowmem_grpo.report import render
+    from lowmem_grpo.train import Trainer
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
+                    environment={"name": "toy_envs:TwoTurns", "max_total_tokens": 14,
+                                 "observation_template": " {observation} "},
+                    generation={"num_generations": 4, "max_new_tokens": 5},
+                    train={"steps": 2, "eval_max_prompts": 4, "preflight": False}, output={"samples_every": 1})
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    trainer.fit()
+    tables = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    observation = trainer.tokenizer.decode(trainer.tokenizer(" +1= ", add_special_tokens=False)["input_ids"])
+    for table in tables:
+        for sample in table["samples"]:
+            who = [w for w, _ in sample["segments"]]
+            assert who[0] == "model" and "environment" in who, who
+            assert [t for w, t in sample["segments"] if w == "environment"] == [observation]
+            assert "".join(t for _, t in sample["segments"]) == sample["completion"]
+    out = render(tmp_path / "run", tmp_path / "rep")
+    assert tmp_path / "rep" / "environment.png" in out["images"]

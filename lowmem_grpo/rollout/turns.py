@@ -240,3 +240,18 @@ def environment_rewards(completions: list) -> Optional[list]:
 def model_tokens(c: Completion) -> int:
     """|o_i| (docs/algorithm.md §20): the tokens the model sampled, the environment's left out."""
     return len(c.token_ids) - (sum(c.env_mask) if c.env_mask is not None else 0)
+
+
+def segments(completion: Completion, tokenizer) -> Optional[list]:
+    """The completion as [who, text] runs, who "model" or "environment", for the sample table; None for a
+    completion without environment tokens' bookkeeping (no environment)."""
+    if completion.env_mask is None:
+        return None
+    runs: list = []
+    for token, by_env in zip(completion.token_ids, completion.env_mask):
+        who = "environment" if by_env else "model"
+        if runs and runs[-1][0] == who:
+            runs[-1][1].append(token)
+        else:
+            runs.append((who, [token]))
+    return [[who, tokenizer.decode(ids, skip_special_tokens=True)] for who, ids in runs]
