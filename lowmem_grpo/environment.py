@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 from math import isfinite
 from typing import Any, Optional
 
@@ -89,9 +90,15 @@ def resolve(name: str) -> type:
     return cls
 
 
-def stop_strings(name: str, cls: type) -> tuple[str, ...]:
-    """The class's `stop` attribute as a tuple of non-empty strings, or an EnvError."""
+def stop_strings(name: str, cls: type, kwargs: Optional[dict] = None) -> tuple[str, ...]:
+    """The class's stop strings as a tuple of non-empty strings, or an EnvError: its optional classmethod
+    `stop_for(**kwargs)` (stop strings that depend on its options), else its `stop` attribute."""
     stop = getattr(cls, "stop", ())
+    if callable(getattr(cls, "stop_for", None)):
+        try:
+            stop = cls.stop_for(**(kwargs or {}))
+        except Exception as exc:  # user code: reported as the environment's, not raised raw
+            raise EnvError(f"environment {name!r}: stop_for raised {type(exc).__name__}: {exc}") from None
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
@@ -117,11 +124,16 @@ def environment_problems(cfg) -> list[tuple[str, str]]:
         return []
     try:
         cls = resolve(cfg.name)
-        stop_strings(cfg.name, cls)
     except EnvError as exc:
         return [("environment.name", str(exc))]
     problem = kwargs_problem(cfg.name, cls, dict(cfg.kwargs))
-    return [("environment.kwargs", problem)] if problem else []
+    if problem:
+        return [("environment.kwargs", problem)]
+    try:
+        stop_strings(cfg.name, cls, dict(cfg.kwargs))
+    except EnvError as exc:
+        return [("environment.name", str(exc))]
+    return []
 
 
 def startup_notes(name: str, cls: type, kwargs: dict) -> list[str]:
@@ -146,7 +158,7 @@ class EnvironmentFactory:
             raise EnvError("\n".join(f"{key}: {message}" for key, message in problems))
         self.name, self.kwargs = cfg.name, dict(cfg.kwargs)
         self.cls = resolve(cfg.name)
-        self.stop = stop_strings(cfg.name, self.cls)
+        self.stop = stop_strings(cfg.name, self.cls, self.kwargs)
         self.notes = startup_notes(cfg.name, self.cls, self.kwargs)
 
     def make(self) -> Any:
@@ -232,39 +244,58 @@ def _short(x, n: int = 60) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 class PythonTool(Environment):
-    """environment.name: python. A model turn that ends with </python> is a tool call: the code between the last
-    <python> and that </python> (a ``` fence inside is dropped) runs in the sandbox (rewards/sandbox.py; standard
-    library only, no network), and its output, cut to max_output_chars, comes back as the observation between
-    <output> and </output>. Code that does not parse, a </python> without <python>, a run past timeout_s or
-    killed by a limit: a tool error, counted (tool_errors, tool_timeouts), with an observation that says so,
-    and the episode goes on. A turn that ends without a tool call ends the episode. Gives no reward: the
-    recipe's reward functions score the completion (its text holds the calls and their outputs)."""
+    """environment.name: python. A model turn that ends with a tool call's closing tag runs the call's code in
+    the sandbox (rewards/sandbox.py; standard library only, no network), and its output, cut to
+    max_output_chars, comes back as the observation. Two call formats (kwarg call_format):
 
-    stop = ("</python>",)
+      tags       <python>CODE</python>, answered <output>\nOUTPUT</output> (a ``` fence inside is dropped)
+      tool_call  the Hermes/Qwen chat templates' format: <tool_call>{"name": "python", "arguments": {"code":
+                 CODE}}</tool_call>, answered <tool_response>\nOUTPUT</tool_response>, as those templates
+                 render a tool message
+
+    Code that does not parse, a call that is not valid (a closing tag without its opening one, tool_call JSON
+    that is not {"name": "python", "arguments": {"code": str}}), a run past timeout_s or killed by a limit: a
+    tool error, counted (tool_errors, tool_timeouts), with an observation that says so, and the episode goes
+    on. A turn that ends without a tool call ends the episode. Gives no reward: the recipe's reward functions
+    score the completion (its text holds the calls and their outputs)."""
+
     parallel_steps = True   # each call is its own sandboxed subprocess
-    OPEN, CLOSE = "<python>", "</python>"
+    FORMATS = {   # call_format -> (opening tag, closing tag, observation around the output)
+        "tags": ("<python>", "</python>", "<output>\n{}</output>"),
+        "tool_call": ("<tool_call>", "</tool_call>", "<tool_response>\n{}</tool_response>"),
+    }
+    stop = ("</python>",)   # the tags format's (a subclass may change it); stop_for gives each format's
 
     def __init__(self, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
-                 allow_weak_sandbox: bool = False):
+                 allow_weak_sandbox: bool = False, call_format: str = "tags"):
         self.timeout_s, self.max_output_chars, self.memory_mb = float(timeout_s), int(max_output_chars), int(memory_mb)
+        self.call_format = call_format
+        self.OPEN, self.CLOSE, self.ANSWER = self.FORMATS[call_format]
         self.calls = self.errors = self.timeouts = 0
 
     @classmethod
+    def stop_for(cls, call_format: str = "tags", **_) -> tuple[str, ...]:
+        if call_format not in cls.FORMATS:
+            raise ValueError(f"call_format {call_format!r} is unknown; allowed: {', '.join(cls.FORMATS)}")
+        return tuple(cls.stop) if call_format == "tags" else (cls.FORMATS[call_format][1],)
+
+    @classmethod
     def startup(cls, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
-                allow_weak_sandbox: bool = False) -> list[str]:
+                allow_weak_sandbox: bool = False, call_format: str = "tags") -> list[str]:
         """Refuse a sandbox weaker than full isolation unless allow_weak_sandbox (as the code rewards do)."""
         from .rewards.sandbox import SandboxLimits, missing_protections, sandbox_summary
 
         if timeout_s <= 0 or max_output_chars < 1 or memory_mb < 1:
             raise ValueError(f"timeout_s must be > 0, max_output_chars and memory_mb >= 1 (got {timeout_s}, "
                              f"{max_output_chars}, {memory_mb})")
+        cls.stop_for(call_format)
         limits = SandboxLimits.of(memory_mb=memory_mb)
         missing = missing_protections(limits)
         if missing and not allow_weak_sandbox:
             raise ValueError("refusing to run model-written code with weaker isolation; missing: "
                              + "; ".join(f"{k} ({v})" for k, v in missing.items())
                              + ". Set allow_weak_sandbox: true in environment.kwargs to accept that (docs/sandbox.md).")
-        return [f"environment python: {sandbox_summary(limits)}"]
+        return [f"environment python: {sandbox_summary(limits)}; tool calls in the {call_format!r} format"]
 
     def reset(self, row: dict) -> Optional[str]:
         return None
@@ -281,7 +312,9 @@ class PythonTool(Environment):
         start = body.rfind(self.OPEN)
         if start < 0:
             return self._error(f"{self.CLOSE} without {self.OPEN}: nothing was run"), None, False
-        code = _unfenced(body[start + len(self.OPEN):])
+        code, problem = self._code(body[start + len(self.OPEN):])
+        if problem:
+            return self._error(problem), None, False
         try:
             compile(code, "<python>", "exec")
         except (SyntaxError, ValueError) as exc:
@@ -298,11 +331,25 @@ class PythonTool(Environment):
             return self._error(f"timed out after {self.timeout_s:g} s and was stopped", output)
         if result.killed_reason is not None:
             return self._error(f"stopped ({result.killed_reason})", output)
-        return f"<output>\n{output}</output>"
+        return self.ANSWER.format(output)
+
+    def _code(self, call: str) -> tuple[str, Optional[str]]:
+        """(the code of a call's body, or why it has none)."""
+        if self.call_format == "tags":
+            return _unfenced(call), None
+        try:
+            parsed = json.loads(call)
+        except ValueError as exc:
+            return "", f"the tool call is not JSON: {exc}"
+        args = parsed.get("arguments") if isinstance(parsed, dict) else None
+        if not isinstance(parsed, dict) or parsed.get("name") != "python" or not isinstance(args, dict) \
+                or not isinstance(args.get("code"), str):
+            return "", 'the tool call must be {"name": "python", "arguments": {"code": "..."}}'
+        return args["code"], None
 
     def _error(self, what: str, output: str = "") -> str:
         self.errors += 1
-        return f"<output>\n{output}error: {what}\n</output>"
+        return self.ANSWER.format(f"{output}error: {what}\n")
 
 
 def _unfenced(code: str) -> str:

@@ -574,3 +574,29 @@ def test_sample_table_shows_segments_and_report_plots_the_episodes(tiny_model_di
             assert "".join(t for _, t in sample["segments"]) == sample["completion"]
     out = render(tmp_path / "run", tmp_path / "rep")
     assert tmp_path / "rep" / "environment.png" in out["images"]
+
+
+def test_python_tool_speaks_the_hermes_tool_call_format(tiny_model_dir):
+    """call_format: tool_call (the Hermes/Qwen chat templates' format): <tool_call>{json}</tool_call> is the
+    stop string, the JSON's code runs in the sandbox, the output comes back in <tool_response>; a call that is
+    not that JSON is a counted tool error; an unknown format is a load error naming what is allowed."""
+    from lowmem_grpo.environment import EnvError, EnvironmentFactory, PythonTool
+    from lowmem_grpo.recipe import EnvironmentConfig
+    from lowmem_grpo.rewards.sandbox import missing_protections, SandboxLimits
+
+    weak = bool(missing_protections(SandboxLimits.of()))
+    kwargs = {"call_format": "tool_call", "allow_weak_sandbox": weak}
+    factory = EnvironmentFactory(EnvironmentConfig(name="python", kwargs=kwargs))
+    assert factory.stop == ("</tool_call>",)
+    env = factory.make()
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6*7)"}}\n</tool_call>'
+    assert env.step("I will compute. " + call) == ("<tool_response>\n42\n</tool_response>", None, False)
+    observation, reward, done = env.step('<tool_call>{"name": "calc", "arguments": {}}</tool_call>')
+    assert observation.startswith("<tool_response>\n") and "must be" in observation and not done
+    observation, _, _ = env.step("<tool_call>not json</tool_call>")
+    assert "not JSON" in observation
+    assert env.step("The answer is 42.") == (None, None, True)
+    assert env.counters() == {"tool_calls": 3, "tool_errors": 2, "tool_timeouts": 0}
+    assert PythonTool.stop_for() == ("</python>",)
+    with pytest.raises(EnvError, match="call_format 'xml' is unknown; allowed: tags, tool_call"):
+        EnvironmentFactory(EnvironmentConfig(name="python", kwargs={"call_format": "xml"}))
