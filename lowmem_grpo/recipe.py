@@ -152,6 +152,9 @@ class EnvironmentConfig(_Section):
     observation_template: str = Field(
         "\n{observation}\n", description="How an observation is written into the completion (a Python format string "
         "with the one field {observation}); tokenized without special tokens.")
+    step_timeout_s: float = Field(
+        60.0, gt=0, description="A step() that has not returned after this many seconds ends its episode as an "
+        "environment error (counted in env/errors), so that user code cannot hang the run.")
     reward_weight: float = Field(
         1.0, description="Weight of the environment's summed reward in the total, as a reward function named "
         "'environment' (logged as reward/environment; a completion it gave no reward counts it as not applicable).")

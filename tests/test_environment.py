@@ -600,3 +600,20 @@ def test_python_tool_speaks_the_hermes_tool_call_format(tiny_model_dir):
     assert PythonTool.stop_for() == ("</python>",)
     with pytest.raises(EnvError, match="call_format 'xml' is unknown; allowed: tags, tool_call"):
         EnvironmentFactory(EnvironmentConfig(name="python", kwargs={"call_format": "xml"}))
+
+
+def test_a_step_that_never_returns_ends_its_episode_after_the_timeout():
+    """environment.step_timeout_s: a hanging step() is an environment error for that completion (counted), and
+    the run goes on: the other episodes of the round finish as usual."""
+    import dataclasses
+    import time
+
+    limits = dataclasses.replace(LIMITS, step_timeout_s=0.2)
+    t0 = time.monotonic()
+    out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:Faulty", how="hang", at=2), limits)
+    assert time.monotonic() - t0 < 10
+    assert len(out) == 4
+    for c in out:
+        assert "did not return within environment.step_timeout_s=0.2 s" in c.env.error, c.env.error
+        assert c.env.turns == 2 and c.env.reward == 0.5   # turn 1's reward stays

@@ -83,6 +83,9 @@ class Faulty:
         self.turn += 1
         if self.turn < self.at:
             return "1", 0.5, False
+        if self.how == "hang":   # a step that never returns (the driver gives up after step_timeout_s)
+            import threading
+            threading.Event().wait()
         return {"raise": lambda: 1 / 0,
                 "not_a_tuple": lambda: "oops",
                 "short": lambda: ("1", 1.0),

@@ -25,6 +25,7 @@ Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -41,11 +42,13 @@ class TurnLimits:
     max_total_tokens: int = 512
     observation_max_tokens: int = 128
     observation_template: str = "\n{observation}\n"
+    step_timeout_s: float = 60.0
 
     @classmethod
     def from_recipe(cls, cfg) -> "TurnLimits":
         """The limits of an EnvironmentConfig."""
-        return cls(cfg.max_turns, cfg.max_total_tokens, cfg.observation_max_tokens, cfg.observation_template)
+        return cls(cfg.max_turns, cfg.max_total_tokens, cfg.observation_max_tokens, cfg.observation_template,
+                   cfg.step_timeout_s)
 
 
 @dataclass
@@ -129,15 +132,28 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
 
 
-def _step(env, text: str):
-    """checked_step(env, text), or the EnvOutputError it raised (returned, so that a pool can carry it)."""
-    try:
-        return checked_step(env, text)
-    except EnvOutputError as exc:
-        return exc
+def _step(env, text: str, timeout_s: float):
+    """checked_step(env, text), or the EnvOutputError it raised (returned, so that a pool can carry it). A step
+    that has not returned after timeout_s is an error too: its thread (a daemon: Python cannot stop it) is left
+    behind with its instance, and the run goes on instead of hanging on user code."""
+    box: list = []
+
+    def call():
+        try:
+            box.append(checked_step(env, text))
+        except EnvOutputError as exc:
+            box.append(exc)
+
+    worker = threading.Thread(target=call, daemon=True, name="lowmem-grpo-env-step")
+    worker.start()
+    worker.join(timeout_s)
+    if not box:
+        return EnvOutputError(f"step() did not return within environment.step_timeout_s={timeout_s:g} s; "
+                              "the episode ends there")
+    return box[0]
 
 
-def _step_all(envs: list, texts: list) -> list:
+def _step_all(envs: list, texts: list, timeout_s: float) -> list:
     """_step over one round's episodes, in their order. Steps of environments that declare parallel_steps (the
     Python tool: a sandboxed subprocess each) run together on a thread pool; any other's one after another (its
     instances may share state). Each result lands at its episode's place: a run replays the same."""
@@ -145,11 +161,12 @@ def _step_all(envs: list, texts: list) -> list:
     out = [None] * len(envs)
     if len(together) > 1:
         with ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(together))) as pool:
-            for i, result in zip(together, pool.map(_step, [envs[i] for i in together], [texts[i] for i in together])):
+            for i, result in zip(together, pool.map(_step, [envs[i] for i in together], [texts[i] for i in together],
+                                                    [timeout_s] * len(together))):
                 out[i] = result
     for i, env in enumerate(envs):
         if out[i] is None:
-            out[i] = _step(env, texts[i])
+            out[i] = _step(env, texts[i], timeout_s)
     return out
 
 
@@ -188,7 +205,7 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         outs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], turn_params)
         turns = [_model_turn(ep, c, limits) for ep, c in zip(active, outs)]
         stepped = _step_all([ep.env for ep in active],
-                            [tokenizer.decode(turn, skip_special_tokens=True) for turn, _ in turns])
+                            [tokenizer.decode(turn, skip_special_tokens=True) for turn, _ in turns], limits.step_timeout_s)
         for ep, (_, cut), result in zip(active, turns, stepped):
             _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
