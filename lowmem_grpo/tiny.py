@@ -11,6 +11,7 @@ a small model learns it partially after a short supervised pass, which leaves ro
 from __future__ import annotations
 
 import json
+import operator
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +54,13 @@ class TinyModelSpec:
 def build_model(tokenizer, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    return _build(Qwen2Config, Qwen2ForCausalLM, tokenizer, spec, seed)
+
+
+def _build(config_cls, model_cls, tokenizer, spec: TinyModelSpec, seed: int, **extra):
+    """A randomly initialised model of `spec`'s sizes, its token ids and generation config the tokenizer's."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -66,8 +72,9 @@ def build_model(tokenizer, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0)
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **extra,
     )
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -77,24 +84,34 @@ def build_model(tokenizer, spec: TinyModelSpec = TinyModelSpec(), seed: int = 0)
 # --- the addition task -------------------------------------------------------------------------------
 
 def addition_rows(n: int, seed: int, lo: int = 0, hi: int = 99) -> list[dict]:
+    return _arithmetic_rows("+", operator.add, n, seed, lo, hi)
+
+
+def _arithmetic_rows(sign: str, op, n: int, seed: int, lo: int, hi: int) -> list[dict]:
+    """n seeded problems "a<sign>b=" with a, b in [lo, hi] and the answer op(a, b)."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        rows.append({"prompt": f"{a}{sign}{b}=", "answer": str(op(a, b))})
     return rows
 
 
 def split_addition_data(n_train: int = 2000, n_test: int = 200, seed: int = 1234) -> tuple[list[dict], list[dict]]:
     """Disjoint train/held-out problems: held-out prompts never appear in training."""
-    rows, seen = [], set()
-    for row in addition_rows(20 * (n_train + n_test), seed):
+    return _disjoint_split(addition_rows(20 * (n_train + n_test), seed), n_train, n_test)
+
+
+def _disjoint_split(rows: list[dict], n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+    """The first n_train + n_test distinct prompts of `rows`, split in order: no held-out prompt is trained on."""
+    out, seen = [], set()
+    for row in rows:
         if row["prompt"] not in seen:
             seen.add(row["prompt"])
-            rows.append(row)
-        if len(rows) == n_train + n_test:
+            out.append(row)
+        if len(out) == n_train + n_test:
             break
-    return rows[:n_train], rows[n_train:]
+    return out[:n_train], out[n_train:]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:
@@ -207,48 +224,16 @@ def build_tool_model(tokenizer, spec: TinyModelSpec = TinyModelSpec(max_position
     build_tool_tokenizer's folder as it was saved."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size or len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        attention_bias=True,
-        rms_norm_eps=1e-6,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model
+    return _build(LlamaConfig, LlamaForCausalLM, tokenizer, spec, seed, attention_bias=True, rms_norm_eps=1e-6)
 
 
 def product_rows(n: int, seed: int, lo: int = 100, hi: int = 999) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        rows.append({"prompt": f"{a}*{b}=", "answer": str(a * b)})
-    return rows
+    return _arithmetic_rows("*", operator.mul, n, seed, lo, hi)
 
 
 def split_product_data(n_train: int = 4000, n_test: int = 200, seed: int = 4321) -> tuple[list[dict], list[dict]]:
     """Disjoint train/held-out 3-digit products: held-out prompts never appear in training."""
-    rows, seen = [], set()
-    for row in product_rows(4 * (n_train + n_test), seed):
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            rows.append(row)
-        if len(rows) == n_train + n_test:
-            break
-    return rows[:n_train], rows[n_train:]
+    return _disjoint_split(product_rows(4 * (n_train + n_test), seed), n_train, n_test)
 
 
 def tool_call(prompt: str) -> str:
