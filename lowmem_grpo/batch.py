@@ -47,6 +47,16 @@ class MicroBatch:
         return self.logp_old if self.logp_old is not None else self.logp_start
 
 
+@dataclass(frozen=True)
+class BatchShare:
+    """One process's completions within the whole batch (docs/algorithm.md §21): the batch index of its first
+    completion, and the batch's completions and trained tokens, the aggregation normalisers (§5)."""
+
+    first: int
+    n_seqs: int
+    n_tokens: int
+
+
 def trained_completions(total: torch.Tensor, group_size: int, skip_zero_std_groups: bool,
                         exclude: Optional[torch.Tensor] = None) -> list[int]:
     """Indices of the completions that go into the update: scored (a skipped one has no reward, §2), with
@@ -112,14 +122,16 @@ def _kept(t: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
 def pack(prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor, micro_batch_size: int,
          aggregation: str, max_completion_length: int, pad_id: int,
          sampler_logprobs: Optional[list[list[float]]] = None, share_prompts: bool = False,
-         env_masks: Optional[list[Optional[list]]] = None) -> list[MicroBatch]:
+         env_masks: Optional[list[Optional[list]]] = None,
+         part: Optional[BatchShare] = None) -> list[MicroBatch]:
     """Micro-batches of `micro_batch_size` completions, with the flat per-token tensors of their completion
     tokens in completion order. The aggregation weights are computed over the whole batch, so the
     micro-batches' weighted sums add up to the batch's aggregate. With share_prompts, a micro-batch whose
     completions of one prompt can share one copy of it (SHARED_MAX_WIDTH, SHARED_MIN_SAVING) is laid out
     so (§12): same log-probs, fewer tokens. `env_masks[i]` (per token of completions[i], True where an
     environment wrote it; None: the model's alone) leaves those tokens in the input ids only (§20).
-    No Python loop per token."""
+    part: where these completions sit in the whole batch when they are one process's share of it (§21);
+    None: they are all of it. No Python loop per token."""
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.long)
     trained = model_token_mask(completions, env_masks)   # None: every completion token is trained
     seq_of_token = torch.repeat_interleave(torch.arange(len(completions)), lengths)
@@ -128,7 +140,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], advantages: tor
         seq_of_token = seq_of_token[trained]
     else:
         lengths_trained = lengths
-    all_weights = aggregation_weights(seq_of_token, lengths_trained, aggregation, max_completion_length)
+    all_weights = aggregation_weights(seq_of_token, lengths_trained, aggregation, max_completion_length,
+                                      None if part is None else (part.n_seqs, part.n_tokens))
+    first = 0 if part is None else part.first
     adv = advantages.to(torch.float32)
     batches, tok0, all0 = [], 0, 0
     for s0 in range(0, len(completions), micro_batch_size):
@@ -162,7 +176,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], advantages: tor
             mask, position_ids = _shared_attention(row_len, row_of, start, c_len, p_len, width)
         mb = MicroBatch(ids, mask, _kept(row_of[seq], keep), _kept(positions, keep),
                         _kept(torch.tensor(list(chain.from_iterable(completions[s0:s1])), dtype=torch.long), keep),
-                        _kept(adv[s0:s1][seq], keep), all_weights[tok0: tok0 + n_tok], _kept(seq + s0, keep),
+                        _kept(adv[s0:s1][seq], keep), all_weights[tok0: tok0 + n_tok], _kept(seq + s0 + first, keep),
                         position_ids=position_ids)
         if sampler_logprobs is not None:   # (NaN at environment tokens: never kept)
             mb.logp_sampler = _kept(torch.tensor(list(chain.from_iterable(sampler_logprobs[s0:s1])),

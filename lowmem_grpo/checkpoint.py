@@ -1,7 +1,7 @@
 """Checkpoints that a crash cannot half-write.
 
 A checkpoint is a folder `checkpoints/step-NNNNNN/` holding the LoRA adapter (peft format) and
-`trainer_state.pt` (optimizer, scheduler, RNG states, step). It is written under a temporary name
+`trainer_state.pt` (optimizer, scheduler, RNG states, step; under torchrun, every process's RNG states). It is written under a temporary name
 (`.tmp-step-NNNNNN`), flushed to disk, and renamed: a rename within one filesystem is atomic, so resume
 only ever sees complete checkpoints. Older checkpoints are deleted only after the new one is in place.
 """
@@ -45,7 +45,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[dict] = None, keep_last: int = 2) -> Path:
+def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[dict] = None, keep_last: int = 2,
+         rng: Optional[list] = None) -> Path:
+    """rng: every process's rng_state(), in rank order, when several train together (docs/algorithm.md §21);
+    None: this process's."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -56,8 +59,9 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp / "adapter")
+    rng = rng or [rng_state()]
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_state(), "extra": extra or {}}, tmp / "trainer_state.pt")
+                "rng": rng[0], "rng_per_process": rng, "extra": extra or {}}, tmp / "trainer_state.pt")
     _fsync_tree(tmp)
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
         _remove(final)
@@ -89,6 +93,11 @@ def complete_checkpoints(run_dir) -> list[Path]:
 def latest(run_dir) -> Optional[Path]:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def rng_states(saved: dict) -> list:
+    """The RNG states of a loaded trainer state, one per process that wrote it (older checkpoints: one)."""
+    return saved.get("rng_per_process") or [saved["rng"]]
 
 
 def load_trainer_state(ckpt: Path) -> dict:

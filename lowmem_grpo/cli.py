@@ -3,6 +3,7 @@ message and exit 2; they never reach the user as a traceback."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -75,21 +76,36 @@ def validate(recipe, overrides):
 @click.argument("recipe", type=click.Path(dir_okay=False), required=False)
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory from its latest checkpoint.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. --set train.steps=10.")
-def train(recipe, resume_dir, overrides):
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Train with N processes on this machine (one GPU each; gloo on CPU): starts "
+                   "torchrun --standalone --nproc_per_node N. For several machines, run torchrun with its own flags.")
+def train(recipe, resume_dir, overrides, nproc):
     """Train with RECIPE, or continue a run with --resume RUN_DIR."""
-    from .train import Trainer
+    from . import distributed
 
     if not recipe and not resume_dir:
         raise click.UsageError("give a RECIPE, or --resume RUN_DIR")
+    if nproc > 1:
+        if distributed.launched_size() > 1:
+            raise click.UsageError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
+        args = ([recipe] if recipe else []) + (["--resume", resume_dir] if resume_dir else [])
+        args += [f"--set={o}" for o in overrides]
+        # torchrun (torch.distributed.run) launches, rendezvous and stops the job when a process fails.
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc_per_node={nproc}", "-m", "lowmem_grpo", "train", *args])
+    from .train import Trainer
 
     def go():
-        if resume_dir:
-            r = load_recipe(Path(resume_dir) / "recipe.yaml", list(overrides))
-            trainer = Trainer(r, run_dir=Path(resume_dir), resume=True)
-        else:
-            r = load_recipe(recipe, list(overrides))
-            trainer = Trainer(r)
-        out = trainer.fit()
+        r = load_recipe(Path(resume_dir) / "recipe.yaml" if resume_dir else recipe, list(overrides))
+        world = distributed.join(r.train.collective_timeout_s)
+        try:
+            trainer = Trainer(r, run_dir=Path(resume_dir) if resume_dir else None, resume=bool(resume_dir),
+                              world=world)
+            out = trainer.fit()
+        finally:
+            distributed.leave()
+        if not world.main:
+            return out
         for key, label in (("first_eval", "before"), ("final_eval", "after")):
             if out[key]:
                 click.echo(f"held-out accuracy {label}: {100 * out[key]['accuracy']:.1f}%")

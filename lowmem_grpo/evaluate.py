@@ -69,7 +69,8 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
            records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
            rollout: Optional[Callable] = None) -> dict:
     """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
-    with skips as 0, over all prompts) and n (prompts counted). `records` gets one dict per prompt.
+    with skips as 0, over all prompts), n (prompts counted), correct and prompts (all of them, skipped ones
+    too). `records` gets one dict per prompt.
     `rollout(examples, params)`: how completions are made, when not engine.generate (an environment)."""
     correct, counted, reward_sum = 0, 0, 0.0
     for i in range(0, len(examples), batch_size):
@@ -88,7 +89,21 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
                 records.append({"mode": "greedy", "prompt_index": i + j, "sample": 0, "prompt": chunk[j].prompt_text,
                                 "completion": text, "rewards": per, "total": total, "correct": judged.at(j),
                                 "truncated": c.truncated})
-    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted}
+    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted,
+            "correct": correct, "prompts": len(examples)}
+
+
+def combine_greedy(parts: Sequence[dict]) -> dict:
+    """`greedy`'s result over all prompts from its results over disjoint shares of them (one per process,
+    docs/algorithm.md §21). The reward sums are recovered from the means: exact for the prompt counts of an
+    eval, to the last bit or two."""
+    if len(parts) == 1:
+        return parts[0]
+    correct, counted = sum(p["correct"] for p in parts), sum(p["n"] for p in parts)
+    prompts = sum(p["prompts"] for p in parts)
+    reward_sum = sum(p["mean_reward"] * p["prompts"] for p in parts)
+    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, prompts), "n": counted,
+            "correct": correct, "prompts": prompts}
 
 
 def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Sequence[int],
@@ -209,7 +224,6 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         rollout = _episodes(recipe, engine, tok, pset)
         summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done,
                               rollout=rollout))
-        summary["correct"] = sum(1 for r in records if r["correct"])
         torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
         params = SamplingParams.from_generation(g, n=max(ks))
         summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done,

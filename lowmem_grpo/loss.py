@@ -312,17 +312,18 @@ def adapt_entropy_coef(coef: float, entropy, target: float, lr: float) -> float:
 
 
 def aggregation_weights(seq_index: torch.Tensor, seq_lengths: torch.Tensor, mode: str,
-                        max_completion_length: int) -> torch.Tensor:
+                        max_completion_length: int, totals: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Per-token weights so that sum(w * l) is the aggregate of docs/algorithm.md §5 over the whole batch.
 
     seq_index [n_tokens]: which completion each token belongs to; seq_lengths [n_seqs]: |o_i| (tokens
-    that count; a skipped completion has length 0 and no tokens)."""
-    n_seqs = seq_lengths.numel()
+    that count; a skipped completion has length 0 and no tokens). totals: (completions, tokens) of the
+    whole batch when these are one process's share of it (docs/algorithm.md §21); None: these are all."""
     lengths = seq_lengths.to(torch.float64)
+    n_seqs, n_tokens = totals if totals is not None else (seq_lengths.numel(), lengths.sum().item())
     if mode == "sequence_mean":      # 1/G sum_i 1/|o_i| sum_t
         w = 1.0 / (n_seqs * lengths.clamp(min=1))[seq_index]
     elif mode == "token_mean":       # sum_i sum_t / sum_i |o_i|   (DAPO)
-        w = torch.full(seq_index.shape, 1.0 / max(1.0, lengths.sum().item()), dtype=torch.float64)
+        w = torch.full(seq_index.shape, 1.0 / max(1.0, n_tokens), dtype=torch.float64)
     elif mode == "constant":         # sum_i sum_t / (G * L_max)   (Dr. GRPO)
         w = torch.full(seq_index.shape, 1.0 / (n_seqs * max_completion_length), dtype=torch.float64)
     elif mode == "sum":

@@ -72,8 +72,9 @@ def summary_line(row: dict) -> str:
             f" | loss {f('loss', '+.4f')} | {f('time/step_s', '.2f', suffix='s')} | mem {f('memory/peak_mib', '.0f', suffix=' MiB')}")
 
 
-# The phases of a step, as train.py times them (time/<phase>_s in every step row; None: not run).
-PHASES = ("select", "rollout", "reward", "pack", "no_grad", "update", "diagnostics")
+# The phases of a step, as train.py times them (time/<phase>_s in every step row; None: not run). "gather":
+# several processes exchanging their rollouts, waiting for the slowest (docs/algorithm.md §21).
+PHASES = ("select", "rollout", "reward", "gather", "pack", "no_grad", "update", "diagnostics")
 
 
 class PhaseTimer:

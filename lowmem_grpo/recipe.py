@@ -347,6 +347,11 @@ class TrainConfig(_Section):
     max_nonfinite_steps: int = Field(
         3, ge=1, description="Stop the run with an error after this many steps in a row whose loss or gradient is NaN/inf "
         "(each such step is skipped: no optimizer step, no checkpoint); default 3.")
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="Under torchrun (several processes, docs/algorithm.md §21): how long a process waits "
+        "for the others at an exchange before it fails the job. Covers a process that hangs; one that exits or is "
+        "killed is stopped by torchrun at once. Above the longest step phase one process can lag the others by "
+        "(a rollout, an eval). Default 1800.")
 
 
 class OutputConfig(_Section):

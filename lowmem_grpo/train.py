@@ -14,6 +14,11 @@ One step (Trainer.train_step):
   8. log        the metrics row (every statistic from diagnostics.py); a checkpoint every N steps, with the
                 loop's own state (LoopState)
 
+Under torchrun (distributed.py, docs/algorithm.md §21) each process samples and scores its share of the
+step's prompts, then every process holds the whole batch: steps 3-5 and every statistic are computed as one
+process would, each process updates on its share of the completions with the batch's normalisers, and the
+trainable gradients are summed. Process 0 writes the metrics and checkpoints.
+
 This file orchestrates: the maths is in loss.py, advantages.py, logprobs.py and diagnostics.py.
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 import math
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -29,11 +34,13 @@ import torch
 
 from . import checkpoint as ckpt
 from . import diagnostics as diag
+from . import distributed
 from .advantages import group_advantages, normalize_then_sum_advantages
-from .batch import MicroBatch, completion_logprobs, pack, trained_completions
+from .batch import BatchShare, MicroBatch, completion_logprobs, pack, trained_completions
 from .data import batch_indices, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
+from .evaluate import combine_greedy
 from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
                    top_entropy_mask)
@@ -49,7 +56,7 @@ from .rollout import make_engine
 from .rollout.base import EngineConfig, SamplingParams
 from .rollout.turns import (TurnLimits, environment_rewards, model_tokens, prompt_ids, prompt_messages, prompt_text,
                             runner, segments)
-from .sinks import SinkError, open_sinks
+from .sinks import SinkError, Sinks, open_sinks
 
 
 class TrainingError(Exception):
@@ -122,8 +129,15 @@ class Step:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, run_dir: Optional[Path] = None, resume: bool = False, log=print):
-        self.recipe, self.log = recipe, log
+    def __init__(self, recipe: Recipe, run_dir: Optional[Path] = None, resume: bool = False, log=print,
+                 world: Optional[distributed.World] = None):
+        self.world = world if world is not None else distributed.current()   # §21: one process unless torchrun
+        self.recipe = recipe
+        self.log = log if self.world.main else (lambda *args, **kwargs: None)
+        if recipe.train.prompts_per_step % self.world.size:
+            raise TrainingError(f"train.prompts_per_step={recipe.train.prompts_per_step} does not divide among "
+                                f"{self.world.size} processes: each takes an equal share of a step's prompts; "
+                                f"use a multiple of {self.world.size}")
         self.run_dir = Path(run_dir or recipe.output.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(recipe.seed)
@@ -133,29 +147,35 @@ class Trainer:
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                  adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
         self.model.train()
+        # One policy: every process starts from process 0's adapter weights, then samples with its own stream.
+        distributed.broadcast_parameters(trainable_parameters(self.model), self.world)
+        if self.world.rank:
+            torch.manual_seed(distributed.sampling_seed(recipe.seed, self.world))
         if not next(self.model.parameters()).is_cuda:
             return_freed_memory_to_os()
         self.rewards = Rewards.from_recipe(recipe)
         self.env = EnvironmentFactory(recipe.environment) if recipe.environment.name else None   # §20
         self._env_error_logged = False
         for note in self.env.notes if self.env else []:
-            log(f"[lowmem-grpo] {note}")
+            self.log(f"[lowmem-grpo] {note}")
         # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set). Rows
         # need data.answer_field only when a reward reads it.
         sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer)
         self.train_set, self.eval_set = sets["train"], sets["test"]
         for note in self.rewards.notes + judging_notes(recipe):  # e.g. the code sandbox's active protections
-            log(f"[lowmem-grpo] {note}")
+            self.log(f"[lowmem-grpo] {note}")
         self.sampling = SamplingParams.from_generation(recipe.generation)
         self.share_prompts = recipe.train.share_prompts == "auto" and takes_shared_prompts(self.model)
-        self.engine = make_engine(EngineConfig.from_recipe(recipe), self.model, self.tokenizer)
+        engine_cfg = EngineConfig.from_recipe(recipe)
+        self.engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, self.world)),
+                                  self.model, self.tokenizer)
         try:
             self._init_loop(start_ckpt)
         except BaseException:
             self.engine.close()
             raise
         if self.train_set.skipped:
-            log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
+            self.log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
 
     def _init_loop(self, start_ckpt: Optional[Path]) -> None:
         """Optimizer, schedule, loop state and sinks: fresh, or as the checkpoint left them."""
@@ -168,17 +188,32 @@ class Trainer:
             saved = ckpt.load_trainer_state(start_ckpt)
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
-            ckpt.set_rng_state(saved["rng"])
             self.step = saved["step"]
+            self._restore_rng(ckpt.rng_states(saved))
             self.state = LoopState(**saved["extra"].get("loop", {}))
             self.log(f"[lowmem-grpo] resumed from {start_ckpt} at step {self.step}")
-        else:
+        elif self.world.main:
             (self.run_dir / "recipe.yaml").write_text(recipe_to_yaml(r))
+        if not self.world.main:   # process 0 writes the run's metrics and samples (§21)
+            self.metrics = Sinks([])
+            return
         try:  # metrics.jsonl always; TensorBoard / W&B as the recipe asks (sinks.py)
             self.metrics = open_sinks(self.run_dir, r.output, r.model_dump(mode="json"),
                                       resume_step=self.step if start_ckpt else None)
         except SinkError as exc:
             raise TrainingError(str(exc)) from None
+
+    def _restore_rng(self, states: list) -> None:
+        """Each process's RNG state as the checkpoint kept it; from a run of another process count, process
+        0's, and each other process a fresh stream of its own (so not the run that count would have made)."""
+        if len(states) == self.world.size:
+            ckpt.set_rng_state(states[self.world.rank])
+            return
+        self.log(f"[lowmem-grpo] the checkpoint was written by {len(states)} process(es), this run has "
+                 f"{self.world.size}: the data order continues, the sampling streams start afresh")
+        ckpt.set_rng_state(states[0])
+        if self.world.rank:
+            torch.manual_seed(distributed.sampling_seed(self.recipe.seed, self.world) + self.step)
 
     # -- the phases of a step ----------------------------------------------------------------------------
 
@@ -205,18 +240,26 @@ class Trainer:
         return self.recipe.environment.max_total_tokens if self.env is not None else self.recipe.generation.max_new_tokens
 
     def rollout(self, examples, clock: PhaseTimer) -> Rollouts:
-        """G completions per prompt, decoded (with an environment: its observations too) and scored."""
+        """G completions per prompt, decoded (with an environment: its observations too) and scored. Each
+        process samples and scores its share of the prompts; every process gets them all (§21)."""
+        mine = distributed.shard(examples, self.world)
         with clock("rollout"):
-            completions = self.generator(self.train_set)(examples, self.sampling)
+            completions = self.generator(self.train_set)(mine, self.sampling)
         self._log_env_error(completions)
         with clock("reward"):
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-            at = [examples[c.prompt_index] for c in completions]
+            at = [mine[c.prompt_index] for c in completions]
             result = self.rewards(texts, [prompt_text(c, e) for c, e in zip(completions, at)], [e.row for e in at],
                                   completion_ids=[c.token_ids for c in completions], step=self.step,
                                   prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, at)],
                                   environment=environment_rewards(completions))
-        return Rollouts(examples, completions, texts, result)
+        if self.world.size == 1:
+            return Rollouts(examples, completions, texts, result)
+        with clock("gather"):
+            parts = distributed.gather((completions, texts, result), self.world)
+        g = self.recipe.generation.num_generations
+        return Rollouts.cat([Rollouts(share, *part) for share, part in zip(distributed.shares(examples, self.world), parts)],
+                            g)
 
     def _log_env_error(self, completions) -> None:
         """The run's first environment error, once (all of them are counted in env/errors)."""
@@ -251,16 +294,23 @@ class Trainer:
         return group_advantages(result.total.view(-1, g), a.advantage, scale=a.scale_rewards, **extra)
 
     def pack(self, examples, completions, advantages: torch.Tensor, keep: list[int]) -> list[MicroBatch]:
+        """This process's share of the completions `keep` (all of them for one process), in micro-batches
+        weighted by the whole batch's normalisers (§5, §21)."""
         r = self.recipe
-        sampler = [completions[i].logprobs for i in keep]
+        start, stop = distributed.shard_bounds(len(keep), self.world)
+        part = BatchShare(start, len(keep), sum(model_tokens(completions[i]) for i in keep))
+        mine = keep[start:stop]
+        if not mine:   # more processes than completions to train on: this one only adds zero gradients
+            return []
+        sampler = [completions[i].logprobs for i in mine]
         if self.recipe.algorithm.sampler_correction != "none" and any(s is None for s in sampler):
             raise TrainingError(f"algorithm.sampler_correction={self.recipe.algorithm.sampler_correction!r} needs the "
                                 "rollout engine's log-probs, and this engine did not report them")
-        return pack([prompt_ids(completions[i], examples[completions[i].prompt_index]) for i in keep],
-                    [completions[i].token_ids for i in keep], advantages[keep], r.train.micro_batch_size,
+        return pack([prompt_ids(completions[i], examples[completions[i].prompt_index]) for i in mine],
+                    [completions[i].token_ids for i in mine], advantages[mine], r.train.micro_batch_size,
                     r.algorithm.aggregation, self.completion_cap, self.tokenizer.pad_token_id,
                     sampler_logprobs=sampler if all(s is not None for s in sampler) else None,
-                    share_prompts=self.share_prompts, env_masks=[completions[i].env_mask for i in keep])
+                    share_prompts=self.share_prompts, env_masks=[completions[i].env_mask for i in mine], part=part)
 
     def logprobs(self, mb: MicroBatch, return_entropy: bool = False, entropy_grad: bool = False):
         t = self.recipe.train
@@ -286,11 +336,12 @@ class Trainer:
                         mb.logp_ref = self.logprobs(mb)
         if not need_entropy:
             return {}
-        threshold = entropy_threshold(torch.cat(entropies), a.top_entropy_quantile)
+        everyone = distributed.gather_lists(entropies, self.world)   # the threshold is the whole batch's (§21)
+        threshold = entropy_threshold(torch.cat(everyone), a.top_entropy_quantile)
         for mb, entropy in zip(batches, entropies):
             mb.pg_mask = top_entropy_mask(entropy, threshold)
         return {"entropy/threshold": threshold,
-                "entropy/kept_fraction": float(torch.cat([mb.pg_mask for mb in batches]).float().mean())}
+                "entropy/kept_fraction": float(torch.cat([top_entropy_mask(e, threshold) for e in everyone]).float().mean())}
 
     def entropy_coef(self) -> float:
         a = self.recipe.algorithm
@@ -337,6 +388,9 @@ class Trainer:
             loss.backward()
             parts.append(diag.TokenStats(loss.item(), entropy.detach(), tl.clipped_low, tl.clipped_high, adv,
                                          tl.kl_ref, tl.kl_mirror))
+        # §21: the gradients summed over the processes are the batch's; its figures are every process's parts
+        distributed.sum_gradients(trainable_parameters(self.model), self.world)
+        parts, sampler = distributed.gather_lists(parts, self.world), distributed.gather_lists(sampler, self.world)
         stats = diag.update_stats(parts, kl_ref_on=a.kl_target in ("ref", "both"),
                                   kl_mirror_on=a.kl_target in ("mirror", "both"))
         extra = {**diag.sampler_correction_stats(sampler), "entropy/coef": coef}
@@ -374,8 +428,9 @@ class Trainer:
         now, for A > 0 and A < 0 (one no-grad forward)."""
         with torch.no_grad(), eval_mode(self.model):
             after = [self.logprobs(mb).cpu() for mb in batches]
-        return diag.logp_moved([mb.logp_start for mb in batches], after, [mb.seq_ids for mb in batches],
-                               [mb.advantages for mb in batches])
+        mine = [(mb.logp_start, a, mb.seq_ids, mb.advantages) for mb, a in zip(batches, after)]
+        before, after, seq_ids, advantages = zip(*distributed.gather_lists(mine, self.world))  # batch indices (§21)
+        return diag.logp_moved(before, after, seq_ids, advantages)
 
     def train_step(self) -> Step:
         r, g, a = self.recipe, self.recipe.generation, self.recipe.algorithm
@@ -413,12 +468,14 @@ class Trainer:
             if every and (self.step + 1) % every == 0:
                 with clock("diagnostics"):                                             # 7. diagnose
                     row.update(self.update_diagnostics(batches))
-            row.update(diag.sampler_agreement([(mb.logp_at_rollout, mb.logp_sampler) for mb in batches
-                                               if mb.logp_sampler is not None and mb.logp_at_rollout is not None]))
+            row.update(diag.sampler_agreement(distributed.gather_lists(
+                [(mb.logp_at_rollout, mb.logp_sampler) for mb in batches
+                 if mb.logp_sampler is not None and mb.logp_at_rollout is not None], self.world)))
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], **clock.row(),
                     "time/rollout_tokens_per_s": sum(model_tokens(c) for c in completions)
                     / max(clock.seconds["rollout"], 1e-9),
-                    "memory/peak_mib": peak_memory_mib(), "sample": texts[0] if texts else "",
+                    "memory/peak_mib": max(distributed.gather(peak_memory_mib(), self.world)),   # the fullest device
+                    "sample": texts[0] if texts else "",
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         every = r.output.samples_every  # the table is built only for the steps that write it
         samples = (diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result,
@@ -465,10 +522,13 @@ class Trainer:
     # -- evaluation ----------------------------------------------------------------------------------
 
     def evaluate(self) -> Optional[dict]:
+        """Greedy held-out accuracy; each process takes its share of the prompts, and the counts are summed (§21)."""
         if self.eval_set is None:
             return None
-        return greedy_eval(self.engine, self.tokenizer, self.rewards, self.eval_set.examples[: self.recipe.train.eval_max_prompts],
-                           self.recipe.generation.max_new_tokens, rollout=self.generator(self.eval_set))
+        examples = distributed.shard(self.eval_set.examples[: self.recipe.train.eval_max_prompts], self.world)
+        mine = greedy_eval(self.engine, self.tokenizer, self.rewards, examples, self.recipe.generation.max_new_tokens,
+                           rollout=self.generator(self.eval_set))
+        return combine_greedy(distributed.gather(mine, self.world))
 
     def _write_eval(self, result: Optional[dict]) -> None:
         if result:
@@ -495,7 +555,7 @@ class Trainer:
             if first_eval:
                 self.log(f"[lowmem-grpo] held-out accuracy at step 0: {100 * first_eval['accuracy']:.1f}%")
         stopped = False
-        progress = Progress(r.train.steps, self.step, r.output.progress, self.log)
+        progress = Progress(r.train.steps, self.step, r.output.progress if self.world.main else "lines", self.log)
         with _StopFlag() as stop, progress:
             while self.step < r.train.steps:
                 step = self.train_step()
@@ -521,12 +581,13 @@ class Trainer:
                         "checkpoint: " + (f"{last} (resume with: lowmem-grpo train --resume {self.run_dir})" if last else "none")
                         + ". Try a lower optimizer.lr, or optimizer.max_grad_norm > 0.")
                 # A skipped (non-finite) step writes no checkpoint: the latest one stays the last good step's.
-                if not bad and (stop.requested or self.step % r.output.save_every == 0 or self.step == r.train.steps):
+                stopping = distributed.any_true(stop.requested, self.world)   # a Ctrl-C that reached any process
+                if not bad and (stopping or self.step % r.output.save_every == 0 or self.step == r.train.steps):
                     self.save()
                 elif bad:
                     progress.log(f"[lowmem-grpo] step {self.step}: non-finite loss or gradient, update skipped "
                                  f"({self.state.nonfinite_run} in a row)")
-                if stop.requested:
+                if stopping:
                     stopped = True
                     break
         final = None
@@ -537,13 +598,18 @@ class Trainer:
             self.log(f"[lowmem-grpo] stopped at step {self.step}; resume with: lowmem-grpo train --resume {self.run_dir}")
         return {"first_eval": first_eval, "final_eval": final, "stopped": stopped, "step": self.step}
 
-    def save(self) -> Path:
+    def save(self) -> Optional[Path]:
+        """A checkpoint of this step, written by process 0 with every process's RNG state (§21); its path
+        there, None on the other processes."""
         # Never persist a broken state: resume would start from it.
         if not all(bool(torch.isfinite(p).all()) for p in trainable_parameters(self.model)):
             raise TrainingError(f"step {self.step}: the trainable weights hold NaN/inf; no checkpoint written "
                                 f"(last good: {ckpt.latest(self.run_dir)})")
+        rng = distributed.gather(ckpt.rng_state(), self.world)
+        if not self.world.main:
+            return None
         return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                         extra={"loop": asdict(self.state)}, keep_last=self.recipe.output.keep_last)
+                         extra={"loop": asdict(self.state)}, keep_last=self.recipe.output.keep_last, rng=rng)
 
     def close(self) -> None:
         """Release the rollout engine and close the sinks (idempotent)."""

@@ -116,3 +116,20 @@ def test_sampler_correction_through_vllm(vllm_model_dir, tiny_data, tmp_path, mo
         assert r["sampler/weight_mean"] == pytest.approx(1.0, abs=0.05), r["sampler/weight_mean"]
         assert r["sampler/masked_fraction"] == 0
         assert r["rollout/logprob_abs_diff"] is not None
+
+
+@pytest.mark.slow
+def test_two_processes_each_with_its_own_engine_train_on_the_current_weights(vllm_model_dir, tiny_data, tmp_path):
+    """Under torchrun (gloo, 2 processes, docs/algorithm.md §21) each process builds its own in-process engine
+    inside the job's process group; the run completes, and at every step the engines' log-probs of what they
+    sampled match the trainer's (so each process samples from the current, shared policy)."""
+    from test_distributed import _rows, _train
+
+    d = _recipe(vllm_model_dir, tiny_data, tmp_path / "run", train={"steps": 3, "prompts_per_step": 4,
+                                                                    "preflight": False, "eval_max_prompts": 4})
+    proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], tmp_path / "log.txt")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    rows = _rows(tmp_path / "run")
+    steps = [rows[(s, "train")] for s in (1, 2, 3)]
+    assert all(r["rollout/logprob_abs_diff_max"] is not None and r["rollout/logprob_abs_diff_max"] < 1e-3 for r in steps)
+    assert rows[(3, "eval")]["eval/n"] == 4

@@ -36,3 +36,12 @@ def even_code_sum(completions, **_):
     """Binary and about even odds whatever the model: 1 if the completion's character codes sum to an even
     number. Any change of a greedy token can flip it, so two agreeing accuracies mean the same completions."""
     return [float(sum(map(ord, c)) % 2 == 0) for c in completions]
+
+
+def raises_in_process_1(completions, **_):
+    """Scores like digit_count, except in process 1 of a torchrun job, where it raises."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise ZeroDivisionError("boom in process 1")
+    return [0.25 * sum(ch.isdigit() for ch in c) for c in completions]

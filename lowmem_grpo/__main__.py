@@ -1,0 +1,5 @@
+"""`python -m lowmem_grpo ...`: the CLI (what `lowmem-grpo train --nproc N` has torchrun start in each process)."""
+
+from .cli import main
+
+main()

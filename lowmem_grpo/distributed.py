@@ -1,0 +1,168 @@
+"""torch.distributed glue: which process this is, its share of the work, and the few reductions a step
+needs (docs/algorithm.md §21). With one process every function here is the identity, and nothing is
+initialised.
+
+torchrun launches the processes and does the rendezvous (it sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR
+and MASTER_PORT); `join` only reads what it set. NCCL on CUDA (one GPU per process, LOCAL_RANK), gloo on CPU.
+
+What crosses the wire in a step: each process's scored completions (token ids, texts, rewards: small next
+to the model) so that every process holds the whole batch and computes the advantages, the aggregation
+normalisers and the metrics exactly as one process would; the trainable (LoRA) gradients, summed once per
+update; and a few per-token figures for the metrics. Never the base model's weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, is_dataclass, replace
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the job's: rank in [0, size)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Process 0: the one that writes metrics, samples and checkpoints."""
+        return self.rank == 0
+
+
+def launched_size() -> int:
+    """How many processes torchrun started (1 without torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def join(timeout_s: float) -> World:
+    """Join the process group torchrun set up (once per process), or World() for a single process.
+    timeout_s: how long a collective waits for a process that does not come (a hung peer; torchrun
+    itself stops the job when a process exits)."""
+    if launched_size() <= 1:
+        return World()
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:   # one GPU per process: before any CUDA tensor (NCCL and the model load on this device)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return current()
+
+
+def current() -> World:
+    """The World of an initialised process group, else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size())
+    return World()
+
+
+def leave() -> None:
+    """Leave the process group (at the end of a command), if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_bounds(n: int, world: World) -> tuple[int, int]:
+    """[start, stop) of this process's contiguous share of n items: shares differ by at most one, the
+    earlier processes taking the larger ones, and rank order is item order."""
+    base, extra = divmod(n, world.size)
+    start = world.rank * base + min(world.rank, extra)
+    return start, start + base + (world.rank < extra)
+
+
+def shard(items: Sequence, world: World) -> list:
+    """This process's contiguous share of items (shard_bounds)."""
+    start, stop = shard_bounds(len(items), world)
+    return list(items[start:stop])
+
+
+def shares(items: Sequence, world: World) -> list[list]:
+    """Every process's share of items (shard), in rank order."""
+    return [shard(items, World(r, world.size)) for r in range(world.size)]
+
+
+def gather(obj: Any, world: World) -> list:
+    """Every process's obj, in rank order, on every process. Pickled: keep it small. Tensors in it (also in
+    lists, tuples, dicts and dataclasses) travel as CPU tensors, so that they unpickle anywhere."""
+    if world.size == 1:
+        return [obj]
+    out: list = [None] * world.size
+    dist.all_gather_object(out, _on_cpu(obj))
+    return out
+
+
+def gather_lists(items: list, world: World) -> list:
+    """Every process's list, concatenated in rank order (one process: items itself)."""
+    if world.size == 1:
+        return items
+    return [x for part in gather(items, world) for x in part]
+
+
+def _on_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return replace(obj, **{f.name: _on_cpu(getattr(obj, f.name)) for f in fields(obj) if f.init})
+    return obj
+
+
+def sampling_seed(seed: int, world: World) -> int:
+    """The seed of this process's sampling stream: the recipe's for process 0 (one process samples as it
+    always did), a distinct one for each other process (docs/algorithm.md §21)."""
+    return seed + SEED_STRIDE * world.rank
+
+
+SEED_STRIDE = 1_000_003   # a prime: no two (seed, rank) pairs of a sweep over small seeds collide
+
+
+def any_true(flag: bool, world: World) -> bool:
+    """True on every process when it is True on any (e.g. a Ctrl-C that reached one process)."""
+    if world.size == 1:
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def sum_gradients(params: Iterable[torch.nn.Parameter], world: World) -> None:
+    """Sum the parameters' gradients over the processes, in place, in one flat all-reduce. Each process's
+    loss already carries the batch-wide aggregation weights (docs/algorithm.md §21), so the sum is the
+    gradient one process would have computed. A parameter without a gradient (no micro-batch on this
+    process) takes part as zeros, and holds the sum afterwards like the others."""
+    if world.size == 1:
+        return
+    params = list(params)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+
+
+def broadcast_parameters(params: Iterable[torch.nn.Parameter], world: World) -> None:
+    """Process 0's values of the parameters on every process (the trainable ones at start: one policy)."""
+    if world.size == 1:
+        return
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=0)
+
+
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"

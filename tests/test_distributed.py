@@ -1,0 +1,282 @@
+"""Several processes under torchrun (gloo on CPU) make the update one process makes (docs/algorithm.md §21),
+write one run's metrics and checkpoints, stop together when one dies, and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import recipe_dict, write_recipe
+from lowmem_grpo import checkpoint as ckpt
+from lowmem_grpo import distributed
+from lowmem_grpo.distributed import World
+
+HERE = Path(__file__).parent
+
+
+def _torchrun(nproc: int, args: list, log: Path, **popen) -> subprocess.Popen:
+    """torchrun on this machine; its own session, so that a test can kill the job and find what is left."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                             *args], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, **popen)
+
+
+# -- pure helpers -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 9])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_shards_are_contiguous_disjoint_near_equal_and_in_order(n, size):
+    items = list(range(n))
+    parts = distributed.shares(items, World(0, size))
+    assert sum(parts, []) == items
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [len(p) for p in parts] == sorted((len(p) for p in parts), reverse=True)
+    for r in range(size):
+        assert distributed.shard(items, World(r, size)) == parts[r]
+
+
+def test_sampling_seeds_keep_process_0s_and_differ_across_processes():
+    assert distributed.sampling_seed(7, World(0, 4)) == 7
+    assert len({distributed.sampling_seed(7, World(r, 4)) for r in range(4)}) == 4
+
+
+def test_aggregation_weights_with_batch_totals_equal_the_whole_batchs():
+    """A share of a batch weighted with the batch's totals gets exactly the whole batch's weights."""
+    from lowmem_grpo.loss import aggregation_weights
+
+    lengths = torch.tensor([3, 1, 4, 2])
+    seq = torch.repeat_interleave(torch.arange(4), lengths)
+    for mode in ("sequence_mean", "token_mean", "constant", "sum"):
+        whole = aggregation_weights(seq, lengths, mode, 6)
+        first = aggregation_weights(seq[:4], lengths[:2], mode, 6, totals=(4, 10))
+        second = aggregation_weights(seq[4:] - 2, lengths[2:], mode, 6, totals=(4, 10))
+        assert torch.equal(torch.cat([first, second]), whole), mode
+        if mode != "sum":   # and a share weighted on its own would not
+            assert not torch.equal(aggregation_weights(seq[:4], lengths[:2], mode, 6), first), mode
+
+
+def test_combined_eval_shares_equal_the_whole():
+    from lowmem_grpo.evaluate import combine_greedy
+
+    parts = [{"accuracy": 2 / 3, "mean_reward": 0.5, "n": 3, "correct": 2, "prompts": 4},
+             {"accuracy": 1 / 2, "mean_reward": 0.25, "n": 2, "correct": 1, "prompts": 4}]
+    out = combine_greedy(parts)
+    assert out["accuracy"] == 3 / 5 and out["n"] == 5 and out["prompts"] == 8 and out["mean_reward"] == 0.375
+
+
+# -- 2 processes vs 1, same completions: the same update ---------------------------------------------------
+
+def _cases(model_dir, data, run_root: Path) -> dict:
+    base = dict(model={"load_in_4bit": False}, optimizer={"lr": 1e-2, "max_grad_norm": 0.0},
+                train={"steps": 1, "prompts_per_step": 4, "micro_batch_size": 3, "preflight": False},
+                generation={"num_generations": 4, "max_new_tokens": 6},
+                rewards={"functions": [{"function": "user_rewards:digit_count"},
+                                       {"function": "user_rewards:even_code_sum", "weight": 0.5}]})
+    variants = {}
+    for agg in ("sequence_mean", "token_mean", "constant", "sum"):
+        for mu in (1, 2):
+            for scale in ("group", "batch"):
+                variants[f"{agg}-mu{mu}-{scale}"] = {"aggregation": agg, "mu": mu, "scale_rewards": scale}
+    # the options whose statistics are the whole batch's (§13, §16, §17, §18)
+    variants["gspo-mu2"] = {"importance_sampling_level": "sequence", "mu": 2}
+    variants["top-entropy"] = {"top_entropy_quantile": 0.5}
+    variants["gdpo"] = {"reward_aggregation": "normalize_then_sum"}
+    variants["dynamic"] = {"dynamic_sampling": True}
+    cases = {}
+    for name, algo in variants.items():
+        d = recipe_dict(model_dir, data, run_root / name, **base, algorithm={"beta": 0.04, **algo})
+        d["data"]["eval_path"] = ""
+        cases[name] = d
+    return cases
+
+
+@pytest.mark.slow
+def test_two_processes_make_the_one_process_update(tiny_model_dir, tiny_data, tmp_path):
+    """After one step from the same completions, 2 gloo processes' LoRA weights and Adam moments equal one
+    process's within 1e-6 relative (float64), for every aggregation, mu 1 and 2, group and batch reward
+    scaling, and the options with batch-wide statistics; so do the metrics rows."""
+    out = {}
+    for nproc in (1, 2):
+        cases = tmp_path / f"cases{nproc}.json"
+        cases.write_text(json.dumps(_cases(tiny_model_dir, tiny_data, tmp_path / f"runs{nproc}")))
+        out[nproc] = tmp_path / f"out{nproc}.pt"
+        proc = _torchrun(nproc, [str(HERE / "distributed_worker.py"), str(cases), str(out[nproc])],
+                         tmp_path / f"log{nproc}.txt")
+        assert proc.wait(timeout=600) == 0, (tmp_path / f"log{nproc}.txt").read_text()[-4000:]
+    one, two = (torch.load(out[n], weights_only=False) for n in (1, 2))
+    assert one.keys() == two.keys() and len(one) == 20
+
+    def rel(a: dict, b: dict, ref: dict) -> float:
+        num = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
+        den = sum(float(ref[k].norm() ** 2) for k in a) ** 0.5
+        assert den > 0
+        return num / den
+
+    for name in one:
+        a, b = one[name], two[name]
+        moved = {k: a["weights"][k] - a["start"][k] for k in a["weights"]}
+        assert rel(a["start"], b["start"], a["start"]) == 0, name    # one policy to start from
+        assert rel(a["weights"], b["weights"], moved) < 1e-6, name    # relative to the update itself
+        assert rel(a["exp_avg"], b["exp_avg"], a["exp_avg"]) < 1e-6, name   # the gradient, scale included
+        assert rel(a["exp_avg_sq"], b["exp_avg_sq"], a["exp_avg_sq"]) < 1e-6, name
+        for key, v in a["row"].items():
+            w = b["row"][key]
+            if isinstance(v, float) and isinstance(w, float):
+                assert w == pytest.approx(v, rel=1e-6, abs=1e-9), (name, key)
+            else:
+                assert w == v, (name, key)
+        assert a["row"]["loss"] is not None and a["row"]["loss"] != 0, name
+
+
+def test_prompts_per_step_that_does_not_divide_among_the_processes_is_an_error(tiny_model_dir, tiny_data, tmp_path):
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer, TrainingError
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"prompts_per_step": 3})
+    with pytest.raises(TrainingError, match=r"train.prompts_per_step=3 does not divide among 2 processes"):
+        Trainer(recipe_from_dict(d), world=World(0, 2))
+
+
+# -- a 2-process run: one run's metrics and checkpoints; kill -9 of one process; resume --------------------
+
+def _train(args: list, log: Path) -> subprocess.Popen:
+    """`lowmem-grpo train --nproc 2 ...` (it becomes torchrun, in its own session)."""
+    return subprocess.Popen([sys.executable, "-m", "lowmem_grpo", "train", "--nproc", "2", *args],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = _children(pid)
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, or a pid that is gone, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _rank(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in env if e.startswith(b"RANK="))[5:])
+
+
+def _rows(run: Path) -> dict:
+    """The run's metrics rows by (step, kind), without wall-clock time and memory."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        key = (row["step"], "eval" if "eval/accuracy" in row else "train")
+        assert key not in out, f"{key} twice in {run}"
+        out[key] = {k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))}
+    return out
+
+
+STEPS = 8
+
+
+def _run_recipe(model_dir, data, run: Path, **extra) -> dict:
+    d = recipe_dict(model_dir, data, run, train={"steps": STEPS, "prompts_per_step": 4, "preflight": False,
+                                                 "eval_max_prompts": 10},
+                    output={"save_every": 1, "keep_last": 2}, **extra)
+    d["rewards"] = {"functions": [{"function": "user_rewards:even_code_sum"}]}   # flips with any changed token
+    return d
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_model_dir, tiny_data, tmp_path_factory) -> tuple[dict, Path]:
+    tmp = tmp_path_factory.mktemp("straight")
+    d = _run_recipe(tiny_model_dir, tiny_data, tmp / "run")
+    proc = _train([str(write_recipe(tmp / "r.yaml", d))], tmp / "log.txt")
+    assert proc.wait(timeout=300) == 0, (tmp / "log.txt").read_text()[-4000:]
+    return d, tmp
+
+
+@pytest.mark.slow
+def test_two_process_run_writes_one_runs_metrics_checkpoints_and_eval(straight_run, tmp_path):
+    d, tmp = straight_run
+    run, log = tmp / "run", (tmp / "log.txt").read_text()
+    rows = _rows(run)
+    assert sorted(k for k in rows if k[1] == "train") == [(s, "train") for s in range(1, STEPS + 1)]  # once each
+    assert log.count("held-out accuracy after") == 1 and log.count("| reward") == STEPS   # process 0 prints
+    saved = ckpt.load_trainer_state(ckpt.latest(run))
+    assert saved["step"] == STEPS and len(saved["rng_per_process"]) == 2
+    assert not torch.equal(saved["rng_per_process"][0]["torch"], saved["rng_per_process"][1]["torch"])
+    assert any(r.get("loss") for r in rows.values())
+    # The 2-process eval (each process half the prompts) equals one process's on the same adapter.
+    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.recipe import recipe_from_dict
+
+    two = rows[(STEPS, "eval")]
+    one = run_eval(recipe_from_dict(d), name="r", adapter=str(run), out_dir=str(tmp_path / "eval"), log=lambda *a: None)
+    assert (one["accuracy"], one["n"]) == (two["eval/accuracy"], two["eval/n"]) and two["eval/n"] == 10
+    assert two["eval/mean_reward"] == pytest.approx(one["mean_reward"], abs=1e-12)
+
+
+@pytest.mark.slow
+def test_kill9_of_one_process_stops_the_job_then_resume_matches_the_straight_run(straight_run, tiny_model_dir,
+                                                                                 tiny_data, tmp_path):
+    """kill -9 of process 1 mid-run: torchrun ends the job non-zero within 60 s and no process is left;
+    --resume with 2 processes ends with every step's metrics equal to the uninterrupted run's."""
+    d, straight = straight_run
+    run = tmp_path / "run"
+    d = {**d, "output": {**d["output"], "dir": str(run)}}
+    log = tmp_path / "log.txt"
+    proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], log)
+    end = time.monotonic() + 240
+    while (ckpt.latest(run) is None or ckpt.load_trainer_state(ckpt.latest(run))["step"] < 3) and proc.poll() is None:
+        assert time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    everything = workers + [p for w in workers for p in _descendants(w)]
+    assert proc.poll() is None and len(workers) == 2, log.read_text()[-3000:]
+    t0 = time.monotonic()
+    os.kill(next(w for w in workers if _rank(w) == 1), signal.SIGKILL)
+    rc = proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    assert rc != 0 and took < 60, (rc, took)
+    time.sleep(1)
+    assert not [p for p in everything if _alive(p)], "processes left behind"
+    assert ckpt.load_trainer_state(ckpt.latest(run))["step"] < STEPS   # it was stopped mid-run
+
+    resumed = _train(["--resume", str(run)], tmp_path / "resume.txt")
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "resume.txt").read_text()[-4000:]
+    assert "resumed from" in (tmp_path / "resume.txt").read_text()
+    assert _rows(run) == _rows(straight / "run")
+
+
+@pytest.mark.slow
+def test_a_process_that_raises_stops_the_job_with_its_error(tiny_model_dir, tiny_data, tmp_path):
+    d = _run_recipe(tiny_model_dir, tiny_data, tmp_path / "run")
+    d["rewards"] = {"functions": [{"function": "user_rewards:raises_in_process_1"}]}
+    d["data"]["eval_path"] = ""
+    log = tmp_path / "log.txt"
+    proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], log)
+    assert proc.wait(timeout=120) != 0
+    text = log.read_text()
+    assert "boom in process 1" in text, text[-3000:]
+    assert not _children(proc.pid)
