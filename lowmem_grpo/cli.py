@@ -3,7 +3,6 @@ message and exit 2; they never reach the user as a traceback."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from .recipe import RecipeError, load_recipe
 
 def _user_errors() -> tuple:
     from .data import DataError
+    from .distributed import DistributedError
     from .environment import EnvError
     from .export import ExportError
     from .model import ModelLoadError
@@ -22,7 +22,7 @@ def _user_errors() -> tuple:
     from .train import TrainingError
 
     return (RecipeError, DataError, EngineError, EnvError, ExportError, ModelLoadError, RewardError, TrainingError,
-            MemoryModelError)
+            MemoryModelError, DistributedError)
 
 
 def _run(fn, errors: tuple = ()):
@@ -90,9 +90,9 @@ def train(recipe, resume_dir, overrides, nproc):
             raise click.UsageError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
         args = ([recipe] if recipe else []) + (["--resume", resume_dir] if resume_dir else [])
         args += [f"--set={o}" for o in overrides]
-        # torchrun (torch.distributed.run) launches, rendezvous and stops the job when a process fails.
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc_per_node={nproc}", "-m", "lowmem_grpo", "train", *args])
+        # torchrun launches, does the rendezvous, and stops the job when a process fails
+        _run(lambda: distributed.launch(nproc, ["train", *args]), errors=(distributed.DistributedError,))
+        return
     from .train import Trainer
 
     def go():

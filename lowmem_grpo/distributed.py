@@ -13,6 +13,7 @@ update; and a few per-token figures for the metrics. Never the base model's weig
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, fields, is_dataclass, replace
 from datetime import timedelta
@@ -20,6 +21,23 @@ from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+class DistributedError(Exception):
+    """An exchange between the processes failed: one did not come within train.collective_timeout_s (it hangs)
+    or its connection closed (it exited or was killed)."""
+
+
+@contextlib.contextmanager
+def _exchange(what: str):
+    """Turn a failed collective into one clear error (the CLI prints it as one line and exits 2)."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as exc:   # gloo and NCCL raise RuntimeError subclasses
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DistributedError(f"process {dist.get_rank()}: {what} with the other processes failed: another "
+                               "process exited, was killed, or did not reach it within train.collective_timeout_s "
+                               f"({first})") from None
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,26 @@ class World:
     def main(self) -> bool:
         """Process 0: the one that writes metrics, samples and checkpoints."""
         return self.rank == 0
+
+
+def launch(nproc: int, argv: list[str]) -> None:
+    """`torchrun --standalone --nproc_per_node nproc -m lowmem_grpo ARGV`, run by torchrun's own entry point in
+    this process (it becomes the job's agent). A process that fails, and the agent's own stop on a signal, come
+    out as one DistributedError naming the process and how it ended; torchrun has stopped the others by then."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "lowmem_grpo", *argv]))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+        raise DistributedError(f"process {rank} of {nproc} ended with {how} (its own error, if it printed one, is "
+                               "above); torchrun stopped the other processes") from None
+    except SignalException as exc:
+        raise DistributedError(f"torchrun got {exc.sigval.name} and passed it on: on SIGINT (Ctrl-C) the processes "
+                               "finish their step and checkpoint it; --resume continues from the last checkpoint") from None
 
 
 def launched_size() -> int:
@@ -95,7 +133,8 @@ def gather(obj: Any, world: World) -> list:
     if world.size == 1:
         return [obj]
     out: list = [None] * world.size
-    dist.all_gather_object(out, _on_cpu(obj))
+    with _exchange("gathering a step's results"):
+        dist.all_gather_object(out, _on_cpu(obj))
     return out
 
 
@@ -132,7 +171,8 @@ def any_true(flag: bool, world: World) -> bool:
     if world.size == 1:
         return bool(flag)
     t = torch.tensor([int(bool(flag))], device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with _exchange("agreeing on a stop"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
@@ -148,7 +188,8 @@ def sum_gradients(params: Iterable[torch.nn.Parameter], world: World) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
+    with _exchange("summing the gradients"):
+        dist.all_reduce(flat)
     offset = 0
     for p in params:
         p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
@@ -159,7 +200,7 @@ def broadcast_parameters(params: Iterable[torch.nn.Parameter], world: World) -> 
     """Process 0's values of the parameters on every process (the trainable ones at start: one policy)."""
     if world.size == 1:
         return
-    with torch.no_grad():
+    with torch.no_grad(), _exchange("sharing process 0's adapter weights"):
         for p in params:
             dist.broadcast(p.data, src=0)
 

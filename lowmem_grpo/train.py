@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -88,9 +89,10 @@ def make_optimizer(params, cfg):
 class _StopFlag:
     """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second: abort at once."""
 
-    def __init__(self):
+    def __init__(self, log=print):
         self.requested = False
         self._previous = None
+        self._log = log
 
     def __enter__(self):
         self._previous = signal.signal(signal.SIGINT, self._handler)
@@ -100,7 +102,8 @@ class _StopFlag:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\n[lowmem-grpo] stopping after this step (Ctrl-C again to abort now)", flush=True)
+        self._log("\n[lowmem-grpo] stopping after this step (Ctrl-C again to abort now)")
+        sys.stdout.flush()
 
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self._previous)
@@ -556,7 +559,7 @@ class Trainer:
                 self.log(f"[lowmem-grpo] held-out accuracy at step 0: {100 * first_eval['accuracy']:.1f}%")
         stopped = False
         progress = Progress(r.train.steps, self.step, r.output.progress if self.world.main else "lines", self.log)
-        with _StopFlag() as stop, progress:
+        with _StopFlag(self.log) as stop, progress:
             while self.step < r.train.steps:
                 step = self.train_step()
                 row = step.row
@@ -578,7 +581,7 @@ class Trainer:
                     raise TrainingError(
                         f"{self.state.nonfinite_run} steps in a row (up to step {self.step}) had a non-finite loss or "
                         f"gradient (train.max_nonfinite_steps={r.train.max_nonfinite_steps}); stopped. Last good "
-                        "checkpoint: " + (f"{last} (resume with: lowmem-grpo train --resume {self.run_dir})" if last else "none")
+                        "checkpoint: " + (f"{last} (resume with: {self.resume_command})" if last else "none")
                         + ". Try a lower optimizer.lr, or optimizer.max_grad_norm > 0.")
                 # A skipped (non-finite) step writes no checkpoint: the latest one stays the last good step's.
                 stopping = distributed.any_true(stop.requested, self.world)   # a Ctrl-C that reached any process
@@ -595,8 +598,12 @@ class Trainer:
             final = self.evaluate()
             self._write_eval(final)
         else:
-            self.log(f"[lowmem-grpo] stopped at step {self.step}; resume with: lowmem-grpo train --resume {self.run_dir}")
+            self.log(f"[lowmem-grpo] stopped at step {self.step}; resume with: {self.resume_command}")
         return {"first_eval": first_eval, "final_eval": final, "stopped": stopped, "step": self.step}
+
+    @property
+    def resume_command(self) -> str:
+        return f"lowmem-grpo train{f' --nproc {self.world.size}' if self.world.size > 1 else ''} --resume {self.run_dir}"
 
     def save(self) -> Optional[Path]:
         """A checkpoint of this step, written by process 0 with every process's RNG state (§21); its path

@@ -1,7 +1,7 @@
 """One process with T threads against T processes with one thread each, on the same recipe (issue 18).
 
     python scripts/bench_distributed.py [--procs 2] [--steps 20] [--rounds 2]      # step time
-    python scripts/bench_distributed.py --learn [--procs 2]                        # whole quickstart runs
+    python scripts/bench_distributed.py --learn [--procs 2] [--seed 0]             # whole quickstart runs
 
 Not a test: figures depend on the machine (give its cores and load with them).
 
@@ -112,8 +112,8 @@ def bench_learn(args, base: Path, data: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for procs in (1, args.procs):
         threads = args.procs if procs == 1 else 1
-        run_dir = out / f"p{procs}"
-        took = run(procs, threads, overrides(base, data, run_dir, None), out / f"p{procs}.log")
+        run_dir = out / f"p{procs}-seed{args.seed}"
+        took = run(procs, threads, overrides(base, data, run_dir, None) + [f"seed={args.seed}"], out / f"{run_dir.name}.log")
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if "eval/accuracy" in r]
         print(f"{procs} process(es) x {threads} thread(s): held-out accuracy {100 * evals[0]['eval/accuracy']:.1f}% -> "
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps per timed run")
     ap.add_argument("--rounds", type=int, default=2, help="times each configuration is run, alternated")
     ap.add_argument("--learn", action="store_true", help="whole quickstart runs instead: held-out before/after")
+    ap.add_argument("--seed", type=int, default=0, help="--learn: the runs' seed")
     args = ap.parse_args()
     base, data = quickstart_base()
     (bench_learn if args.learn else bench_steps)(args, base, data)

@@ -259,6 +259,8 @@ def test_kill9_of_one_process_stops_the_job_then_resume_matches_the_straight_run
     rc = proc.wait(timeout=60)
     took = time.monotonic() - t0
     assert rc != 0 and took < 60, (rc, took)
+    text = log.read_text()
+    assert "error: process 1 of 2 ended with signal SIGKILL" in text and "Traceback" not in text, text[-3000:]
     time.sleep(1)
     assert not [p for p in everything if _alive(p)], "processes left behind"
     assert ckpt.load_trainer_state(ckpt.latest(run))["step"] < STEPS   # it was stopped mid-run
@@ -279,4 +281,44 @@ def test_a_process_that_raises_stops_the_job_with_its_error(tiny_model_dir, tiny
     assert proc.wait(timeout=120) != 0
     text = log.read_text()
     assert "boom in process 1" in text, text[-3000:]
+    assert "error: process 1 of 2 ended with exit code 2" in text and "Traceback" not in text, text[-3000:]
     assert not _children(proc.pid)
+
+
+@pytest.mark.slow
+def test_a_process_that_hangs_fails_the_job_after_the_collective_timeout(tiny_model_dir, tiny_data, tmp_path):
+    """Process 1 never returns from its reward function: process 0 waits train.collective_timeout_s at the
+    exchange, then stops with a one-line error, and torchrun stops process 1."""
+    d = _run_recipe(tiny_model_dir, tiny_data, tmp_path / "run")
+    d["rewards"] = {"functions": [{"function": "user_rewards:hangs_in_process_1"}]}
+    d["data"]["eval_path"] = ""
+    d["train"]["collective_timeout_s"] = 5
+    log = tmp_path / "log.txt"
+    proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], log)
+    assert proc.wait(timeout=120) != 0
+    text = log.read_text()
+    assert "error: process 0: gathering a step's results with the other processes failed" in text, text[-3000:]
+    assert "train.collective_timeout_s" in text and "Traceback" not in text, text[-3000:]
+    assert not _children(proc.pid)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_nproc_finishes_the_step_checkpoints_it_and_says_how_to_resume(tiny_model_dir, tiny_data, tmp_path):
+    """Ctrl-C reaches torchrun (the processes have their own sessions); it passes SIGINT on, and the processes
+    agree to stop after the same step, which process 0 checkpoints."""
+    d = _run_recipe(tiny_model_dir, tiny_data, tmp_path / "run")
+    d["train"]["steps"], d["output"]["save_every"] = 500, 1000
+    d["data"]["eval_path"] = ""
+    log, run = tmp_path / "log.txt", tmp_path / "run"
+    proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], log)
+    end = time.monotonic() + 240
+    while log.read_text().count("| reward") < 3:
+        assert time.monotonic() < end and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) != 0
+    text = log.read_text()
+    stopped = int(text.split("stopped at step ")[1].split(";")[0])
+    assert ckpt.load_trainer_state(ckpt.latest(run))["step"] == stopped >= 3
+    assert f"resume with: lowmem-grpo train --nproc 2 --resume {run}" in text
+    assert text.count("stopping after this step") == 1 and "Traceback" not in text, text[-3000:]

@@ -45,3 +45,13 @@ def raises_in_process_1(completions, **_):
     if os.environ.get("RANK") == "1":
         raise ZeroDivisionError("boom in process 1")
     return [0.25 * sum(ch.isdigit() for ch in c) for c in completions]
+
+
+def hangs_in_process_1(completions, **_):
+    """Scores like digit_count, except in process 1 of a torchrun job, where it never returns."""
+    import os
+    import time
+
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return [0.25 * sum(ch.isdigit() for ch in c) for c in completions]
