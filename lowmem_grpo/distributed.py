@@ -163,7 +163,7 @@ def sampling_seed(seed: int, world: World) -> int:
     return seed + SEED_STRIDE * world.rank
 
 
-SEED_STRIDE = 1_000_003   # a prime: no two (seed, rank) pairs of a sweep over small seeds collide
+SEED_STRIDE = 1_000_003   # for seeds below it, no two (seed, rank) pairs share a stream
 
 
 def any_true(flag: bool, world: World) -> bool:
@@ -177,23 +177,26 @@ def any_true(flag: bool, world: World) -> bool:
 
 
 def sum_gradients(params: Iterable[torch.nn.Parameter], world: World) -> None:
-    """Sum the parameters' gradients over the processes, in place, in one flat all-reduce. Each process's
+    """Sum the parameters' gradients over the processes, in place, one flat all-reduce per dtype. Each process's
     loss already carries the batch-wide aggregation weights (docs/algorithm.md §21), so the sum is the
     gradient one process would have computed. A parameter without a gradient (no micro-batch on this
-    process) takes part as zeros, and holds the sum afterwards like the others."""
+    process) takes part as zeros, and holds the sum afterwards like the others. Every process passes the
+    same parameters in the same order (the same model), so the buffers line up."""
     if world.size == 1:
         return
-    params = list(params)
+    by_dtype: dict = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    with _exchange("summing the gradients"):
-        dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group in by_dtype.values():   # one flat buffer per dtype (LoRA weights are usually all float32)
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        with _exchange("summing the gradients"):
+            dist.all_reduce(flat)
+        offset = 0
+        for p in group:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
 
 
 def broadcast_parameters(params: Iterable[torch.nn.Parameter], world: World) -> None:

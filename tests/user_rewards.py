@@ -55,3 +55,10 @@ def hangs_in_process_1(completions, **_):
     if os.environ.get("RANK") == "1":
         time.sleep(3600)
     return [0.25 * sum(ch.isdigit() for ch in c) for c in completions]
+
+
+def answer_digits(completions, *, prompts, rows, **_):
+    """Graded and tied to the row: 0.25 per completion character that is a digit of the row's answer, plus
+    0.1 per character the prompt also holds (a reward that scores against the wrong row or prompt differs)."""
+    return [0.25 * sum(ch in str(r["answer"]) for ch in c) + 0.1 * sum(ch in p for ch in c)
+            for c, p, r in zip(completions, prompts, rows)]
