@@ -56,7 +56,9 @@ class World:
 def launch(nproc: int, argv: list[str]) -> None:
     """`torchrun --standalone --nproc_per_node nproc -m lowmem_grpo ARGV`, run by torchrun's own entry point in
     this process (it becomes the job's agent). A process that fails, and the agent's own stop on a signal, come
-    out as one DistributedError naming the process and how it ended; torchrun has stopped the others by then."""
+    out as one DistributedError naming the process and how it ended; torchrun has stopped the others by then.
+    torchrun's module-level entry (torch.distributed.run: parse_args, run) and its elastic errors, checked
+    against torch 2.13; tests/test_distributed.py runs every way out of here."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
