@@ -135,17 +135,20 @@ def export(run_dir, out_dir, dtype, adapter_only, step):
               help="Memory to fit in, e.g. 8GiB or 12GB (default: this machine's GPU, or its RAM with --device cpu).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="Where the run will train: cuda predicts torch's allocated peak, cpu the process RSS.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes the run will use (train --nproc N): each samples prompts_per_step / N prompts; the "
+                   "figures are per process (per GPU).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def estimate(recipe, memory, device, overrides):
+def estimate(recipe, memory, device, nproc, overrides):
     """Predict a run's peak memory (a breakdown), and the largest micro-batch that fits, without loading weights."""
     from . import memory as mm
 
     def go():
         r = load_recipe(recipe, list(overrides))
         budget = mm.parse_size(memory) if memory else mm.device_budget(device)
-        est, shape, workload = mm.estimate_recipe(r, device)
+        est, shape, workload = mm.estimate_recipe(r, device, processes=nproc)
         click.echo(f"{recipe}: {r.model.name_or_path} (vocab {shape.vocab_size:,}, hidden {shape.hidden_size}, "
-                   f"{shape.num_layers} layers), {device}")
+                   f"{shape.num_layers} layers), {device}" + (f", per process of {nproc}" if nproc > 1 else ""))
         click.echo("\n".join(est.lines()))
         if budget is None:
             click.echo("no budget: pass --memory SIZE (no GPU on this machine)")

@@ -242,18 +242,21 @@ def completion_tokens(recipe) -> int:
     return recipe.generation.max_new_tokens
 
 
-def workload_from_recipe(recipe, prompt_tokens: int, device: str) -> Workload:
+def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int = 1) -> Workload:
+    """One process's workload; with several processes (docs/algorithm.md §21) each samples prompts_per_step /
+    processes prompts a step and evaluates its share of the held-out prompts."""
     r = recipe
+    eval_prompts = r.train.eval_max_prompts if (r.data.eval_path or r.data.eval_fraction) else 0
     targets = ("all-linear",) if r.lora.target_modules == "all-linear" else tuple(r.lora.target_modules)
     return Workload(
         quantized=r.model.load_in_4bit, double_quant=r.model.double_quant,
         compute_bytes=DTYPE_BYTES[r.model.compute_dtype], lora_r=r.lora.r, lora_targets=targets,
-        optimizer=r.optimizer.name, prompts_per_step=r.train.prompts_per_step,
+        optimizer=r.optimizer.name, prompts_per_step=max(1, r.train.prompts_per_step // processes),
         num_generations=r.generation.num_generations, micro_batch_size=r.train.micro_batch_size,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens(r),
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
         gradient_checkpointing=r.model.gradient_checkpointing,
-        eval_prompts=r.train.eval_max_prompts if (r.data.eval_path or r.data.eval_fraction) else 0, engine=r.generation.engine,
+        eval_prompts=-(-eval_prompts // processes), engine=r.generation.engine,
         kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device, environment=bool(r.environment.name))
 
 
@@ -341,8 +344,9 @@ def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
         return recipe.data.max_prompt_tokens, f"data.max_prompt_tokens (could not read the prompts: {exc})"
 
 
-def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None) -> tuple[Estimate, ModelShape, Workload]:
-    """The memory model for a recipe: the model's config (no weights loaded) and its longest prompt."""
+def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
+                    processes: int = 1) -> tuple[Estimate, ModelShape, Workload]:
+    """The memory model for a recipe, per process: the model's config (no weights loaded) and its longest prompt."""
     from transformers import AutoConfig
 
     from .model import ModelLoadError
@@ -355,7 +359,7 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None) ->
     note = None
     if prompt_tokens is None:
         prompt_tokens, note = longest_prompt(recipe)
-    workload = workload_from_recipe(recipe, prompt_tokens, device)
+    workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
     est = estimate(shape, workload)
     if note:
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")

@@ -501,7 +501,7 @@ class Trainer:
                   cap, self.tokenizer.pad_token_id)[0]
         device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
         shape = ModelShape.from_config(self.model.config)
-        workload = workload_from_recipe(r, len(longest), device)
+        workload = workload_from_recipe(r, len(longest), device, self.world.size)
         predicted = estimate(shape, workload).peak
         cuda = [torch.cuda.current_device()] if device == "cuda" else []
         try:

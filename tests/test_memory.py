@@ -225,3 +225,21 @@ def test_peak_rss_is_the_process_own_not_its_parents():
     child = float(out.strip().splitlines()[-1])
     assert 10 < child < 1024, child  # the child imports torch (~250 MiB), never the parent's 1.5 GiB
     assert mm.peak_rss_mib() >= 1536  # and this process's own peak did include the ballast
+
+
+def test_each_of_several_processes_is_modelled_with_its_share(tiny_model_dir, tiny_data, tmp_path):
+    """Under torchrun (docs/algorithm.md §21) a process samples prompts_per_step / N prompts and evaluates its
+    share of the held-out ones: its workload, and so its estimate, is that of a one-process recipe with those."""
+    from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"prompts_per_step": 8, "eval_max_prompts": 101})
+    two = workload_from_recipe(recipe_from_dict(d), 8, "cpu", processes=2)
+    d["train"].update(prompts_per_step=4, eval_max_prompts=51)
+    half = workload_from_recipe(recipe_from_dict(d), 8, "cpu")
+    assert two == half and two.prompts_per_step == 4 and two.eval_prompts == 51
+    shape = ModelShape(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4,
+                       head_dim=64, intermediate_size=4096, tie_word_embeddings=False)
+    d["train"].update(prompts_per_step=8, eval_max_prompts=101)
+    one = workload_from_recipe(recipe_from_dict(d), 8, "cpu")
+    rollout = [sum(estimate(shape, w).phases["rollout"].values()) for w in (one, two)]
+    assert rollout[1] < rollout[0]
