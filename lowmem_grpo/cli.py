@@ -35,6 +35,16 @@ def _run(fn, errors: tuple = ()):
         sys.exit(2)
 
 
+def _launch(nproc: int, argv: list[str]) -> None:
+    """The command in argv on nproc processes: torchrun launches them, does the rendezvous, and stops the job
+    when one fails (distributed.launch)."""
+    from . import distributed
+
+    if distributed.launched_size() > 1:
+        raise click.UsageError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
+    _run(lambda: distributed.launch(nproc, argv), errors=(distributed.DistributedError,))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lowmem-grpo")
 def main():
@@ -86,12 +96,8 @@ def train(recipe, resume_dir, overrides, nproc):
     if not recipe and not resume_dir:
         raise click.UsageError("give a RECIPE, or --resume RUN_DIR")
     if nproc > 1:
-        if distributed.launched_size() > 1:
-            raise click.UsageError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
         args = ([recipe] if recipe else []) + (["--resume", resume_dir] if resume_dir else [])
-        args += [f"--set={o}" for o in overrides]
-        # torchrun launches, does the rendezvous, and stops the job when a process fails
-        _run(lambda: distributed.launch(nproc, ["train", *args]), errors=(distributed.DistributedError,))
+        _launch(nproc, ["train", *args] + [f"--set={o}" for o in overrides])
         return
     from .train import Trainer
 
@@ -174,8 +180,11 @@ def estimate(recipe, memory, device, nproc, overrides):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Where samples.jsonl and summary.json go (default: RUN/eval/step-N-SPLIT, or ./eval-RECIPE).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides):
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Evaluate with N processes on this machine (torchrun), each a share of the prompts.")
+def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides, nproc):
     """Greedy accuracy (as the trainer computes it) and pass@k of a model on a recipe's prompts."""
+    from . import distributed
     from .evaluate import parse_ks, run_eval
 
     if adapter and model_dir:
@@ -184,11 +193,21 @@ def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides):
         k_list = parse_ks(ks)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--k") from None
+    if nproc > 1:
+        args = [recipe, f"--split={split}", f"--k={ks}"] + [f"--set={o}" for o in overrides]
+        args += [f"--{name}={value}" for name, value in (("adapter", adapter), ("model", model_dir), ("out", out_dir))
+                 if value]
+        _launch(nproc, ["eval", *args])
+        return
 
     def go():
         r = load_recipe(recipe, list(overrides))
-        return run_eval(r, name=Path(recipe).stem, adapter=adapter, model_dir=model_dir, split=split, ks=k_list,
-                        out_dir=out_dir, log=click.echo)
+        world = distributed.join(r.train.collective_timeout_s)
+        try:
+            return run_eval(r, name=Path(recipe).stem, adapter=adapter, model_dir=model_dir, split=split, ks=k_list,
+                            out_dir=out_dir, log=click.echo if world.main else (lambda *a: None), world=world)
+        finally:
+            distributed.leave()
 
     _run(go)
 

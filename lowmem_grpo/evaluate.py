@@ -22,6 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -67,10 +68,10 @@ def _score(rewards, texts: list, completions: list, at: list):
 
 def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = EVAL_BATCH,
            records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
-           rollout: Optional[Callable] = None) -> dict:
+           rollout: Optional[Callable] = None, first_index: int = 0) -> dict:
     """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
     with skips as 0, over all prompts), n (prompts counted), correct and prompts (all of them, skipped ones
-    too). `records` gets one dict per prompt.
+    too). `records` gets one dict per prompt, numbered from `first_index` (a process's share starts there).
     `rollout(examples, params)`: how completions are made, when not engine.generate (an environment)."""
     correct, counted, reward_sum = 0, 0, 0.0
     for i in range(0, len(examples), batch_size):
@@ -86,7 +87,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         if records is not None:
             for j, (c, text) in enumerate(zip(completions, texts)):
                 per, total = _record(result, j)
-                records.append({"mode": "greedy", "prompt_index": i + j, "sample": 0, "prompt": chunk[j].prompt_text,
+                records.append({"mode": "greedy", "prompt_index": first_index + i + j, "sample": 0, "prompt": chunk[j].prompt_text,
                                 "completion": text, "rewards": per, "total": total, "correct": judged.at(j),
                                 "truncated": c.truncated})
     return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted,
@@ -111,9 +112,22 @@ def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Se
             rollout: Optional[Callable] = None) -> dict:
     """params.n samples per prompt; pass@k for each k in `ks` (<= params.n), averaged over the prompts
     with at least k scored samples (a prompt whose samples the first reward skips is left out)."""
-    if not ks or max(ks) > params.n:
-        raise ValueError(f"every k must be <= the samples per prompt ({params.n}); got {list(ks)}")
-    per_prompt: list[tuple[int, int]] = []   # (scored samples, correct samples)
+    check_ks(ks, params.n)
+    return pass_at_k_table(sampled_counts(engine, tokenizer, rewards, examples, params, batch_size, records, done,
+                                          rollout), params, ks)
+
+
+def check_ks(ks: Sequence[int], n: int) -> None:
+    if not ks or max(ks) > n:
+        raise ValueError(f"every k must be <= the samples per prompt ({n}); got {list(ks)}")
+
+
+def sampled_counts(engine, tokenizer, rewards, examples, params: SamplingParams, batch_size: int = EVAL_BATCH,
+                   records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
+                   rollout: Optional[Callable] = None, first_index: int = 0) -> list[tuple[int, int]]:
+    """params.n samples per prompt: (scored samples, correct samples) per prompt. `records` gets one dict per
+    sample, prompts numbered from `first_index`."""
+    per_prompt: list[tuple[int, int]] = []
     step = max(1, batch_size // params.n)
     for i in range(0, len(examples), step):
         chunk = examples[i: i + step]
@@ -129,11 +143,16 @@ def sampled(engine, tokenizer, rewards, examples, params: SamplingParams, ks: Se
                 counts[c.prompt_index][0] += 1
                 counts[c.prompt_index][1] += int(ok)
             if records is not None:
-                records.append({"mode": "sample", "prompt_index": i + c.prompt_index, "sample": j % params.n,
+                records.append({"mode": "sample", "prompt_index": first_index + i + c.prompt_index, "sample": j % params.n,
                                 "prompt": chunk[c.prompt_index].prompt_text, "completion": texts[j], "rewards": per,
                                 "total": total, "correct": ok, "truncated": c.truncated})
         per_prompt += [tuple(x) for x in counts]
         done(len(chunk))
+    return per_prompt
+
+
+def pass_at_k_table(per_prompt: Sequence[tuple[int, int]], params: SamplingParams, ks: Sequence[int]) -> dict:
+    """pass@k for each k, averaged over the prompts with at least k scored samples, from sampled_counts."""
     out: dict = {"samples_per_prompt": params.n, "temperature": params.temperature}
     for k in sorted(set(ks)):
         scores = [pass_at_k(n, c, k) for n, c in per_prompt if n >= k]
@@ -190,12 +209,17 @@ def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
 
 
 def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Optional[str] = None,
-             split: str = "test", ks: Sequence[int] = (1,), out_dir: Optional[str] = None, log=print) -> dict:
+             split: str = "test", ks: Sequence[int] = (1,), out_dir: Optional[str] = None, log=print,
+             world=None) -> dict:
     """Greedy accuracy and pass@k of the recipe's model (+ adapter, or a merged model) on `split`;
-    writes OUT/samples.jsonl (one line per completion) and OUT/summary.json, and returns the summary."""
+    writes OUT/samples.jsonl (one line per completion) and OUT/summary.json, and returns the summary.
+    Under torchrun (`world`, docs/algorithm.md §21) each process takes a contiguous share of the prompts,
+    samples with its own stream, and process 0 writes the whole."""
+    from . import distributed
     from .data import DataError, prompt_set
     from .rewards import Rewards
 
+    world = world or distributed.World()
     adapter_dir, run_dir = resolve_adapter(adapter) if adapter else (None, None)
     if out_dir is None:
         out_dir = (run_dir / "eval" / f"{adapter_dir.parent.name}-{split}") if run_dir else Path(f"eval-{name}")
@@ -206,7 +230,8 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")
     examples = pset.examples[: recipe.train.eval_max_prompts]
-    records: list = []
+    first, stop = distributed.shard_bounds(len(examples), world)
+    mine, greedy_records, sample_records = examples[first:stop], [], []
     summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
                "model": str(model_dir or recipe.model.name_or_path), "prompts": len(examples),
                "max_new_tokens": g.max_new_tokens}
@@ -214,24 +239,30 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     from .progress import use_bar
 
     bar = None
-    if use_bar("auto"):
+    if use_bar("auto") and world.main:
         from tqdm import tqdm
 
-        bar = tqdm(total=2 * len(examples), unit="prompt", desc="eval", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(total=2 * len(mine), unit="prompt", desc="eval", file=sys.stderr, dynamic_ncols=True)
     done = bar.update if bar is not None else (lambda n: None)
-    engine = make_engine(EngineConfig.from_recipe(recipe), model, tok)
+    engine_cfg = EngineConfig.from_recipe(recipe)
+    engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, world)), model, tok)
     try:
         rollout = _episodes(recipe, engine, tok, pset)
-        summary.update(greedy(engine, tok, rewards, examples, g.max_new_tokens, records=records, done=done,
-                              rollout=rollout))
-        torch.manual_seed(recipe.seed)   # the samples are reproducible for a given recipe seed
+        mine_greedy = greedy(engine, tok, rewards, mine, g.max_new_tokens, records=greedy_records, done=done,
+                             rollout=rollout, first_index=first)
+        torch.manual_seed(distributed.sampling_seed(recipe.seed, world))   # reproducible for a given recipe seed
         params = SamplingParams.from_generation(g, n=max(ks))
-        summary.update(sampled(engine, tok, rewards, examples, params, ks, records=records, done=done,
-                               rollout=rollout))
+        counts = sampled_counts(engine, tok, rewards, mine, params, records=sample_records, done=done,
+                                rollout=rollout, first_index=first)
     finally:
         engine.close()
         if bar is not None:
             bar.close()
+    summary.update(combine_greedy(distributed.gather(mine_greedy, world)))
+    summary.update(pass_at_k_table(distributed.gather_lists(counts, world), params, ks))
+    records = distributed.gather_lists(greedy_records, world) + distributed.gather_lists(sample_records, world)
+    if not world.main:
+        return summary
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "samples.jsonl", "w") as f:

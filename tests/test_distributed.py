@@ -237,9 +237,27 @@ def test_two_process_run_writes_one_runs_metrics_checkpoints_and_eval(straight_r
     from lowmem_grpo.recipe import recipe_from_dict
 
     two = rows[(STEPS, "eval")]
-    one = run_eval(recipe_from_dict(d), name="r", adapter=str(run), out_dir=str(tmp_path / "eval"), log=lambda *a: None)
+    one = run_eval(recipe_from_dict(d), name="r", adapter=str(run), out_dir=str(tmp_path / "eval"), log=lambda *a: None,
+                   ks=(1, 2))
     assert (one["accuracy"], one["n"]) == (two["eval/accuracy"], two["eval/n"]) and two["eval/n"] == 10
     assert two["eval/mean_reward"] == pytest.approx(one["mean_reward"], abs=1e-12)
+    # `lowmem-grpo eval --nproc 2`: each process a share of the prompts; process 0 writes the whole
+    proc = subprocess.run([sys.executable, "-m", "lowmem_grpo", "eval", "--nproc", "2", str(tmp / "r.yaml"),
+                           "--adapter", str(run), "--k", "1,2", "--out", str(tmp_path / "eval2")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("greedy accuracy:") == 1
+    summary = json.loads((tmp_path / "eval2" / "summary.json").read_text())
+    assert (summary["accuracy"], summary["n"], summary["correct"]) == (one["accuracy"], one["n"], one["correct"])
+    assert summary["pass@2/prompts"] == 10 and 0 <= summary["pass@2"] <= 1
+    records = [json.loads(line) for line in (tmp_path / "eval2" / "samples.jsonl").read_text().splitlines()]
+    greedy = [r for r in records if r["mode"] == "greedy"]
+    assert [r["prompt_index"] for r in greedy] == list(range(10))
+    ones = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [r["completion"] for r in greedy] == [r["completion"] for r in ones if r["mode"] == "greedy"]
+    assert sorted((r["prompt_index"], r["sample"]) for r in records if r["mode"] == "sample") == \
+        [(i, j) for i in range(10) for j in range(2)]
 
 
 @pytest.mark.slow
