@@ -134,7 +134,8 @@ class Step:
 class Trainer:
     def __init__(self, recipe: Recipe, run_dir: Optional[Path] = None, resume: bool = False, log=print,
                  world: Optional[distributed.World] = None):
-        self.world = world if world is not None else distributed.current()   # §21: one process unless torchrun
+        # §21: one process, unless torchrun started several (then this joins their group if nobody did)
+        self.world = world if world is not None else distributed.join(recipe.train.collective_timeout_s)
         self.recipe = recipe
         self.log = log if self.world.main else (lambda *args, **kwargs: None)
         if recipe.train.prompts_per_step % self.world.size:
