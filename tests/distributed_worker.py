@@ -61,10 +61,11 @@ def float64_norms(model) -> int:
 
 def main(cases_path: str, out_path: str) -> None:
     cases = json.loads(open(cases_path).read())
-    world = distributed.join(timeout_s=120)
     results = {}
     for name, d in cases.items():
-        trainer = Trainer(recipe_from_dict(d), world=world, log=lambda *a, **k: None)
+        # no world given: a Trainer under torchrun joins the job's process group itself
+        trainer = Trainer(recipe_from_dict(d), log=lambda *a, **k: None)
+        assert trainer.world == distributed.current() and trainer.world.size == distributed.launched_size()
         trainer.model.double()   # float64: the processes' sums differ from one process's in rounding only
         float64_norms(trainer.model)
         trainer.engine = ScriptedEngine(trainer.tokenizer)
@@ -79,7 +80,7 @@ def main(cases_path: str, out_path: str) -> None:
                          "exp_avg_sq": {n: state[p]["exp_avg_sq"].clone() for n, p in trainable.items()},
                          "row": {k: v for k, v in row.items() if not k.startswith(("time/", "memory/"))}}
         trainer.close()
-    if world.main:
+    if distributed.current().main:
         torch.save(results, out_path)
     distributed.leave()
 
