@@ -29,11 +29,12 @@ Built-ins: `python` (PythonTool): code between <python> and </python> runs in th
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from math import isfinite
 from typing import Any, Optional
+
+from .user_code import import_named
 
 # Built-in environments by short name -> 'module:Class'.
 BUILTINS: dict[str, str] = {"python": "lowmem_grpo.environment:PythonTool"}
@@ -75,12 +76,7 @@ def resolve(name: str) -> type:
     if ":" not in target:
         known = f"a built-in ({', '.join(sorted(BUILTINS))}) or " if BUILTINS else ""
         raise EnvError(f"environment {name!r}: expected {known}'package.module:Class'")
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is reported, not raised raw
-        raise EnvError(f"environment {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    cls = getattr(module, attr, None)
+    module_name, attr, cls = import_named(target, f"environment {name!r}", EnvError)
     if not isinstance(cls, type):
         raise EnvError(f"environment {name!r}: module {module_name!r} has no class {attr!r}")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]

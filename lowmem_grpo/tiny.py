@@ -162,22 +162,34 @@ def warm_start(model, tokenizer, train_rows, probe_rows, target=(0.15, 0.40), lr
     """Supervised pass until greedy accuracy on `probe_rows` (a slice of training data, never the held-out
     set) first lands inside `target`. Returns (probe accuracy, steps)."""
     rng = random.Random(seed)
+    acc = 0.0
+
+    def done(step: int, loss: float) -> bool:
+        nonlocal acc
+        acc = greedy_accuracy(model, tokenizer, probe_rows)
+        log(f"  warm-start step {step}: loss {loss:.3f}, probe accuracy {100 * acc:.1f}%")
+        return acc >= target[0]
+
+    steps = _supervised(model, lambda: sft_batch(tokenizer, rng.sample(train_rows, batch_size)), done, lr, max_steps,
+                        check_every)
+    return acc, steps
+
+
+def _supervised(model, next_batch, done, lr: float, max_steps: int, check_every: int) -> int:
+    """AdamW steps (gradients clipped to norm 1) on next_batch()'s (ids, attention mask, labels) until
+    done(step, loss), asked every check_every steps, says so; the number of steps taken."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    acc = 0.0
     for step in range(1, max_steps + 1):
-        ids, att, lab = sft_batch(tokenizer, rng.sample(train_rows, batch_size))
+        ids, att, lab = next_batch()
         loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % check_every == 0:
-            acc = greedy_accuracy(model, tokenizer, probe_rows)
-            log(f"  warm-start step {step}: loss {loss.item():.3f}, probe accuracy {100 * acc:.1f}%")
-            if acc >= target[0]:
-                return acc, step
-    return acc, max_steps
+        if step % check_every == 0 and done(step, loss.item()):
+            return step
+    return max_steps
 
 
 # --- the tool-use task: 3-digit products, with the built-in python tool (scripts/tool_demo.py) ----------------
@@ -365,20 +377,15 @@ def warm_start_tool(model, tokenizer, train_rows, probe_rows, rate_band=(0.2, 0.
     `min_tool_accuracy` of the time. Returns (the probe's greedy_tool_eval, steps)."""
     rng = random.Random(seed)
     examples = tool_sft_rows(train_rows, seed=seed, other_share=other_share)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
     probe = {"accuracy": 0.0, "tool_call_rate": 0.0, "tool_accuracy": 0.0}
-    for step in range(1, max_steps + 1):
-        ids, att, lab = segments_batch(tokenizer, rng.sample(examples, batch_size))
-        loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % check_every == 0:
-            probe = greedy_tool_eval(model, tokenizer, probe_rows)
-            log(f"  warm-start step {step}: loss {loss.item():.3f}, probe accuracy {100 * probe['accuracy']:.1f}%, "
-                f"tool calls {100 * probe['tool_call_rate']:.1f}% ({100 * probe['tool_accuracy']:.1f}% of them right)")
-            if rate_band[0] <= probe["tool_call_rate"] <= rate_band[1] and probe["tool_accuracy"] >= min_tool_accuracy:
-                return probe, step
-    return probe, max_steps
+
+    def done(step: int, loss: float) -> bool:
+        nonlocal probe
+        probe = greedy_tool_eval(model, tokenizer, probe_rows)
+        log(f"  warm-start step {step}: loss {loss:.3f}, probe accuracy {100 * probe['accuracy']:.1f}%, "
+            f"tool calls {100 * probe['tool_call_rate']:.1f}% ({100 * probe['tool_accuracy']:.1f}% of them right)")
+        return rate_band[0] <= probe["tool_call_rate"] <= rate_band[1] and probe["tool_accuracy"] >= min_tool_accuracy
+
+    steps = _supervised(model, lambda: segments_batch(tokenizer, rng.sample(examples, batch_size)), done, lr,
+                        max_steps, check_every)
+    return probe, steps

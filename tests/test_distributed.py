@@ -294,35 +294,33 @@ def test_kill9_of_one_process_stops_the_job_then_resume_matches_the_straight_run
     assert _rows(run) == _rows(straight / "run")
 
 
-@pytest.mark.slow
-def test_a_process_that_raises_stops_the_job_with_its_error(tiny_model_dir, tiny_data, tmp_path):
-    d = _run_recipe(tiny_model_dir, tiny_data, tmp_path / "run")
-    d["rewards"] = {"functions": [{"function": "user_rewards:raises_in_process_1"}]}
+def _failed_job(model_dir, data, tmp_path: Path, reward: str, **train) -> str:
+    """A 2-process run whose reward is `reward`: it must end non-zero with nothing left running; its log."""
+    d = _run_recipe(model_dir, data, tmp_path / "run")
+    d["rewards"] = {"functions": [{"function": reward}]}
     d["data"]["eval_path"] = ""
+    d["train"].update(train)
     log = tmp_path / "log.txt"
     proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], log)
     assert proc.wait(timeout=120) != 0
-    text = log.read_text()
+    assert not _children(proc.pid)
+    return log.read_text()
+
+
+@pytest.mark.slow
+def test_a_process_that_raises_stops_the_job_with_its_error(tiny_model_dir, tiny_data, tmp_path):
+    text = _failed_job(tiny_model_dir, tiny_data, tmp_path, "user_rewards:raises_in_process_1")
     assert "boom in process 1" in text, text[-3000:]
     assert "error: process 1 of 2 ended with exit code 2" in text and "Traceback" not in text, text[-3000:]
-    assert not _children(proc.pid)
 
 
 @pytest.mark.slow
 def test_a_process_that_hangs_fails_the_job_after_the_collective_timeout(tiny_model_dir, tiny_data, tmp_path):
     """Process 1 never returns from its reward function: process 0 waits train.collective_timeout_s at the
     exchange, then stops with a one-line error, and torchrun stops process 1."""
-    d = _run_recipe(tiny_model_dir, tiny_data, tmp_path / "run")
-    d["rewards"] = {"functions": [{"function": "user_rewards:hangs_in_process_1"}]}
-    d["data"]["eval_path"] = ""
-    d["train"]["collective_timeout_s"] = 5
-    log = tmp_path / "log.txt"
-    proc = _train([str(write_recipe(tmp_path / "r.yaml", d))], log)
-    assert proc.wait(timeout=120) != 0
-    text = log.read_text()
+    text = _failed_job(tiny_model_dir, tiny_data, tmp_path, "user_rewards:hangs_in_process_1", collective_timeout_s=5)
     assert "error: process 0: gathering a step's results with the other processes failed" in text, text[-3000:]
     assert "train.collective_timeout_s" in text and "Traceback" not in text, text[-3000:]
-    assert not _children(proc.pid)
 
 
 @pytest.mark.slow

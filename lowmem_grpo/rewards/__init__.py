@@ -25,7 +25,6 @@ options and the user functions' conventions) does not import it.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from math import isfinite  # (not `import math`: the submodule rewards.math woul
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from ..user_code import import_named
 from .conventions import (CONVENTIONS, TRL_PASSED, _keywords, _parameters, _required_columns,  # noqa: F401
                           calling_convention, signature_problems, trl_signature_problems)
 from .options import BUILTINS as _SPECS
@@ -53,12 +53,7 @@ def resolve(name: str) -> Callable:
     if ":" not in target:
         raise RewardError(f"reward {name!r}: not a built-in ({', '.join(sorted(BUILTINS))}) "
                           f"and not of the form 'package.module:function'")
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is reported, not raised raw
-        raise RewardError(f"reward {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from None
-    fn = getattr(module, attr, None)
+    module_name, attr, fn = import_named(target, f"reward {name!r}", RewardError)
     if not callable(fn):
         raise RewardError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
     return fn
