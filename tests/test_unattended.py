@@ -243,7 +243,9 @@ def _recipe_of(run: Path) -> dict:
 def test_second_ctrl_c_aborts_and_keeps_the_last_checkpoint(tiny_model_dir, tiny_data, tmp_path):
     proc, log, run = _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every=1)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.01)
+    # The second once the first was handled: two SIGINTs that land while the main thread is inside one C call
+    # (a torch op) reach Python as one, and the run would then just finish its step.
+    assert _wait(lambda: "stopping after this step" in log.read_text(), proc, timeout=60, poll=0.001), log.read_text()
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=60)
     out = log.read_text()
