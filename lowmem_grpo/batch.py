@@ -11,6 +11,7 @@ nowhere else: not in the flat tensors, not in |o_i|, not among the sampler's log
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from itertools import chain
 from typing import Optional
@@ -21,6 +22,7 @@ from .advantages import zero_std_groups
 from .logprobs import selective_log_softmax
 from .loss import aggregation_weights
 from .model import hidden_states, lm_head_params
+from .offload import ActivationOffload
 
 
 @dataclass
@@ -207,12 +209,15 @@ def _shared_attention(row_len, row_of, start, c_len, p_len, width: int) -> tuple
 
 
 def completion_logprobs(model, mb: MicroBatch, temperature: float, chunk_rows: int, chunk_vocab: int,
-                        return_entropy: bool = False, entropy_grad: bool = False):
+                        return_entropy: bool = False, entropy_grad: bool = False, offload: bool = False):
     """log pi(target) at every completion token of the micro-batch (and the entropy: with gradient when
-    entropy_grad, for an entropy bonus, §16)."""
+    entropy_grad, for an entropy bonus, §16). offload: with gradient, the decoder's checkpointed layer inputs
+    wait in host memory until backward (§22)."""
     device = next(model.parameters()).device
-    h = hidden_states(model, mb.input_ids.to(device), mb.attention_mask.to(device),
-                      None if mb.position_ids is None else mb.position_ids.to(device))
+    keep_out = ActivationOffload(model) if offload and torch.is_grad_enabled() else contextlib.nullcontext()
+    with keep_out:
+        h = hidden_states(model, mb.input_ids.to(device), mb.attention_mask.to(device),
+                          None if mb.position_ids is None else mb.position_ids.to(device))
     h = h[mb.rows.to(device), mb.positions.to(device)]  # only completion positions are projected
     head = lm_head_params(model)
     return selective_log_softmax(h, head.weight, mb.targets.to(device), bias=head.bias, temperature=temperature,

@@ -152,7 +152,7 @@ def estimate(recipe, memory, device, nproc, overrides):
     def go():
         r = load_recipe(recipe, list(overrides))
         budget = mm.parse_size(memory) if memory else mm.device_budget(device)
-        est, shape, workload = mm.estimate_recipe(r, device, processes=nproc)
+        est, shape, workload = mm.estimate_recipe(r, device, processes=nproc, budget=budget)  # waves fit the budget
         click.echo(f"{recipe}: {r.model.name_or_path} (vocab {shape.vocab_size:,}, hidden {shape.hidden_size}, "
                    f"{shape.num_layers} layers), {device}" + (f", per process of {nproc}" if nproc > 1 else ""))
         click.echo("\n".join(est.lines()))

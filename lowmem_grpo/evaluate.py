@@ -244,15 +244,17 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
 
         bar = tqdm(total=2 * len(mine), unit="prompt", desc="eval", file=sys.stderr, dynamic_ncols=True)
     done = bar.update if bar is not None else (lambda n: None)
-    engine_cfg = EngineConfig.from_recipe(recipe)
+    wave = eval_wave(recipe, model, mine, max(ks))
+    batch = min(wave or EVAL_BATCH, EVAL_BATCH)
+    engine_cfg = EngineConfig.from_recipe(recipe, wave)
     engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, world)), model, tok)
     try:
         rollout = _episodes(recipe, engine, tok, pset)
-        mine_greedy = greedy(engine, tok, rewards, mine, g.max_new_tokens, records=greedy_records, done=done,
-                             rollout=rollout, first_index=first)
+        mine_greedy = greedy(engine, tok, rewards, mine, g.max_new_tokens, batch_size=batch, records=greedy_records,
+                             done=done, rollout=rollout, first_index=first)
         torch.manual_seed(distributed.sampling_seed(recipe.seed, world))   # reproducible for a given recipe seed
         params = SamplingParams.from_generation(g, n=max(ks))
-        counts = sampled_counts(engine, tok, rewards, mine, params, records=sample_records, done=done,
+        counts = sampled_counts(engine, tok, rewards, mine, params, batch_size=batch, records=sample_records, done=done,
                                 rollout=rollout, first_index=first)
     finally:
         engine.close()
@@ -273,6 +275,26 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     for line in summary_lines(summary, ks):
         log(line)
     return summary
+
+
+def eval_wave(recipe, model, examples: list, samples: int) -> Optional[int]:
+    """The most sequences one generate call may decode in this device's memory (memory.fit_sequences: the
+    static memory + one call's KV cache, prefill and logits), when that is fewer than eval would decode at once
+    (EVAL_BATCH prompts, or one prompt's `samples`); None otherwise, and where the memory model does not apply."""
+    from .memory import MemoryModelError, ModelShape, device_budget, fit_sequences, workload_from_recipe
+
+    device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+    budget = device_budget(device)
+    if budget is None or not examples:
+        return None
+    try:
+        shape = ModelShape.from_config(model.config)
+    except MemoryModelError:
+        return None
+    most = max(EVAL_BATCH, samples)
+    wave = fit_sequences(shape, workload_from_recipe(recipe, max(len(e.prompt_ids) for e in examples), device),
+                         budget, most)
+    return wave if wave < most else None
 
 
 def _episodes(recipe, engine, tokenizer, pset) -> Optional[Callable]:

@@ -10,15 +10,22 @@ The split is loaded with `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`, so 
 from datasets' cache: rows are fetched by index when needed (data.py), never all turned into Python
 objects. Parquet files go the same way (`load_file`). `datasets` is imported only here, and only when
 such a source is used (importing it takes a second or two).
+
+Hub model ids too: `shipped_model_config` finds the copy of a model's config.json that ships in
+lowmem_grpo/model_configs, for what needs only the model's shape (the memory estimate).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 PREFIX = "hf:"
 FORM = "hf:NAME[:CONFIG]@SPLIT, e.g. hf:openai/gsm8k:main@train"
+MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"  # ORG/NAME/config.json, named like the hub ids
+_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", re.ASCII)  # ORG/NAME: no '..', no absolute path
 
 
 class HubSpecError(ValueError):
@@ -74,6 +81,18 @@ def _datasets(what: str):
         raise ValueError(f"{what}: reading Hugging Face datasets needs the `datasets` package "
                          "(pip install 'lowmem-grpo[data]')") from None
     return datasets
+
+
+def shipped_model_config(name_or_path: str) -> Optional[Path]:
+    """The folder (lowmem_grpo/model_configs/ORG/NAME) holding this package's copy of hub model ORG/NAME's
+    config.json, or None: when `name_or_path` exists as a local path (the user's own copy comes first), is not
+    an ORG/NAME id, or names a model whose config is not shipped. The folder holds the shape only (no weights,
+    no tokenizer): it is for what needs no more (`lowmem-grpo estimate`), never for loading the model."""
+    name = str(name_or_path)
+    if not _MODEL_ID.fullmatch(name) or Path(name).expanduser().exists():
+        return None
+    folder = MODEL_CONFIGS / name
+    return folder if (folder / "config.json").is_file() else None
 
 
 def load(source: str):

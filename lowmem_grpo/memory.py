@@ -8,6 +8,10 @@ state) plus the largest of three phases, which never overlap:
   train     LoRA gradients, one micro-batch's checkpointed layer inputs, one layer's recomputation in
             backward (its activations and their gradients), and one tile of the log-prob kernel
 
+Given a budget, the two decoding phases run in waves (`decode_waves`): a rollout decodes at most as many
+sequences per generate call as fit beside the static memory, and eval at most as many as also keep it no
+larger than the rollout's wave or the train phase, so a fixed batch of held-out prompts never sets the peak.
+
 Every term is a count of tensors the code really allocates (sizes from the model's config and the
 recipe), not a fit to measurements; scripts/bench_memory.py prints the prediction beside the measured
 peak. With an environment (docs/algorithm.md §20) a completion holds the model's turns and the
@@ -21,6 +25,7 @@ more in nvidia-smi).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -91,6 +96,7 @@ class Workload:
     chunk_tokens: int = 1024
     chunk_vocab: int = 8192
     gradient_checkpointing: bool = True
+    offload_activations: bool = False  # checkpointed layer inputs in host memory (CUDA; offload.py)
     eval_prompts: int = 0
     engine: str = "hf"
     kv_cache_bytes: Optional[int] = None  # vLLM: the recipe's explicit KV budget
@@ -105,14 +111,20 @@ class Estimate:
     peak_phase: str = ""
     peak: int = 0
     notes: list[str] = field(default_factory=list)
+    waves: Optional["Waves"] = None   # with a budget: the decoding phases' wave sizes
+
+    def phase_label(self, phase: str) -> str:
+        """'rollout phase', or with waves that split it 'rollout phase (8 seqs in 4 waves of 2)'."""
+        split = self.waves is not None and phase in ("rollout", "eval") and self.waves.split(phase)
+        return f"{phase} phase" + (f" ({self.waves.describe(phase)})" if split else "")
 
     def lines(self) -> list[str]:
         names = list(self.static) + [n for parts in self.phases.values() for n in parts]
-        w = max(len(n) for n in names) + 4
+        w = max(len(n) for n in names + [self.phase_label(p) for p in self.phases]) + 4
         out = [f"  {name:<{w}} {fmt(b):>10}" for name, b in self.static.items()]
         for phase, parts in self.phases.items():
             mark = "  <- peak" if phase == self.peak_phase else ""
-            out.append(f"  {phase + ' phase':<{w}} {fmt(sum(parts.values())):>10}{mark}")
+            out.append(f"  {self.phase_label(phase):<{w}} {fmt(sum(parts.values())):>10}{mark}")
             out += [f"    {name:<{w - 2}} {fmt(b):>10}" for name, b in parts.items()]
         out.append(f"  {'predicted peak':<{w}} {fmt(self.peak):>10}  (static + {self.peak_phase} phase)")
         return out + [f"  note: {n}" for n in self.notes]
@@ -156,8 +168,12 @@ def base_weight_bytes(s: ModelShape, w: Workload) -> int:
     return int(linear_b + other * w.compute_bytes)
 
 
+def lora_targets(w: Workload) -> tuple[str, ...]:
+    return LORA_LINEARS if w.lora_targets == ("all-linear",) else w.lora_targets
+
+
 def lora_params(s: ModelShape, w: Workload) -> int:
-    targets = LORA_LINEARS if w.lora_targets == ("all-linear",) else w.lora_targets
+    targets = lora_targets(w)
     return sum(w.lora_r * (i + o) for name, (i, o) in s.linears().items() if name in targets) * s.num_layers
 
 
@@ -175,6 +191,8 @@ def decode_phase(s: ModelShape, w: Workload, seqs: int, label: str) -> dict[str,
     fp32 logits of the last position plus the sampler's copies (processed scores, probabilities)."""
     tokens = w.prompt_tokens + w.completion_tokens
     if w.engine == "vllm" and w.kv_cache_bytes is not None:
+        # vLLM allocates its KV budget once and its scheduler already decodes in waves that fit it; `seqs`
+        # (max_num_seqs, a wave) bounds only the rows it prefills and samples at once.
         kv = w.kv_cache_bytes
     else:
         kv = kv_cache_bytes(s, w, seqs, tokens)
@@ -194,9 +212,17 @@ def train_phase(s: ModelShape, w: Workload, n_lora: int) -> dict[str, int]:
     # logsumexp per head and row (no T x T matrix).
     per_token_layer = (4 * h + qkv + 3 * i + 7 * w.lora_r) + (h + i)  # saved for backward + gradients in flight
     one_layer = b * t * per_token_layer * cb
+    # With a 16-bit compute dtype, one layer's backward also holds fp32 copies (seen on CUDA with a tensor-level
+    # trace of the recomputed layer, docs/benchmarks.md): transformers' RMSNorm computes in fp32 and keeps its
+    # fp32 input (two norms), peft casts each LoRA input to the adapters' fp32 and keeps that copy for lora_A's
+    # backward, and the widest such copy's fp32 gradient is in flight. At long sequences this is the largest term.
+    lora_in = sum(n_in for name, (n_in, _) in s.linears().items() if name in lora_targets(w))
+    fp32_copies = b * t * 4 * (2 * h + lora_in + i) if cb < 4 else 0
     if w.quantized:
         one_layer += max(x * y for x, y in s.linears().values()) * cb  # bitsandbytes dequantizes one weight at a time
     layers_kept = s.num_layers if w.gradient_checkpointing else s.num_layers * per_token_layer / h
+    if offloaded(w):
+        layers_kept = 2  # offload.py: one input on its way to host memory (forward) or back (backward), one in use
     checkpointed = int(b * t * h * cb * (layers_kept + 2))  # + embeddings output and final norm output
     n_tok = b * w.completion_tokens
     rows = min(w.chunk_tokens, n_tok)
@@ -206,12 +232,28 @@ def train_phase(s: ModelShape, w: Workload, n_lora: int) -> dict[str, int]:
     if cb != 4:
         tile += min(w.chunk_vocab, s.vocab_size) * h * 4
     kernel_io = n_tok * h * (4 + 4) + n_tok * 4 * 8  # hidden rows in fp32 + their grad; per-token vectors
-    return {"LoRA gradients (fp32)": n_lora * 4, f"checkpointed layer inputs (micro-batch {b} x {t} tok)": checkpointed,
-            "one layer's recomputation + grads": int(one_layer), f"log-prob tile ({rows} x {min(w.chunk_vocab, s.vocab_size)})": tile,
+    kept = f"checkpointed layer inputs (micro-batch {b} x {t} tok{', 2 layers on device' if offloaded(w) else ''})"
+    return {"LoRA gradients (fp32)": n_lora * 4, kept: checkpointed,
+            "one layer's recomputation + grads": int(one_layer),
+            **({"one layer's fp32 copies (norms, LoRA inputs)": fp32_copies} if fp32_copies else {}),
+            f"log-prob tile ({rows} x {min(w.chunk_vocab, s.vocab_size)})": tile,
             "log-prob rows and grads": kernel_io}
 
 
-def estimate(s: ModelShape, w: Workload) -> Estimate:
+def offloaded(w: Workload) -> bool:
+    """Whether train.offload_activations moves anything: with checkpointing, on CUDA (on a CPU it is a no-op)."""
+    return w.offload_activations and w.gradient_checkpointing and w.device == "cuda"
+
+
+def offloaded_host_bytes(s: ModelShape, w: Workload) -> int:
+    """Pinned host memory that offload holds at the end of a micro-batch's forward: every layer's input, and
+    the final norm's input and its fp32 copy (as the checkpointed term counts them)."""
+    t = w.prompt_tokens + w.completion_tokens
+    return w.micro_batch_size * t * s.hidden_size * w.compute_bytes * (s.num_layers + 2) if offloaded(w) else 0
+
+
+def static_terms(s: ModelShape, w: Workload) -> dict[str, int]:
+    """What lives for the whole run: runtime (CPU), base weights, LoRA parameters, optimizer state."""
     n_lora = lora_params(s, w)
     static = {}
     if w.device == "cpu":
@@ -219,14 +261,91 @@ def estimate(s: ModelShape, w: Workload) -> Estimate:
     static["base weights" + (" (NF4 linears)" if w.quantized else "")] = base_weight_bytes(s, w)
     static[f"LoRA parameters ({n_lora / 1e6:.1f}M, fp32)"] = n_lora * 4
     static[f"optimizer state ({w.optimizer})"] = int(n_lora * optimizer_bytes_per_param(w.optimizer))
-    phases = {"rollout": decode_phase(s, w, w.prompts_per_step * w.num_generations, "rollout")}
+    return static
+
+
+@dataclass(frozen=True)
+class Waves:
+    """Sequences one generate call decodes at once in each decoding phase (a wave), sized to a budget."""
+
+    rollout: int       # of rollout_seqs (prompts_per_step x G, one step's sequences)
+    eval: int          # of eval_seqs (held-out prompts, one greedy sequence each); 0 without held-out prompts
+    rollout_seqs: int
+    eval_seqs: int
+
+    def split(self, phase: str) -> bool:
+        """Whether the budget makes this phase decode in smaller calls than it would without one (a rollout:
+        one call; eval: calls of EVAL_BATCH prompts)."""
+        if phase == "rollout":
+            return self.rollout < self.rollout_seqs
+        return 0 < self.eval < min(EVAL_BATCH, self.eval_seqs)
+
+    def describe(self, phase: str) -> str:
+        size, total = (self.rollout, self.rollout_seqs) if phase == "rollout" else (self.eval, self.eval_seqs)
+        return f"{total} seqs in {-(-total // size)} waves of {size}"
+
+    @property
+    def max_batch_sequences(self) -> Optional[int]:
+        """The engine's cap (EngineConfig.max_batch_sequences): the most sequences any generate call decodes;
+        None when no phase is split, so that the engines run exactly as without waves."""
+        if not (self.split("rollout") or self.split("eval")):
+            return None
+        return max(self.rollout, self.eval)
+
+
+def _largest(most: int, ok) -> int:
+    """The largest k in 1..most with ok(k) (ok is monotone: true up to some k, false after); 1 if none."""
+    lo, hi = 1, max(1, most)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def fit_sequences(s: ModelShape, w: Workload, budget: int, most: int) -> int:
+    """The most sequences (1..most) one decode call may hold with static + that call <= budget; 1 when even
+    one does not fit (the estimate then shows by how much)."""
+    static = sum(static_terms(s, w).values())
+    return _largest(most, lambda k: static + sum(decode_phase(s, w, k, "").values()) <= budget)
+
+
+def decode_waves(s: ModelShape, w: Workload, budget: int) -> Waves:
+    """The rollout's wave: the most of its prompts_per_step x G sequences that fit the budget beside the static
+    memory. Eval's: the most of min(EVAL_BATCH, eval_prompts) that also keep the eval phase no larger than the
+    rollout's wave or the train phase, so eval never sets the peak by its batch. At least 1 each (with
+    held-out prompts). Under vLLM the wave is max_num_seqs: the KV term is vLLM's own budget whatever it is."""
+    rollout_seqs = w.prompts_per_step * w.num_generations
+    rollout = fit_sequences(s, w, budget, rollout_seqs)
+    if not w.eval_prompts:
+        return Waves(rollout, 0, rollout_seqs, 0)
+    static = sum(static_terms(s, w).values())
+    cap = max(sum(decode_phase(s, w, rollout, "").values()), sum(train_phase(s, w, lora_params(s, w)).values()))
+
+    def ok(k: int) -> bool:
+        phase = sum(decode_phase(s, w, k, "").values())
+        return static + phase <= budget and phase <= cap
+
+    return Waves(rollout, _largest(min(EVAL_BATCH, w.eval_prompts), ok), rollout_seqs, w.eval_prompts)
+
+
+def estimate(s: ModelShape, w: Workload, budget: Optional[int] = None) -> Estimate:
+    """The peak and its breakdown. With a budget the decoding phases are sized at their waves
+    (`decode_waves`); None: one rollout call of all its sequences and eval calls of EVAL_BATCH prompts."""
+    n_lora = lora_params(s, w)
+    static = static_terms(s, w)
+    waves = decode_waves(s, w, budget) if budget is not None else None
+    phases = {"rollout": decode_phase(s, w, waves.rollout if waves else w.prompts_per_step * w.num_generations,
+                                      "rollout")}
     if w.eval_prompts:
-        phases["eval"] = decode_phase(s, w, min(EVAL_BATCH, w.eval_prompts), "eval")
+        phases["eval"] = decode_phase(s, w, waves.eval if waves else min(EVAL_BATCH, w.eval_prompts), "eval")
     phases["train"] = train_phase(s, w, n_lora)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
-    est = Estimate(static, phases, peak_phase, sum(static.values()) + sum(phases[peak_phase].values()))
+    est = Estimate(static, phases, peak_phase, sum(static.values()) + sum(phases[peak_phase].values()), waves=waves)
     if w.device == "cuda":
         est.notes.append("CUDA: this is torch's allocated peak; nvidia-smi shows ~0.5 GiB more (CUDA context)")
+    if offloaded(w):
+        est.notes.append(f"train.offload_activations: {fmt(offloaded_host_bytes(s, w))} of pinned CPU memory holds "
+                         f"the checkpointed layer inputs during the update")
     return est
 
 
@@ -255,7 +374,7 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int
         num_generations=r.generation.num_generations, micro_batch_size=r.train.micro_batch_size,
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens(r),
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
-        gradient_checkpointing=r.model.gradient_checkpointing,
+        gradient_checkpointing=r.model.gradient_checkpointing, offload_activations=r.train.offload_activations,
         eval_prompts=-(-eval_prompts // processes), engine=r.generation.engine,
         kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device, environment=bool(r.environment.name))
 
@@ -270,11 +389,11 @@ class Advice:
 
 def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
     """The largest micro-batch and log-prob tile that fit in `budget`, or the recipe fields to change."""
-    est = estimate(s, w)
+    est = estimate(s, w, budget)   # decoding in waves sized to the budget, as the trainer does
     if est.peak <= budget:
         best_mb = w.micro_batch_size
         for mb in range(w.micro_batch_size, w.prompts_per_step * w.num_generations + 1):
-            if estimate(s, replace(w, micro_batch_size=mb)).peak <= budget:
+            if estimate(s, replace(w, micro_batch_size=mb), budget).peak <= budget:
                 best_mb = mb
         lines = [f"fits: predicted peak {fmt(est.peak)} of {fmt(budget)} ({100 * est.peak / budget:.0f}%)."]
         if best_mb > w.micro_batch_size:
@@ -283,25 +402,45 @@ def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
     # Does not fit: shrink what the user can shrink without changing the algorithm, in that order.
     for mb in range(w.micro_batch_size - 1, 0, -1):
         for ct in (w.chunk_tokens, 512, 256, 128):
-            if ct <= w.chunk_tokens and estimate(s, replace(w, micro_batch_size=mb, chunk_tokens=ct)).peak <= budget:
+            if ct <= w.chunk_tokens and estimate(s, replace(w, micro_batch_size=mb, chunk_tokens=ct), budget).peak <= budget:
                 return Advice(False, [f"does not fit: predicted peak {fmt(est.peak)} > {fmt(budget)}.",
                                       f"set train.micro_batch_size: {mb}" + (f" and train.logprob_chunk_tokens: {ct}" if ct != w.chunk_tokens else "")
                                       + " (same result, more passes)."], mb, ct)
-    smallest = estimate(s, replace(w, micro_batch_size=1, chunk_tokens=128))
+    smallest = estimate(s, replace(w, micro_batch_size=1, chunk_tokens=128), budget)
     parts = dict(smallest.static)
     parts.update(smallest.phases[smallest.peak_phase])
     biggest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
     lines = [f"does not fit even with train.micro_batch_size: 1 and train.logprob_chunk_tokens: 128 "
              f"(predicted {fmt(smallest.peak)} > {fmt(budget)}). Largest terms:"]
     lines += [f"  {name}: {fmt(b)}" for name, b in biggest]
-    lines.append("change one of: " + ", ".join(_fields_for(name, w) for name, _ in biggest))
+    lines.append("change one of: " + ", ".join(_each_field_once([_fields_for(name, w, waved=True) for name, _ in biggest])))
     return Advice(False, lines)
 
 
-def _fields_for(term: str, w: Workload) -> str:
+def _each_field_once(suggestions: list[str]) -> list[str]:
+    """The suggestions with every recipe field named once: an alternative ('a / b', 'a or b') whose field an
+    earlier suggestion named is dropped, and a suggestion left with none."""
+    seen, out = set(), []
+    for text in suggestions:
+        kept = []
+        for part in re.split(r" / | or ", text):
+            key = (re.findall(r"[a-z_]+\.[a-z_]+", part) or [part])[0]
+            if key not in seen:
+                seen.add(key)
+                kept.append(part)
+        if kept:
+            out.append(" / ".join(kept))
+    return out
+
+
+def _fields_for(term: str, w: Workload, waved: bool = False) -> str:
     if term.startswith("base weights"):
         return "model.load_in_4bit: true" if not w.quantized else "a smaller model.name_or_path"
     if "KV cache" in term or "sampling" in term or "prefill" in term:
+        if "KV cache" in term and w.engine == "vllm" and w.kv_cache_bytes is not None:
+            return "generation.kv_cache_memory_bytes (vLLM's KV budget)"
+        if waved:  # in waves what does not fit is one sequence, however many prompts_per_step x G make
+            return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)"
         if term.startswith("eval"):
             return "train.eval_max_prompts (fewer held-out prompts decoded at once)"
         return "train.prompts_per_step / generation.num_generations / " + _length_field(w)
@@ -311,6 +450,8 @@ def _fields_for(term: str, w: Workload) -> str:
         return "a smaller lora.r"
     if term.startswith("runtime"):
         return "(fixed cost of the runtime)"
+    if term.startswith("checkpointed") and w.device == "cuda" and w.gradient_checkpointing and not w.offload_activations:
+        return "train.offload_activations: true (the layer inputs wait in CPU memory)"
     return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)" + (
         "" if w.gradient_checkpointing else " or model.gradient_checkpointing: true")
 
@@ -324,7 +465,11 @@ def device_budget(device: str) -> Optional[int]:
     import torch
 
     if device == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        if not torch.cuda.is_available():
+            return None
+        # A process capped by torch.cuda.set_per_process_memory_fraction (a shared card) gets that share.
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
+        return int(torch.cuda.get_device_properties(0).total_memory * fraction)
     import psutil
 
     return psutil.virtual_memory().total
@@ -345,24 +490,36 @@ def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
 
 
 def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
-                    processes: int = 1) -> tuple[Estimate, ModelShape, Workload]:
-    """The memory model for a recipe, per process: the model's config (no weights loaded) and its longest prompt."""
+                    processes: int = 1, budget: Optional[int] = None) -> tuple[Estimate, ModelShape, Workload]:
+    """The memory model for a recipe, per process: the model's config (no weights loaded) and its longest prompt;
+    with a budget, decoding in waves sized to it (`estimate`)."""
     from transformers import AutoConfig
 
+    from .hub import shipped_model_config
     from .model import ModelLoadError
 
+    name = recipe.model.name_or_path
+    shipped = shipped_model_config(name)  # a hub id whose config.json ships with the package: read offline
     try:
-        config = AutoConfig.from_pretrained(recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(shipped or name, trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model.name_or_path={recipe.model.name_or_path!r}: cannot read its config ({exc})") from None
+        raise ModelLoadError(f"model.name_or_path={name!r}: cannot read its config ({exc})") from None
     shape = ModelShape.from_config(getattr(config, "get_text_config", lambda: config)())
     note = None
-    if prompt_tokens is None:
+    if prompt_tokens is None and shipped:
+        # A shipped shape means the model is no local folder: its tokenizer (and hf: data) would come from the
+        # hub, which without a network costs ~25 s of retries before failing. The cap needs neither, and is an
+        # upper bound: data.py rejects (or skips) every prompt longer than data.max_prompt_tokens.
+        prompt_tokens = recipe.data.max_prompt_tokens
+        note = "data.max_prompt_tokens, an upper bound (the prompts are measured when model.name_or_path is a local folder)"
+    elif prompt_tokens is None:
         prompt_tokens, note = longest_prompt(recipe)
     workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
-    est = estimate(shape, workload)
+    est = estimate(shape, workload, budget)
     if note:
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
+    if shipped:
+        est.notes.insert(0, f"model shape: the shipped copy of {name}'s config.json (lowmem_grpo/model_configs; nothing downloaded)")
     return est, shape, workload
 
 

@@ -32,7 +32,7 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
     backend: Literal["transformers", "unsloth"] = Field(
         "transformers", description="Load through transformers + bitsandbytes + peft, or Unsloth's FastLanguageModel "
-        "(NVIDIA GPU and the unsloth extra only; untested: no GPU was available).")
+        "(NVIDIA GPU and the unsloth extra only; untested: never run on a GPU).")
 
 
 class LoraConfig(_Section):
@@ -335,6 +335,11 @@ class TrainConfig(_Section):
         "it (a per-query attention mask and position ids; same log-probs, fewer tokens) where that saves a fifth of "
         "the tokens and rows stay <= 512 wide, with sdpa or eager attention (docs/algorithm.md §12); false: one row "
         "per completion.")
+    offload_activations: bool = Field(
+        False, description="With gradient checkpointing, keep each decoder layer's checkpointed input in pinned CPU "
+        "memory between the forward and the backward (copied asynchronously on CUDA) instead of on the GPU: frees "
+        "num_layers x micro_batch_size x sequence x hidden x 2 bytes of VRAM for long completions, at the cost of "
+        "PCIe transfers (docs/algorithm.md §22). A no-op on CPU. Default false.")
     logprob_chunk_tokens: int = Field(1024, ge=1, description="Rows (tokens) per tile of the chunked log-prob kernel (docs/algorithm.md §10).")
     logprob_chunk_vocab: int = Field(8192, ge=1, description="Vocabulary columns per tile of the chunked log-prob kernel (a tile is chunk_tokens x chunk_vocab fp32: 32 MiB at the defaults).")
     preflight: bool = Field(True, description="Before step 1, one forward/backward at the longest prompt + max_new_tokens and a full micro-batch, so an out-of-memory shows at once, with advice.")
@@ -395,6 +400,12 @@ class Recipe(_Section):
                 problems.append((f"rewards.functions.{i}.kwargs.buffer", f"must be less than max_length, here "
                                  f"generation.max_new_tokens ({self.generation.max_new_tokens}), got {buffer}"))
         problems += self._environment_problems()
+        if self.train.offload_activations and not self.model.gradient_checkpointing:
+            problems.append(("train.offload_activations", "moves the checkpointed layer inputs to CPU memory: it needs "
+                             "model.gradient_checkpointing: true (without it every activation would cross PCIe)"))
+        if self.train.offload_activations and self.model.backend == "unsloth":
+            problems.append(("train.offload_activations", "unsloth's own gradient checkpointing already offloads "
+                             "(model.backend: unsloth); set it false"))
         if problems:
             raise FieldProblems(problems)
         return self

@@ -45,8 +45,8 @@ from .evaluate import combine_greedy
 from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
                    top_entropy_mask)
-from .memory import (ModelShape, advise, device_budget, estimate, fmt, peak_rss_mib, return_freed_memory_to_os,
-                     workload_from_recipe)
+from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, decode_waves, device_budget, estimate, fmt,
+                     peak_rss_mib, return_freed_memory_to_os, workload_from_recipe)
 from .metrics import PhaseTimer, summary_line
 from .model import eval_mode, load_policy, reference_mode, takes_shared_prompts, trainable_parameters
 from .progress import Progress
@@ -54,7 +54,7 @@ from .recipe import Recipe, recipe_to_yaml
 from .rewards import Rewards
 from .rewards.code import judging_notes
 from .rollout import make_engine
-from .rollout.base import EngineConfig, SamplingParams
+from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
 from .rollout.turns import (TurnLimits, environment_rewards, model_tokens, prompt_ids, prompt_messages, prompt_text,
                             runner, segments)
 from .sinks import SinkError, Sinks, open_sinks
@@ -170,7 +170,9 @@ class Trainer:
             self.log(f"[lowmem-grpo] {note}")
         self.sampling = SamplingParams.from_generation(recipe.generation)
         self.share_prompts = recipe.train.share_prompts == "auto" and takes_shared_prompts(self.model)
-        engine_cfg = EngineConfig.from_recipe(recipe)
+        self.memory_budget = device_budget("cuda" if next(self.model.parameters()).is_cuda else "cpu")
+        self.waves = self._decode_waves()
+        engine_cfg = EngineConfig.from_recipe(recipe, self.waves.max_batch_sequences if self.waves else None)
         self.engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, self.world)),
                                   self.model, self.tokenizer)
         try:
@@ -319,7 +321,8 @@ class Trainer:
     def logprobs(self, mb: MicroBatch, return_entropy: bool = False, entropy_grad: bool = False):
         t = self.recipe.train
         return completion_logprobs(self.model, mb, self.recipe.generation.temperature, t.logprob_chunk_tokens,
-                                   t.logprob_chunk_vocab, return_entropy=return_entropy, entropy_grad=entropy_grad)
+                                   t.logprob_chunk_vocab, return_entropy=return_entropy, entropy_grad=entropy_grad,
+                                   offload=t.offload_activations)
 
     def no_grad_logprobs(self, batches: list[MicroBatch]) -> dict:
         """Old log-probs (mu > 1: the ratio's denominator), reference log-probs (a KL to the reference), and
@@ -500,10 +503,9 @@ class Trainer:
         cap = self.completion_cap
         mb = pack([longest] * n, [[filler] * cap] * n, torch.ones(n), n, r.algorithm.aggregation,
                   cap, self.tokenizer.pad_token_id)[0]
-        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
-        shape = ModelShape.from_config(self.model.config)
-        workload = workload_from_recipe(r, len(longest), device, self.world.size)
-        predicted = estimate(shape, workload).peak
+        shape, workload = self.memory_model(len(longest))
+        device = workload.device
+        predicted = estimate(shape, workload, self.memory_budget).peak   # at the waves the run decodes in
         cuda = [torch.cuda.current_device()] if device == "cuda" else []
         try:
             with torch.random.fork_rng(devices=cuda):
@@ -523,6 +525,29 @@ class Trainer:
                  f"peak so far {peak:.0f} MiB (memory model, whole run: {predicted / 2**20:.0f} MiB)")
         return {"peak_mib": peak, "predicted_mib": predicted / 2**20}
 
+    def memory_model(self, prompt_tokens: int) -> tuple[ModelShape, Workload]:
+        """The memory model's view of this run: the model's shape, one process's workload at `prompt_tokens`."""
+        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
+        return ModelShape.from_config(self.model.config), workload_from_recipe(self.recipe, prompt_tokens, device,
+                                                                                  self.world.size)
+
+    def _decode_waves(self) -> Optional[Waves]:
+        """Sequences per generate call in a rollout and in eval, sized to this device's memory at the longest
+        prompt, training or held-out (memory.decode_waves); None without a budget or for a model the memory
+        model does not know."""
+        if self.memory_budget is None:
+            return None
+        sets = [s for s in (self.train_set, self.eval_set) if s is not None]
+        try:
+            shape, workload = self.memory_model(max(len(s.longest_prompt()) for s in sets))
+        except MemoryModelError:
+            return None
+        waves = decode_waves(shape, workload, self.memory_budget)
+        split = [f"{phase} {waves.describe(phase)}" for phase in ("rollout", "eval") if waves.split(phase)]
+        if split:
+            self.log(f"[lowmem-grpo] decoding in waves to fit {fmt(self.memory_budget)} (memory model): " + "; ".join(split))
+        return waves
+
     # -- evaluation ----------------------------------------------------------------------------------
 
     def evaluate(self) -> Optional[dict]:
@@ -530,8 +555,9 @@ class Trainer:
         if self.eval_set is None:
             return None
         examples = distributed.shard(self.eval_set.examples[: self.recipe.train.eval_max_prompts], self.world)
+        batch = self.waves.eval if self.waves is not None and self.waves.split("eval") else EVAL_BATCH
         mine = greedy_eval(self.engine, self.tokenizer, self.rewards, examples, self.recipe.generation.max_new_tokens,
-                           rollout=self.generator(self.eval_set))
+                           batch_size=batch, rollout=self.generator(self.eval_set))
         return combine_greedy(distributed.gather(mine, self.world))
 
     def _write_eval(self, result: Optional[dict]) -> None:

@@ -1,7 +1,7 @@
 """Peak memory and step time of one GRPO step: lowmem-grpo against TRL's GRPOTrainer, same model, same run.
 
     OMP_NUM_THREADS=1 python scripts/bench_memory.py [--lengths 128 512 1024] [--skip-trl] [--hidden 256]
-    python scripts/bench_memory.py --device cuda --model-config tests/fixtures/model_configs/Qwen2.5-1.5B-Instruct \
+    python scripts/bench_memory.py --device cuda --model-config lowmem_grpo/model_configs/Qwen/Qwen2.5-1.5B-Instruct \
         --lengths 512
 
 Needs the `bench` extra (pip install -e '.[bench]': TRL). Not a test: figures depend on the machine.
@@ -36,6 +36,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -58,20 +59,23 @@ MODEL_CONFIG = os.environ.get("BENCH_MEMORY_CONFIG")  # a folder holding a confi
 DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"  # the compute dtype (and the saved weights' dtype)
 
 
-def _shape() -> tuple[dict, int, bool]:
-    """(layer shape, vocabulary, tied embeddings): a real model's config.json, or the small CPU default."""
+def _shape() -> tuple[dict, int, bool, bool, int]:
+    """(layer shape, vocabulary, tied embeddings, Llama architecture, positions): a real model's config.json, or
+    the small CPU default (Qwen2). A Llama config is built as Llama (with tiny.build_tool_model's q/k/v biases:
+    0.1% of the weights), anything else as Qwen2."""
     if not MODEL_CONFIG:
         return (dict(hidden_size=_HIDDEN, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=3 * _HIDDEN),
-                151_936, True)
+                151_936, True, False, 2048)
     c = json.loads((Path(MODEL_CONFIG) / "config.json").read_text())
     c = c.get("text_config", c)
     return (dict(hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
                  num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
                  intermediate_size=c["intermediate_size"]),
-            c["vocab_size"], bool(c.get("tie_word_embeddings", False)))
+            c["vocab_size"], bool(c.get("tie_word_embeddings", False)), c.get("model_type") == "llama",
+            max(2048, min(int(c.get("max_position_embeddings", 2048)), 32768)))
 
 
-SHAPE, VOCAB, TIED = _shape()
+SHAPE, VOCAB, TIED, LLAMA, MAX_POSITIONS = _shape()
 LORA_R, LORA_ALPHA, BETA, LR = 16, 32, 0.04, 1e-5
 PROMPT = "12+34="
 
@@ -108,16 +112,32 @@ def build(workdir: Path) -> None:
     from lowmem_grpo import tiny
 
     marker = workdir / "model" / "bench_shape.json"
-    want = json.dumps({"shape": SHAPE, "vocab": VOCAB, "tied": TIED, "dtype": DTYPE}, sort_keys=True)
+    want = json.dumps({"shape": SHAPE, "vocab": VOCAB, "tied": TIED, "dtype": DTYPE, "llama": LLAMA,
+                       "positions": MAX_POSITIONS}, sort_keys=True)
     if marker.is_file() and marker.read_text() == want:
         return
     tok = tiny.build_tokenizer()
-    spec = tiny.TinyModelSpec(vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=TIED, **SHAPE)
-    model = tiny.build_model(tok, spec, seed=0).to(getattr(torch, DTYPE))
+    spec = tiny.TinyModelSpec(vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=TIED, **SHAPE)
+    # On CUDA the random weights are drawn on the GPU in the compute dtype: an 8B model's fp32 CPU init and cast
+    # take minutes, this takes seconds.
+    with torch.device(DEVICE), _default_dtype(getattr(torch, DTYPE)):
+        model = (tiny.build_tool_model if LLAMA else tiny.build_model)(tok, spec, seed=0).to(getattr(torch, DTYPE))
     model.save_pretrained(workdir / "model")
     tok.save_pretrained(workdir / "model")
     tiny.write_jsonl([{"prompt": PROMPT, "answer": "46"}] * 4, workdir / "prompts.jsonl")
     marker.write_text(want)  # last: a build cut short is redone
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def never_eos(model) -> None:
@@ -130,22 +150,75 @@ def never_eos(model) -> None:
 # Children: one configuration per process
 # ----------------------------------------------------------------------------------------------------
 
-def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
-    from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
-    from lowmem_grpo.recipe import recipe_from_dict
-    from lowmem_grpo.train import Trainer
+class ExactLengthEngine:
+    """--scripted: completions of exactly max_new_tokens random (non-special) tokens, drawn at once. Measures the
+    update at lengths where sampling them would take most of the run (20K tokens x G); the rollout phase's KV
+    cache is then not allocated, and the figure to compare is the memory model's static + train phase."""
 
-    recipe = recipe_from_dict({
+    def __init__(self, vocab: int, special: set[int], seed: int = 0):
+        import torch
+
+        self.ok = torch.tensor([i for i in range(min(vocab, 32000)) if i not in special])
+        self.g = torch.Generator().manual_seed(seed)
+
+    def generate(self, prompts, params):
+        import torch
+
+        from lowmem_grpo.rollout.base import Completion
+
+        return [Completion(i, self.ok[torch.randint(len(self.ok), (params.max_new_tokens,), generator=self.g)].tolist(),
+                           truncated=True) for i in range(len(prompts)) for _ in range(params.n)]
+
+    def close(self):
+        pass
+
+
+def phase_peaks(trainer, peaks: dict) -> None:
+    """CUDA: record torch's allocated peak of each phase of a step (rollout, the no-grad passes, the update)
+    into `peaks` (MiB, the largest over steps), by wrapping the trainer's phase methods."""
+    import torch
+
+    def wrap(name, fn):
+        def measured(*a, **kw):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            out = fn(*a, **kw)
+            torch.cuda.synchronize()
+            peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
+            return out
+        return measured
+
+    for name, attr in (("rollout", "rollout"), ("no_grad", "no_grad_logprobs"), ("train", "run_updates")):
+        setattr(trainer, attr, wrap(name, getattr(trainer, attr)))
+
+
+def bench_recipe(workdir: Path, length: int, micro_batch: int, opts: dict):
+    """The recipe every lowmem-grpo child runs (opts: G, offload, steps; see child_lowmem)."""
+    from lowmem_grpo.recipe import recipe_from_dict
+
+    g = opts.get("G", G)
+    return recipe_from_dict({
         "model": {"name_or_path": str(workdir / "model"), "compute_dtype": DTYPE, "load_in_4bit": True},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
         "data": {"train_path": str(workdir / "prompts.jsonl")},
         "rewards": {"functions": [{"function": "exact"}]},
-        "generation": {"num_generations": G, "max_new_tokens": length, "temperature": 1.0},
+        "generation": {"num_generations": g, "max_new_tokens": length, "temperature": 1.0},
         "algorithm": {"beta": BETA},
         "optimizer": {"lr": LR},
-        "train": {"steps": 2, "prompts_per_step": 1, "micro_batch_size": micro_batch},
+        "train": {"steps": opts.get("steps", 2), "prompts_per_step": 1, "micro_batch_size": micro_batch,
+                  "offload_activations": bool(opts.get("offload"))},
         "output": {"dir": str(workdir / f"run-lowmem-{length}")},
     })
+
+
+def child_lowmem(workdir: Path, length: int, micro_batch: int, opts: dict) -> dict:
+    """opts: G (completions), offload (train.offload_activations), scripted (ExactLengthEngine), steps (the last is
+    timed)."""
+    from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
+    from lowmem_grpo.train import Trainer
+
+    recipe = bench_recipe(workdir, length, micro_batch, opts)
+    steps = recipe.train.steps
     trainer = Trainer(recipe, log=lambda *a: None)
     loaded = peak_mib()  # runtime, imports, 4-bit model, LoRA, optimizer: before any step
     # On CPU the safetensors weights are memory-mapped and become resident as they are first read; every
@@ -155,8 +228,13 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
         float(w.float().sum())
     resident = loaded if DEVICE == "cuda" else max(loaded, rss_mib())
     never_eos(trainer.model)
+    if opts.get("scripted"):
+        trainer.engine = ExactLengthEngine(trainer.model.config.vocab_size, set(trainer.tokenizer.all_special_ids))
+    peaks: dict = {}
+    if DEVICE == "cuda":
+        phase_peaks(trainer, peaks)
     times = []
-    for _ in range(2):
+    for _ in range(steps):
         t0 = time.perf_counter()
         row = trainer.train_step().row
         trainer.step += 1
@@ -164,9 +242,14 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int) -> dict:
     assert row["completion/mean_length"] == length, row["completion/mean_length"]
     prompt_tokens = len(trainer.train_set.longest_prompt())
     est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, DEVICE))
-    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "resident_mib": resident, "step_s": times[1],
-            "predicted_mib": est.peak / 2**20,
-            "predicted_phase": est.peak_phase}
+    static = sum(est.static.values())
+    return {"peak_mib": max([peak_mib(), loaded, *peaks.values()]), "loaded_mib": loaded, "resident_mib": resident,
+            "prompt_tokens": prompt_tokens,
+            "step_s": times[-1], "predicted_mib": est.peak / 2**20, "predicted_phase": est.peak_phase,
+            "phase_peak_mib": peaks,
+            "predicted_phase_mib": {p: (static + sum(parts.values())) / 2**20 for p, parts in est.phases.items()},
+            "rollout_tokens_per_s": row.get("time/rollout_tokens_per_s"), "rollout_s": row.get("time/rollout_s"),
+            "estimate": est.lines()}
 
 
 def trl_step_timer():
@@ -186,7 +269,7 @@ def trl_step_timer():
     return StepTimer()
 
 
-def child_trl(workdir: Path, length: int) -> dict:
+def child_trl(workdir: Path, length: int, steps: int = 2) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -203,7 +286,7 @@ def child_trl(workdir: Path, length: int) -> dict:
     timer = trl_step_timer()
     args = GRPOConfig(
         output_dir=str(workdir / f"run-trl-{length}"), per_device_train_batch_size=G, num_generations=G,
-        max_completion_length=length, max_steps=2, beta=BETA, learning_rate=LR, temperature=1.0,
+        max_completion_length=length, max_steps=steps, beta=BETA, learning_rate=LR, temperature=1.0,
         gradient_checkpointing=True, use_cpu=DEVICE == "cpu", bf16=DTYPE == "bfloat16", fp16=False, report_to=[], save_strategy="no",
         logging_steps=1, seed=0, loss_type="grpo", disable_tqdm=True, dataloader_num_workers=0,
     )
@@ -216,7 +299,7 @@ def child_trl(workdir: Path, length: int) -> dict:
     trainer.train()
     lengths = [m for m in (h.get("completions/mean_length") for h in trainer.state.log_history) if m is not None]
     assert lengths and all(abs(m - length) < 1e-6 for m in lengths), lengths
-    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "step_s": timer.times[1]}
+    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "step_s": timer.times[-1]}
 
 
 def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> dict:
@@ -285,7 +368,7 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default=DEVICE,
                     help="cuda: bf16 compute, peaks from torch.cuda.max_memory_allocated (GPU only, not run in CI)")
     ap.add_argument("--model-config", default=MODEL_CONFIG,
-                    help="a folder with a config.json (e.g. tests/fixtures/model_configs/Qwen2.5-1.5B-Instruct): "
+                    help="a folder with a config.json (e.g. lowmem_grpo/model_configs/Qwen/Qwen2.5-1.5B-Instruct): "
                          "that model's shape and vocabulary, random weights")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -293,9 +376,9 @@ def main() -> None:
     if args.child:
         kind, rest = args.child[0], args.child[1:]
         if kind == "lowmem":
-            out = child_lowmem(Path(rest[0]), int(rest[1]), int(rest[2]))
+            out = child_lowmem(Path(rest[0]), int(rest[1]), int(rest[2]), json.loads(rest[3]) if len(rest) > 3 else {})
         elif kind == "trl":
-            out = child_trl(Path(rest[0]), int(rest[1]))
+            out = child_trl(Path(rest[0]), int(rest[1]), *map(int, rest[2:3]))
         else:
             out = child_loss(int(rest[0]), rest[1], int(rest[2]), int(rest[3]))
         print("RESULT " + json.dumps(out), flush=True)

@@ -152,3 +152,44 @@ def test_eval_shows_progress_on_a_terminal(tiny_model_dir, tiny_data, tmp_path, 
         err = capsys.readouterr().err
         n = s["prompts"]
         assert (f"{2 * n}/{2 * n}" in err and "eval" in err) == tty, err
+
+
+def test_eval_decodes_in_the_wave_its_budget_holds(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """`lowmem-grpo eval` with a memory budget that holds 3 sequences per generate call: no call decodes more
+    (greedy in waves of 3 prompts, each prompt's 4 samples in calls of 3 and 1), and the greedy records are
+    those of an eval whose budget holds every call."""
+    from lowmem_grpo import memory as mm
+    from lowmem_grpo.data import prompt_set
+    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.model import load_tokenizer
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.rollout.hf import HFEngine
+    from transformers import AutoConfig
+
+    recipe = recipe_from_dict(recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"eval_max_prompts": 7}))
+    examples = prompt_set(recipe.data, load_tokenizer(recipe.model), "test").examples[:7]
+    shape = mm.ModelShape.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+    w = mm.workload_from_recipe(recipe, max(len(e.prompt_ids) for e in examples), "cpu")
+    holds_3 = sum(mm.static_terms(shape, w).values()) + sum(mm.decode_phase(shape, w, 3, "").values())
+    sizes, real = [], HFEngine._generate
+
+    def recording(self, prompts, params):
+        sizes.append(len(prompts) * params.n)
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(HFEngine, "_generate", recording)
+    runs = {}
+    for name, budget in (("roomy", None), ("tight", holds_3)):
+        if budget is not None:
+            monkeypatch.setattr(mm, "device_budget", lambda device: budget)
+        sizes.clear()
+        run_eval(recipe, name="r", ks=(1, 4), out_dir=str(tmp_path / name), log=lambda *a: None)
+        runs[name] = ([json.loads(line) for line in (tmp_path / name / "samples.jsonl").read_text().splitlines()],
+                      list(sizes))
+    (roomy, roomy_sizes), (tight, tight_sizes) = runs["roomy"], runs["tight"]
+    assert roomy_sizes == [7, 28]                           # this machine's memory: one call each, as before
+    assert tight_sizes == [3, 3, 1] + [3, 1] * 7            # greedy waves of 3 prompts, then 4 samples a prompt
+    greedy = [[r for r in rs if r["mode"] == "greedy"] for rs in (roomy, tight)]
+    assert greedy[0] == greedy[1] and len(greedy[0]) == 7
+    assert [(r["prompt_index"], r["sample"]) for r in tight if r["mode"] == "sample"] == \
+        [(i, j) for i in range(7) for j in range(4)]

@@ -243,3 +243,159 @@ def test_each_of_several_processes_is_modelled_with_its_share(tiny_model_dir, ti
     one = workload_from_recipe(recipe_from_dict(d), 8, "cpu")
     rollout = [sum(estimate(shape, w).phases["rollout"].values()) for w in (one, two)]
     assert rollout[1] < rollout[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding in waves sized to the budget (memory.decode_waves)
+# ----------------------------------------------------------------------------------------------------
+
+SHIPPED_CONFIGS = sorted((__import__("pathlib").Path(mm.__file__).parent / "model_configs").glob("*/*/config.json"))
+LLAMA_8B = next(p.parent for p in SHIPPED_CONFIGS if p.parent.name == "Llama-3.1-8B-Instruct")
+
+
+def _phase(est, name) -> int:
+    return sum(est.phases[name].values())
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_waves_keep_the_peak_within_the_budget(engine):
+    """For every shipped shape, completion length, G and budget where the static memory plus the train phase,
+    and plus a one-sequence decode, each fit: the predicted peak with waves is within the budget, eval is no
+    larger than the rollout or the train phase, and each wave is the largest that fits (one more does not)."""
+    from transformers import AutoConfig
+
+    assert len(SHIPPED_CONFIGS) >= 5
+    shapes = [mm.ModelShape.from_config(AutoConfig.from_pretrained(p.parent)) for p in SHIPPED_CONFIGS]
+    checked = split = 0
+    for shape in shapes:
+        for completion in (512, 2048, 8192, 20000, 32000):
+            for g in (4, 8, 16):
+                w = mm.Workload(prompts_per_step=4, num_generations=g, micro_batch_size=1, prompt_tokens=512,
+                                completion_tokens=completion, eval_prompts=200, optimizer="adamw_8bit", engine=engine,
+                                kv_cache_bytes=4 * mm.GiB if engine == "vllm" else None)
+                static = sum(mm.static_terms(shape, w).values())
+                train = sum(mm.train_phase(shape, w, mm.lora_params(shape, w)).values())
+
+                def decode(k):
+                    return sum(mm.decode_phase(shape, w, k, "").values())
+
+                for gib in (8, 12, 16, 24, 32, 48, 80):
+                    budget = gib * mm.GiB
+                    if static + max(train, decode(1)) > budget:
+                        continue
+                    est = mm.estimate(shape, w, budget)
+                    assert est.peak <= budget, (shape, completion, g, gib)
+                    assert _phase(est, "eval") <= max(_phase(est, "rollout"), _phase(est, "train"))
+                    assert est.peak_phase != "eval"
+                    waves = est.waves
+                    if waves.rollout < waves.rollout_seqs:
+                        assert static + decode(waves.rollout + 1) > budget
+                    if waves.eval < min(mm.EVAL_BATCH, 200):
+                        more = decode(waves.eval + 1)
+                        assert static + more > budget or more > max(decode(waves.rollout), train)
+                    assert est.peak <= mm.estimate(shape, w).peak   # never more than without waves
+                    checked += 1
+                    split += waves.split("rollout") or waves.split("eval")
+    assert checked > 100 and split > 20, (checked, split)
+
+
+def _llama_20k(budget=None):
+    """The long-completion case: Llama-3.1-8B, 20,000-token completions, G = 8, one prompt a step, a micro-batch
+    of 1, 200 held-out prompts (recipes/gsm8k.yaml otherwise)."""
+    from lowmem_grpo.recipe import load_recipe
+
+    r = load_recipe("recipes/gsm8k.yaml", [f"model.name_or_path={LLAMA_8B}", "generation.max_new_tokens=20000",
+                                           "generation.num_generations=8", "train.prompts_per_step=1",
+                                           "train.micro_batch_size=1"])
+    return mm.estimate_recipe(r, "cuda", prompt_tokens=384, budget=budget)
+
+
+def test_long_completions_no_longer_peak_at_the_eval_batch(monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parent.parent)
+    before, shape, w = _llama_20k()
+    # Without a budget (as before waves): 64 held-out prompts decoded at once, their KV cache the peak.
+    assert before.peak_phase == "eval" and before.peak > 150 * mm.GiB
+    terms = {**before.static, **before.phases["eval"]}
+    assert max(terms, key=terms.get).startswith("eval KV cache (64 seqs")
+    after, _, _ = _llama_20k(32 * mm.GiB)
+    assert after.peak <= 32 * mm.GiB and after.peak_phase != "eval"
+    assert after.waves.rollout == 8 and 1 <= after.waves.eval <= 8
+    assert _phase(after, "eval") <= max(_phase(after, "rollout"), _phase(after, "train"))
+    assert "eval phase (200 seqs in 25 waves of 8)" in "\n".join(after.lines())
+    tight, _, _ = _llama_20k(24 * mm.GiB)   # the rollout itself splits too
+    assert tight.waves.split("rollout") and tight.peak <= 24 * mm.GiB
+    assert f"rollout phase (8 seqs in 2 waves of {tight.waves.rollout})" in "\n".join(tight.lines())
+    assert mm.advise(shape, w, 24 * mm.GiB).fits and mm.advise(shape, w, 32 * mm.GiB).fits
+
+
+def _named_fields(line: str) -> list[str]:
+    import re
+
+    return re.findall(r"[a-z_]+\.[a-z_]+", line)
+
+
+def test_advise_never_names_a_field_twice(monkeypatch):
+    # What advise printed before for the 20K case: the eval KV cache and its prefill named one field twice.
+    old = [mm._fields_for("eval KV cache (64 seqs x 20384 tok)", mm.Workload()), "a smaller model.name_or_path",
+           mm._fields_for("eval prefill activations", mm.Workload())]
+    assert len(set(_named_fields(", ".join(old)))) < len(_named_fields(", ".join(old)))
+    once = mm._each_field_once(old)
+    assert len(once) == 2 and len(set(_named_fields(", ".join(once)))) == len(_named_fields(", ".join(once)))
+    assert mm._each_field_once(["a / b.c", "b.c or d.e", "(fixed cost)"]) == ["a / b.c", "d.e", "(fixed cost)"]
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parent.parent)
+    _, shape, w = _llama_20k()
+    seen = 0
+    for change in ({}, {"device": "cpu"}, {"gradient_checkpointing": False}, {"quantized": False}, {"engine": "vllm"}):
+        for gib in (4, 8, 12, 14):
+            advice = mm.advise(shape, replace(w, **change), gib * mm.GiB)
+            if advice.fits or advice.micro_batch_size is not None:
+                continue
+            fields = _named_fields(advice.lines[-1])
+            assert advice.lines[-1].startswith("change one of") and len(fields) == len(set(fields)), advice.lines
+            assert "eval_max_prompts" not in advice.lines[-1]   # eval decodes in waves: never why it does not fit
+            seen += 1
+    assert seen >= 5
+
+
+def _decode_budget(shape, w, seqs: int) -> int:
+    """The budget that holds exactly `seqs` sequences per generate call beside the static memory."""
+    return sum(mm.static_terms(shape, w).values()) + sum(mm.decode_phase(shape, w, seqs, "").values())
+
+
+def test_the_trainer_decodes_in_the_waves_its_budget_holds(tmp_path, tiny_model_dir, tiny_data, monkeypatch):
+    """On this machine's memory one wave covers everything: the engine is built as before (no cap). With a
+    budget that holds 3 sequences per call, the rollout (2 prompts x 4) and eval (8 prompts) decode at most 3
+    at once, the trainer says so once, and eval's greedy result is the one-call result."""
+    import lowmem_grpo.train as train_mod
+    from lowmem_grpo.rollout.hf import HFEngine
+
+    plain = _trainer(tmp_path, tiny_model_dir, tiny_data)
+    assert plain.waves is not None and not plain.waves.split("rollout") and not plain.waves.split("eval")
+    assert plain.waves.max_batch_sequences is None and plain.engine.max_batch_sequences is None
+    before = plain.evaluate()
+    shape, w = plain.memory_model(max(len(s.longest_prompt()) for s in (plain.train_set, plain.eval_set)))
+    plain.close()
+
+    monkeypatch.setattr(train_mod, "device_budget", lambda device: _decode_budget(shape, w, 3))
+    sizes, real, logs = [], HFEngine._generate, []
+
+    def recording(self, prompts, params):
+        sizes.append(len(prompts) * params.n)
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(HFEngine, "_generate", recording)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run2")
+    t = train_mod.Trainer(recipe_from_dict(d), log=logs.append)
+    try:
+        assert (t.waves.rollout, t.waves.eval) == (3, 3) and t.engine.max_batch_sequences == 3
+        assert [line for line in logs if "waves" in line] == [
+            f"[lowmem-grpo] decoding in waves to fit {mm.fmt(t.memory_budget)} (memory model): "
+            "rollout 8 seqs in 3 waves of 3; eval 8 seqs in 3 waves of 3"]
+        assert t.evaluate() == before and sizes == [3, 3, 2]
+        sizes.clear()
+        t.train_step()
+        assert sizes == [3, 1, 3, 1]   # each prompt's 4 samples in calls of 3 and 1
+        shape, w = t.memory_model(len(t.train_set.longest_prompt()))   # the preflight predicts at the waves
+        assert t.preflight()["predicted_mib"] * mm.MiB == mm.estimate(shape, w, t.memory_budget).peak
+    finally:
+        t.close()

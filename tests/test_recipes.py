@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from lowmem_grpo import hub
 from lowmem_grpo import memory as mm
 from lowmem_grpo.cli import main
 from lowmem_grpo.metrics import read_metrics
@@ -21,7 +22,7 @@ from lowmem_grpo.train import Trainer
 from conftest import QUIET
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = Path(__file__).parent / "fixtures" / "model_configs"
+CONFIGS = ROOT / "lowmem_grpo" / "model_configs"
 
 # recipe -> (model id it names, VRAM tier in GiB)
 RECIPES = {
@@ -76,18 +77,20 @@ def test_recipe_validates_and_names_its_model(name):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_memory_estimate_fits_its_tier(name):
-    """With --device cuda semantics, from the model's config.json only (no weights, no hub)."""
+    """With --device cuda semantics, from the model's config.json only (no weights, no hub): the recipe as
+    shipped, whose hub id has a copy of its config.json in lowmem_grpo/model_configs."""
     model_id, tier = RECIPES[name]
-    config_dir = CONFIGS / model_id.split("/")[1]
-    r = load_recipe(recipe_path(name), [f"model.name_or_path={config_dir}"])
+    r = load_recipe(recipe_path(name))
     est, shape, workload = mm.estimate_recipe(r, "cuda")
+    assert f"the shipped copy of {model_id}'s config.json" in est.notes[0]
+    assert hub.shipped_model_config(model_id) == CONFIGS / model_id
     assert shape.num_layers > 20 and shape.vocab_size in (151936, 152064)  # the real shape, not the tiny model's
     budget = mm.parse_size(f"{tier}GB")
     advice = mm.advise(shape, workload, budget)
     assert advice.fits, advice.lines
     # and with room for the CUDA context (~0.5 GiB that torch's allocated peak does not count)
     assert est.peak + mm.GiB // 2 <= budget, mm.fmt(est.peak)
-    # the prompt length the estimate assumed is the recipe's cap (the hub data is not read offline): an upper bound
+    # the prompt length the estimate assumed is the recipe's cap (no tokenizer or hub data is read): an upper bound
     assert workload.prompt_tokens == r.data.max_prompt_tokens
 
 

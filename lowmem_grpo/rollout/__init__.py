@@ -10,7 +10,7 @@ def make_engine(config: EngineConfig, model, tokenizer) -> RolloutEngine:
     if config.name == "hf":
         from .hf import HFEngine
 
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, max_batch_sequences=config.max_batch_sequences)
     if config.name == "vllm":
         try:
             from .vllm import VLLMEngine  # imported here: vllm is an optional, GPU-first dependency

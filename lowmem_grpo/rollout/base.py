@@ -42,14 +42,20 @@ class EngineConfig:
     seed: int = 0                     # vLLM seeds its own state with it (sampling follows torch's RNG)
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES  # vLLM: KV cache allocated once at start-up
     max_num_seqs: Optional[int] = None  # vLLM: sequences decoded at once (None: vLLM's default)
+    max_batch_sequences: Optional[int] = None  # transformers: sequences per generate call (None: all at once)
 
     @classmethod
-    def from_recipe(cls, recipe) -> "EngineConfig":
+    def from_recipe(cls, recipe, max_batch_sequences: Optional[int] = None) -> "EngineConfig":
+        """`max_batch_sequences`: the memory model's wave (memory.Waves.max_batch_sequences), when the budget
+        holds fewer sequences than a step or an eval call would decode at once."""
         g = recipe.generation
         # One step decodes prompts_per_step x G sequences at once, an eval call EVAL_BATCH: size for the
-        # larger, not vLLM's default (its warm-up samples max_num_seqs rows of full logits).
+        # larger, not vLLM's default (its warm-up samples max_num_seqs rows of full logits). In waves, vLLM
+        # schedules at most a wave at once (its own scheduler splits larger requests), and the transformers
+        # engine splits its generate calls.
         return cls(name=g.engine, seed=recipe.seed, kv_cache_memory_bytes=g.kv_cache_memory_bytes,
-                   max_num_seqs=max(recipe.train.prompts_per_step * g.num_generations, EVAL_BATCH))
+                   max_num_seqs=max_batch_sequences or max(recipe.train.prompts_per_step * g.num_generations, EVAL_BATCH),
+                   max_batch_sequences=max_batch_sequences)
 
 
 @dataclass(frozen=True)

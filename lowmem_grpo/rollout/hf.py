@@ -10,10 +10,15 @@ token.
 SamplingParams.stop (an environment's turn markers, docs/algorithm.md §20) adds one stopping criterion that
 decodes each row's last few tokens per step; a row ends with the token that completes a stop string. Without
 stop strings nothing is added: the same tokens, log-probs and RNG draws as before.
+
+With `max_batch_sequences` (the memory model's wave, memory.decode_waves) a request larger than that is
+decoded over several generate calls, each holding a wave's KV cache; without it, or when the request fits,
+it is the one call it always was (same calls, same RNG draws).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -100,11 +105,34 @@ def _warpers(params: SamplingParams) -> list:
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, max_batch_sequences: Optional[int] = None):
         self.model, self.tokenizer = model, tokenizer
+        self.max_batch_sequences = max_batch_sequences  # sequences per generate call (a wave); None: all at once
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One generate call when len(prompts) x n fits max_batch_sequences (or there is no cap); else waves of
+        whole prompts with their n samples (n <= cap), or of one prompt's samples (n > cap). Completions come
+        back in the order and with the prompt_index one call gives; sampling draws differ from one call's."""
+        n, cap = params.n, self.max_batch_sequences
+        if cap is None or len(prompts) * n <= cap:
+            return self._generate(prompts, params)
+        out = []
+        if n <= cap:
+            per = cap // n
+            for start in range(0, len(prompts), per):
+                for c in self._generate(prompts[start: start + per], params):
+                    c.prompt_index += start
+                    out.append(c)
+            return out
+        for i, prompt in enumerate(prompts):
+            for done in range(0, n, cap):
+                for c in self._generate([prompt], replace(params, n=min(cap, n - done))):
+                    c.prompt_index = i
+                    out.append(c)
+        return out
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         tok = self.tokenizer
         pad, eos = tok.pad_token_id, tok.eos_token_id
         width = max(len(p) for p in prompts)

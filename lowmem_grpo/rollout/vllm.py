@@ -46,7 +46,9 @@ Side effects of an in-process engine, each handled here (tests/test_vllm_engine.
 - `max_num_seqs` is what one step decodes at once (prompts_per_step x num_generations, at least a greedy
   eval batch), not vLLM's default (256 on CPU and small GPUs, 1024 on 70 GB+ GPUs): its warm-up samples
   max_num_seqs rows of fp32 logits (256 x 151,936 x 4 B = 148 MiB, plus the sampler's copies) on top of
-  the KV budget. Larger requests are decoded in waves.
+  the KV budget. Larger requests are decoded in waves. When the memory budget holds fewer sequences
+  (EngineConfig.max_batch_sequences, memory.decode_waves) max_num_seqs is that wave: the KV cache is the
+  fixed budget either way, the wave bounds the rows prefilled and sampled at once.
 
 CUDA: **untested** (no GPU was available when this was written). The path is the same code with
 `enforce_eager=True` (CUDA graphs would freeze the adapter on/off branch and the module calls) and sleep

@@ -1,0 +1,245 @@
+"""The CUDA path. GPU-only: every test here skips, saying why, on a machine without CUDA (CI never runs
+them); scripts/gpu_check.py runs them on a GPU machine and docs/benchmarks.md holds what they showed.
+
+Each mirrors a CPU test where one exists: NF4 + LoRA backward against the dequantized twin (tests/test_model.py),
+the chunked log-prob kernel against log_softmax + gather (tests/test_logprobs.py), activation offload
+(tests/test_offload.py), preflight's advice (tests/test_memory.py) and the quickstart learning."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")]
+
+
+def _bnb_cuda_reason():
+    try:
+        import bitsandbytes  # noqa: F401
+        from bitsandbytes.cextension import lib
+    except Exception as exc:  # its import raises many kinds of errors on a machine without its CUDA library
+        return f"bitsandbytes does not import: {exc}"
+    return None if lib is not None else "bitsandbytes has no CUDA library here"
+
+
+needs_bnb = pytest.mark.skipif(torch.cuda.is_available() and _bnb_cuda_reason() is not None,
+                               reason=str(torch.cuda.is_available() and _bnb_cuda_reason()))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------------------------------------
+# NF4 + LoRA backward on CUDA equals the dequantized twin's
+# ------------------------------------------------------------------------------------------------------
+
+@needs_bnb
+def test_nf4_lora_backward_on_cuda_equals_the_dequantized_twin(tiny_model_dir):
+    """fp32 compute, so the only difference between the two paths is bitsandbytes' CUDA dequantize + matmul:
+    LoRA gradients within 1e-4 relative (norm) of the twin's, hidden states within 1e-5."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    from lowmem_grpo.model import hidden_states, load_policy
+    from lowmem_grpo.recipe import LoraConfig, ModelConfig
+
+    def cfg(four_bit):
+        return ModelConfig(name_or_path=str(tiny_model_dir), compute_dtype="float32", load_in_4bit=four_bit)
+
+    policy, tok = load_policy(cfg(True), LoraConfig(r=4, alpha=8))
+    assert next(policy.parameters()).is_cuda
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in policy.modules())
+    g = torch.Generator().manual_seed(0)
+    for name, p in policy.named_parameters():
+        if "lora_" in name:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.05)
+    twin, _ = load_policy(cfg(False), LoraConfig(r=4, alpha=8))
+    twin.to("cuda")
+    q = dict(policy.named_modules())
+    with torch.no_grad():
+        for name, module in twin.named_modules():
+            if isinstance(q.get(name), bnb.nn.Linear4bit):
+                w = q[name].weight
+                module.weight.copy_(F.dequantize_4bit(w.data, w.quant_state).to(module.weight.dtype))
+    twin.load_state_dict({k: v for k, v in policy.state_dict().items() if "lora_" in k}, strict=False)
+    ids = torch.tensor([tok.encode("<s>12+35=47</s>", add_special_tokens=False)] * 3, device="cuda")
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        h = hidden_states(model, ids)
+        h.pow(2).mean().backward()
+        return h.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+
+    h_q, g_q = run(policy)
+    h_t, g_t = run(twin)
+    assert _rel(h_q, h_t) < 1e-5
+    assert g_q.keys() == g_t.keys() and len(g_q) > 0
+    for n in g_t:
+        assert _rel(g_q[n], g_t[n]) < 1e-4, (n, _rel(g_q[n], g_t[n]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The chunked log-prob kernel on CUDA, fp32 and bf16
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_logprobs_on_cuda_match_log_softmax_and_gather(dtype):
+    """Against float64 log_softmax + gather of the same (dtype-rounded) inputs: the kernel computes its tiles in
+    fp32 whatever the input dtype, so its log-probs are within 2e-4 absolute and its gradient within 1e-3
+    relative in both dtypes. The plain path in bf16 rounds its logits to bf16: it is the less accurate one."""
+    from lowmem_grpo.logprobs import reference_log_probs, selective_log_softmax
+
+    torch.manual_seed(0)
+    n, d, vocab = 3000, 512, 50_000  # rows and vocabulary not multiples of the tiles
+    hidden = (torch.randn(n, d, device="cuda") * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, d, device="cuda") * 0.05).to(dtype)
+    targets = torch.randint(0, vocab, (n,), device="cuda")
+    weights = torch.randn(n, device="cuda")
+
+    logp = selective_log_softmax(hidden, weight, targets, chunk_rows=1024, chunk_vocab=8192)
+    (logp * weights).sum().backward()
+    grad = hidden.grad.clone()
+
+    h64 = hidden.detach().double().requires_grad_()
+    ref = torch.log_softmax(h64 @ weight.double().T, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    (ref * weights.double()).sum().backward()
+    assert torch.isfinite(logp).all()
+    assert (logp.double() - ref).abs().max() < 2e-4
+    assert _rel(grad, h64.grad) < 1e-3 if dtype == torch.float32 else _rel(grad, h64.grad) < 1e-2  # grad in dtype
+    plain = reference_log_probs(hidden.detach(), weight, targets)
+    assert (logp.double() - ref).abs().max() <= (plain.double() - ref).abs().max() + 1e-6
+
+
+# ------------------------------------------------------------------------------------------------------
+# Activation offload: lower peak VRAM, same gradients
+# ------------------------------------------------------------------------------------------------------
+
+def test_activation_offload_lowers_peak_vram_and_keeps_gradients_equal(tmp_path):
+    """A 12-layer bf16 model at 2 x 4096 tokens: the update's forward + backward with the checkpointed layer
+    inputs in pinned host memory peaks lower by at least 9 of the 12 layer inputs (each 2 x 4096 x 512 x 2 B),
+    and gives the same LoRA-like gradients (eager attention: a deterministic backward)."""
+    from lowmem_grpo import tiny
+    from lowmem_grpo.model import hidden_states
+    from lowmem_grpo.offload import ActivationOffload
+
+    tok = tiny.build_tokenizer()
+    spec = tiny.TinyModelSpec(hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=2, intermediate_size=1024,
+                              max_position_embeddings=4096)
+    model = tiny.build_model(tok, spec, seed=0).to("cuda", torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers" in name and name.endswith("o_proj.weight"))
+    ids = torch.randint(0, len(tok), (2, 4096), device="cuda")
+
+    def run(offload: bool):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        ctx = ActivationOffload(model) if offload else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            h = hidden_states(model, ids)
+        h.float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return torch.cuda.max_memory_allocated() - before, grads
+
+    run(False)  # warm-up: cuBLAS workspaces, the pinned-memory pool
+    run(True)
+    peak_off, g_off = run(False)
+    peak_on, g_on = run(True)
+    layer = 2 * 4096 * 512 * 2
+    print(f"peak above the weights: offload off {peak_off / 2**20:.0f} MiB, on {peak_on / 2**20:.0f} MiB "
+          f"(one layer input: {layer / 2**20:.0f} MiB)")
+    assert peak_off - peak_on >= 9 * layer, (peak_off, peak_on)
+    assert g_off.keys() == g_on.keys() and len(g_off) == 12
+    for n in g_off:
+        assert torch.equal(g_off[n], g_on[n]), n
+
+
+# ------------------------------------------------------------------------------------------------------
+# Preflight on a simulated small card
+# ------------------------------------------------------------------------------------------------------
+
+@needs_bnb
+def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice(tmp_path):
+    """torch.cuda.set_per_process_memory_fraction makes the card look small; a recipe whose micro-batch cannot fit
+    stops in preflight with one error that carries the memory model's advice, and the memory model's budget is the
+    simulated card's, not the real one's."""
+    from lowmem_grpo import memory as mm
+    from lowmem_grpo import tiny
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer, TrainingError
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                                     intermediate_size=512, max_position_embeddings=16400,
+                                                     vocab_size=32768), seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    tiny.write_jsonl([{"prompt": "1+2=", "answer": "3"}] * 4, tmp_path / "train.jsonl")
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = (2 * mm.GiB) / total
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    try:
+        assert abs(mm.device_budget("cuda") - 2 * mm.GiB) < mm.MiB  # the budget the advice is sized for
+        recipe = recipe_from_dict({
+            "model": {"name_or_path": str(tmp_path / "model"), "compute_dtype": "bfloat16"},
+            "data": {"train_path": str(tmp_path / "train.jsonl")},
+            "rewards": {"functions": [{"function": "exact"}]},
+            "generation": {"num_generations": 16, "max_new_tokens": 16000},
+            "train": {"steps": 1, "prompts_per_step": 1, "micro_batch_size": 16},
+            "output": {"dir": str(tmp_path / "run")},
+        })
+        trainer = Trainer(recipe, log=lambda *a: None)
+        predicted, _, _ = mm.estimate_recipe(recipe, "cuda")
+        assert predicted.peak > 2 * mm.GiB  # the memory model agrees it cannot fit
+        with pytest.raises(TrainingError) as err:
+            trainer.preflight()
+        text = str(err.value)
+        assert "preflight" in text and "ran out of memory" in text
+        assert "of 2.00 GiB" in text                      # the simulated card
+        assert "train.micro_batch_size" in text           # the advice names what to change
+        trainer.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------------
+# A short quickstart on CUDA learns
+# ------------------------------------------------------------------------------------------------------
+
+@needs_bnb
+@pytest.mark.slow
+def test_short_quickstart_on_cuda_learns(tmp_path):
+    """recipes/quickstart.yaml on CUDA in bf16 (4-bit base + LoRA), 120 steps: held-out accuracy rises by at least
+    8 points. The warm-started base is runs/quickstart/base when a quickstart has built one, else built here."""
+    from lowmem_grpo.recipe import load_recipe
+    from lowmem_grpo.train import Trainer
+
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "scripts" / "quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    out = ROOT / "runs" / "quickstart"
+    if not (out / "base" / "config.json").is_file() or not (out / "data" / "test.jsonl").is_file():
+        out = tmp_path
+        quickstart.build_base(out / "base", out / "data", print)
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", [
+        f"model.name_or_path={out / 'base'}", f"data.train_path={out / 'data' / 'train.jsonl'}",
+        f"data.eval_path={out / 'data' / 'test.jsonl'}", f"output.dir={tmp_path / 'run'}",
+        "model.compute_dtype=bfloat16", "train.steps=120", "train.eval_every=0", "output.save_every=1000"])
+    result = Trainer(recipe, log=lambda *a: None).fit()
+    before, after = result["first_eval"]["accuracy"], result["final_eval"]["accuracy"]
+    print(f"quickstart on CUDA, 120 steps: held-out accuracy {100 * before:.1f}% -> {100 * after:.1f}%")
+    assert after >= before + 0.08

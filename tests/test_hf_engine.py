@@ -1,0 +1,111 @@
+"""The transformers engine decoding in waves (EngineConfig.max_batch_sequences, memory.decode_waves): the same
+completions, in the same order with the same prompt_index, as one generate call; and without a cap, or with
+one that covers the request, exactly the one call it always made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowmem_grpo.model import load_base_model, load_tokenizer
+from lowmem_grpo.recipe import ModelConfig
+from lowmem_grpo.rollout import make_engine
+from lowmem_grpo.rollout.base import EngineConfig, SamplingParams
+from lowmem_grpo.rollout.hf import HFEngine
+
+PROMPTS = ["12+7=", "3+4=", "100+250=", "9+9=", "45+6="]   # different lengths: each wave pads differently
+
+
+@pytest.fixture(scope="module")
+def model_tok(tiny_model_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), compute_dtype="float32", load_in_4bit=False)
+    tok = load_tokenizer(cfg)
+    return load_base_model(cfg, quantized=False), tok
+
+
+def _ids(tok):
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def _calls(monkeypatch, model) -> list:
+    """Records (rows of input_ids, num_return_sequences) of every model.generate call."""
+    calls, real = [], model.generate
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs["input_ids"].shape[0], kwargs["num_return_sequences"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", recording)
+    return calls
+
+
+def _view(completions):
+    return [(c.prompt_index, c.token_ids, c.truncated) for c in completions]
+
+
+def test_greedy_waves_equal_one_call(model_tok, monkeypatch):
+    model, tok = model_tok
+    params = SamplingParams(n=1, max_new_tokens=6, greedy=True)
+    one = HFEngine(model, tok).generate(_ids(tok), params)
+    calls = _calls(monkeypatch, model)
+    waved = HFEngine(model, tok, max_batch_sequences=2).generate(_ids(tok), params)
+    assert calls == [(2, 1), (2, 1), (1, 1)]             # whole prompts, at most 2 sequences a call
+    assert [c.prompt_index for c in waved] == list(range(len(PROMPTS)))
+    assert _view(waved) == _view(one)
+    assert len({tuple(c.token_ids) for c in one}) > 1     # the prompts' completions differ: order is checked
+
+
+@pytest.mark.parametrize("cap,expected_calls", [(4, [(1, 3)] * 5),                       # n <= cap: one prompt a call
+                                                (2, [(1, 2), (1, 1)] * 5),               # n > cap: samples split
+                                                (7, [(2, 3), (2, 3), (1, 3)])])          # two prompts a call
+def test_sampled_waves_keep_count_order_and_prompt_index(model_tok, monkeypatch, cap, expected_calls):
+    """top_k = 1 makes sampling deterministic through the sampling path (warpers, log-prob recorder): the waves'
+    completions must then be one call's, grouped by prompt; at temperature 1 the count and grouping."""
+    model, tok = model_tok
+    n = 3
+    argmax = SamplingParams(n=n, max_new_tokens=6, top_k=1)
+    one = HFEngine(model, tok).generate(_ids(tok), argmax)
+    calls = _calls(monkeypatch, model)
+    engine = HFEngine(model, tok, max_batch_sequences=cap)
+    waved = engine.generate(_ids(tok), argmax)
+    assert calls == expected_calls
+    assert _view(waved) == _view(one)
+    assert [c.prompt_index for c in waved] == [i for i in range(len(PROMPTS)) for _ in range(n)]
+    assert all(c.logprobs is not None and len(c.logprobs) == len(c.token_ids) for c in waved)
+    assert all(abs(lp) < 1e-5 for c in waved for lp in c.logprobs)   # the only token kept: log-prob 0
+    torch.manual_seed(0)
+    sampled = engine.generate(_ids(tok), SamplingParams(n=n, max_new_tokens=6))
+    assert len(sampled) == len(PROMPTS) * n
+    assert [c.prompt_index for c in sampled] == [i for i in range(len(PROMPTS)) for _ in range(n)]
+
+
+def test_one_wave_is_the_one_call_it_always_was(model_tok, monkeypatch):
+    """No cap (the default) and a cap that covers the request: one generate call of every prompt with
+    num_return_sequences = n, the same RNG draws, so the same sampled completions for a seed."""
+    model, tok = model_tok
+    params = SamplingParams(n=4, max_new_tokens=6, temperature=1.3)
+    calls = _calls(monkeypatch, model)
+    runs = []
+    for cap in (None, len(PROMPTS) * 4, 1000):
+        engine = make_engine(EngineConfig(max_batch_sequences=cap), model, tok)
+        assert engine.max_batch_sequences == cap
+        torch.manual_seed(11)
+        runs.append([(c.prompt_index, c.token_ids, c.logprobs) for c in engine.generate(_ids(tok), params)])
+    assert calls == [(len(PROMPTS), 4)] * 3
+    assert runs[0] == runs[1] == runs[2]
+    torch.manual_seed(11)   # a cap below the request: other calls, other draws (so the comparison above can fail)
+    split = HFEngine(model, tok, max_batch_sequences=4).generate(_ids(tok), params)
+    assert [(c.prompt_index, c.token_ids, c.logprobs) for c in split] != runs[0]
+
+
+def test_the_wave_is_vllms_max_num_seqs():
+    """vLLM schedules at most max_num_seqs sequences at once (its scheduler splits larger requests, and its KV
+    cache is the fixed generation.kv_cache_memory_bytes): the wave maps onto it. Without one, as before."""
+    from lowmem_grpo.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "d.jsonl"},
+                               "generation": {"engine": "vllm", "num_generations": 8}, "train": {"prompts_per_step": 4}})
+    default = EngineConfig.from_recipe(recipe)
+    assert (default.max_num_seqs, default.max_batch_sequences) == (64, None)   # max(4 x 8, EVAL_BATCH)
+    waved = EngineConfig.from_recipe(recipe, 5)
+    assert (waved.max_num_seqs, waved.max_batch_sequences) == (5, 5)

@@ -1,0 +1,135 @@
+"""Activation offload (train.offload_activations, lowmem_grpo/offload.py) on CPU: it moves the checkpointed
+layer inputs and nothing inside a layer, a CPU run is unchanged, the forced copy path gives the same gradients,
+and the memory model accounts for it. The CUDA side (peak VRAM lower, gradients equal) is tests/gpu/."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowmem_grpo import memory as mm
+from lowmem_grpo import tiny
+from lowmem_grpo.batch import completion_logprobs, pack
+from lowmem_grpo.loss import aggregate
+from lowmem_grpo.model import hidden_states
+from lowmem_grpo.offload import ActivationOffload
+from lowmem_grpo.recipe import RecipeError, recipe_from_dict
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.build_tokenizer()
+
+
+def checkpointed_model(tok, layers=3):
+    spec = tiny.TinyModelSpec(num_layers=layers)
+    model = tiny.build_model(tok, spec, seed=0).double()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def test_offload_takes_each_layers_checkpointed_input_and_nothing_inside_a_layer(tok):
+    model = checkpointed_model(tok, layers=3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(True)  # a gradient flows through every layer
+    b, t, h = 2, 48, model.config.hidden_size
+    ids = torch.randint(0, len(tok), (b, t))
+    shapes = []
+
+    class Spy(ActivationOffload):
+        def _pack(self, x):
+            out = super()._pack(x)
+            if out is not x:
+                shapes.append((tuple(x.shape), x.dtype))
+            return out
+
+    with Spy(model, min_bytes=b * t * 8, copy_host_tensors=True) as off:  # >= one [b, t] float64 row set
+        hidden_states(model, ids).sum().backward()
+    layer_inputs = [s for s in shapes if s == ((b, t, h), torch.float64)]
+    assert len(layer_inputs) == 3, shapes            # one per decoder layer: what checkpointing keeps
+    # besides them only the final norm's input (float32 inside RMSNorm): nothing from inside a layer
+    assert len(shapes) <= 3 + 2, shapes
+    assert off.offloaded_bytes == sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in shapes)
+    # the parameters (the embedding, the head) are never copied
+    assert all(s != tuple(model.model.embed_tokens.weight.shape) for s, _ in shapes)
+
+
+def _grads(model, tok, offload: bool, copy: bool, monkeypatch):
+    """One micro-batch's policy loss backward through the trainer's log-prob path; returns the LoRA-like grads."""
+    torch.manual_seed(1)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    completions = [[12, 13, 14, 15, 16], [17, 18, 19]]
+    mb = pack(prompts, completions, torch.tensor([1.0, -0.5]), 2, "token_mean", 8, tok.pad_token_id)[0]
+    if copy:  # force the host-copy path on CPU tensors, as a GPU run takes it
+        monkeypatch.setattr("lowmem_grpo.batch.ActivationOffload",
+                            lambda m: ActivationOffload(m, min_bytes=1, copy_host_tensors=True))
+    model.zero_grad(set_to_none=True)
+    logp = completion_logprobs(model, mb, 1.0, 4, 64, offload=offload)
+    aggregate(logp, mb.weights).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["cpu-passthrough", "forced-copy"])
+def test_gradients_are_identical_with_offload_on_and_off(tok, copy, monkeypatch):
+    model = checkpointed_model(tok, layers=2)
+    for n, p in model.named_parameters():
+        p.requires_grad_("layers" in n and "proj" in n)
+    off = _grads(model, tok, offload=False, copy=False, monkeypatch=monkeypatch)
+    on = _grads(model, tok, offload=True, copy=copy, monkeypatch=monkeypatch)
+    assert off.keys() == on.keys() and len(off) == 2 * 10  # 7 linears + q/k/v biases per layer
+    for n in off:
+        assert torch.equal(off[n], on[n]), n  # bit-for-bit: the same values come back
+
+
+def test_offload_is_off_in_no_grad_passes(tok, monkeypatch):
+    made = []
+    monkeypatch.setattr("lowmem_grpo.batch.ActivationOffload", lambda m: made.append(m) or ActivationOffload(m))
+    model = checkpointed_model(tok, layers=1)
+    mb = pack([[5, 6]], [[7, 8, 9]], torch.tensor([1.0]), 1, "token_mean", 4, tok.pad_token_id)[0]
+    with torch.no_grad():
+        completion_logprobs(model, mb, 1.0, 4, 64, offload=True)
+    assert made == []
+    completion_logprobs(model, mb, 1.0, 4, 64, offload=True)
+    assert len(made) == 1
+
+
+def test_memory_model_moves_the_layer_inputs_to_host_memory_on_cuda_only():
+    shape = mm.ModelShape(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                          head_dim=128, intermediate_size=14336, tie_word_embeddings=False)
+    w = mm.Workload(micro_batch_size=1, prompt_tokens=512, completion_tokens=20000, prompts_per_step=1)
+    on = mm.Workload(**{**w.__dict__, "offload_activations": True})
+    layer = 1 * 20512 * 4096 * 2
+    off_est, on_est = mm.estimate(shape, w), mm.estimate(shape, on)
+    saved = sum(off_est.phases["train"].values()) - sum(on_est.phases["train"].values())
+    assert saved == layer * (32 - 2)  # every layer input but the two in flight
+    assert mm.offloaded_host_bytes(shape, on) == layer * (32 + 2)
+    assert any("pinned CPU memory" in n for n in on_est.notes)
+    cpu = mm.Workload(**{**on.__dict__, "device": "cpu"})
+    assert mm.offloaded_host_bytes(shape, cpu) == 0
+    assert mm.estimate(shape, cpu).phases["train"] == mm.estimate(shape, mm.Workload(**{**w.__dict__, "device": "cpu"})).phases["train"]
+
+
+def test_advice_names_offload_for_long_completions_on_cuda():
+    shape = mm.ModelShape(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                          head_dim=128, intermediate_size=8960, tie_word_embeddings=True, attention_bias=True)
+    w = mm.Workload(micro_batch_size=1, prompt_tokens=256, completion_tokens=64000, prompts_per_step=1,
+                    num_generations=2)
+    advice = mm.advise(shape, w, mm.estimate(shape, w).peak // 2)
+    assert not advice.fits
+    assert any("train.offload_activations: true" in line for line in advice.lines), advice.lines
+
+
+def _recipe(**train):
+    return {"model": {"name_or_path": "m"}, "data": {"train_path": "d.jsonl"},
+            "rewards": {"functions": [{"function": "exact"}]}, "train": train}
+
+
+def test_recipe_rejects_offload_without_checkpointing_naming_both_fields():
+    d = _recipe(offload_activations=True)
+    d["model"]["gradient_checkpointing"] = False
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(d)
+    assert "train.offload_activations" in str(err.value) and "model.gradient_checkpointing" in str(err.value)
+    assert recipe_from_dict(_recipe(offload_activations=True)).train.offload_activations is True
