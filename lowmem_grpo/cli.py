@@ -103,13 +103,10 @@ def train(recipe, resume_dir, overrides, nproc):
 
     def go():
         r = load_recipe(Path(resume_dir) / "recipe.yaml" if resume_dir else recipe, list(overrides))
-        world = distributed.join(r.train.collective_timeout_s)
-        try:
+        with distributed.joined(r.train.collective_timeout_s) as world:
             trainer = Trainer(r, run_dir=Path(resume_dir) if resume_dir else None, resume=bool(resume_dir),
                               world=world)
             out = trainer.fit()
-        finally:
-            distributed.leave()
         if not world.main:
             return out
         for key, label in (("first_eval", "before"), ("final_eval", "after")):
@@ -202,12 +199,9 @@ def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides, nproc):
 
     def go():
         r = load_recipe(recipe, list(overrides))
-        world = distributed.join(r.train.collective_timeout_s)
-        try:
+        with distributed.joined(r.train.collective_timeout_s) as world:
             return run_eval(r, name=Path(recipe).stem, adapter=adapter, model_dir=model_dir, split=split, ks=k_list,
                             out_dir=out_dir, log=click.echo if world.main else (lambda *a: None), world=world)
-        finally:
-            distributed.leave()
 
     _run(go)
 

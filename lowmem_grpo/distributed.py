@@ -104,10 +104,28 @@ def current() -> World:
     return World()
 
 
-def leave() -> None:
-    """Leave the process group (at the end of a command), if this process joined one."""
+def leave(finished: bool = False) -> None:
+    """Leave the process group (at the end of a command), if this process joined one. finished: every process
+    reached the end, so wait for the others first. A process that tears its connections down while a peer is
+    still using them can take that peer down at exit (gloo: "terminate called without an active exception",
+    SIGABRT after an `eval --nproc 2` had printed its results, seen once in CI). After an error there is no
+    wait: the peers may never come, and torchrun stops them."""
     if dist.is_available() and dist.is_initialized():
+        if finished and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined(timeout_s: float):
+    """`with joined(timeout) as world:` a command's time in the process group (join, then leave)."""
+    world = join(timeout_s)
+    try:
+        yield world
+    except BaseException:
+        leave()
+        raise
+    leave(finished=True)
 
 
 def shard_bounds(n: int, world: World) -> tuple[int, int]:
