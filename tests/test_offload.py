@@ -133,3 +133,31 @@ def test_recipe_rejects_offload_without_checkpointing_naming_both_fields():
         recipe_from_dict(d)
     assert "train.offload_activations" in str(err.value) and "model.gradient_checkpointing" in str(err.value)
     assert recipe_from_dict(_recipe(offload_activations=True)).train.offload_activations is True
+
+
+def test_a_training_run_with_offload_equals_one_without(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """train.offload_activations through the Trainer (4-bit base + LoRA, checkpointing, 3 steps), with the host
+    copy forced on CPU tensors as a GPU run takes it: the same losses and adapter weights as without offload."""
+    from conftest import QUIET, losses_by_step, recipe_dict
+
+    from lowmem_grpo.train import Trainer
+
+    made = []
+
+    def forced(model):
+        made.append(ActivationOffload(model, min_bytes=1, copy_host_tensors=True))
+        return made[-1]
+
+    runs = {}
+    for offload in (False, True):
+        if offload:
+            monkeypatch.setattr("lowmem_grpo.batch.ActivationOffload", forced)
+        d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / f"run-{offload}", train={"offload_activations": offload})
+        trainer = Trainer(recipe_from_dict(d), **QUIET)
+        trainer.fit()
+        runs[offload] = (losses_by_step(tmp_path / f"run-{offload}"),
+                         {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    assert made and sum(m.offloaded_tensors for m in made) > 0      # the copy path ran, in the update only
+    assert runs[True][0] == runs[False][0] and len(runs[False][0]) == 3
+    for name, w in runs[False][1].items():
+        assert torch.equal(w, runs[True][1][name]), name
