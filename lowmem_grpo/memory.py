@@ -413,7 +413,7 @@ def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
     lines = [f"does not fit even with train.micro_batch_size: 1 and train.logprob_chunk_tokens: 128 "
              f"(predicted {fmt(smallest.peak)} > {fmt(budget)}). Largest terms:"]
     lines += [f"  {name}: {fmt(b)}" for name, b in biggest]
-    lines.append("change one of: " + ", ".join(_each_field_once([_fields_for(name, w, waved=True) for name, _ in biggest])))
+    lines.append("change one of: " + ", ".join(_each_field_once([_fields_for(name, w) for name, _ in biggest])))
     return Advice(False, lines)
 
 
@@ -433,17 +433,14 @@ def _each_field_once(suggestions: list[str]) -> list[str]:
     return out
 
 
-def _fields_for(term: str, w: Workload, waved: bool = False) -> str:
+def _fields_for(term: str, w: Workload) -> str:
     if term.startswith("base weights"):
         return "model.load_in_4bit: true" if not w.quantized else "a smaller model.name_or_path"
     if "KV cache" in term or "sampling" in term or "prefill" in term:
         if "KV cache" in term and w.engine == "vllm" and w.kv_cache_bytes is not None:
             return "generation.kv_cache_memory_bytes (vLLM's KV budget)"
-        if waved:  # in waves what does not fit is one sequence, however many prompts_per_step x G make
-            return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)"
-        if term.startswith("eval"):
-            return "train.eval_max_prompts (fewer held-out prompts decoded at once)"
-        return "train.prompts_per_step / generation.num_generations / " + _length_field(w)
+        # advise decodes in waves: what does not fit is one sequence, however many prompts_per_step x G make
+        return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)"
     if term.startswith("optimizer"):
         return "optimizer.name: adamw_8bit or a smaller lora.r"
     if term.startswith("LoRA"):

@@ -33,8 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "lowmem_grpo" / "model_configs"
 BENCH = ROOT / "scripts" / "bench_memory.py"
+sys.path[:0] = [str(ROOT), str(BENCH.parent)]   # lowmem_grpo, and bench_memory's recipe for --from-results
+
+from lowmem_grpo.hub import MODEL_CONFIGS  # noqa: E402  (the shipped config.json files, named like hub ids)
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Row:
 
     @property
     def config(self) -> Path:
-        return CONFIGS / self.model
+        return MODEL_CONFIGS / self.model
 
 
 # The recipes' lengths (gsm8k: 1.5B at 512, math: 7B at 1024) and the anchors': Unsloth's 1.5B GRPO figure and
@@ -109,8 +111,7 @@ def build_model(row: Row, workdir: Path) -> None:
 def predictions(row: Row, prompt_tokens: int) -> dict:
     """The memory model's prediction for a row, from this checkout's code (--from-results reprices old results):
     the whole run's peak and static + each phase, in MiB."""
-    os.environ["BENCH_MEMORY_DEVICE"] = "cuda"  # bench_memory's compute dtype for a CUDA row: bf16
-    sys.path.insert(0, str(BENCH.parent))
+    os.environ["BENCH_MEMORY_DEVICE"] = "cuda"  # bench_memory's compute dtype for a CUDA row: bf16 (read on import)
     import bench_memory
     from transformers import AutoConfig
 

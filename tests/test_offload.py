@@ -161,3 +161,11 @@ def test_a_training_run_with_offload_equals_one_without(tiny_model_dir, tiny_dat
     assert runs[True][0] == runs[False][0] and len(runs[False][0]) == 3
     for name, w in runs[False][1].items():
         assert torch.equal(w, runs[True][1][name]), name
+
+
+def test_recipe_rejects_offload_with_the_unsloth_backend():
+    d = _recipe(offload_activations=True)
+    d["model"]["backend"] = "unsloth"
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(d)
+    assert "train.offload_activations" in str(err.value) and "model.backend: unsloth" in str(err.value)
