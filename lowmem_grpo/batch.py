@@ -209,13 +209,16 @@ def _shared_attention(row_len, row_of, start, c_len, p_len, width: int) -> tuple
 
 
 def completion_logprobs(model, mb: MicroBatch, temperature: float, chunk_rows: int, chunk_vocab: int,
-                        return_entropy: bool = False, entropy_grad: bool = False, offload: bool = False):
+                        return_entropy: bool = False, entropy_grad: bool = False, offload: bool = False,
+                        autocast: Optional[torch.dtype] = None):
     """log pi(target) at every completion token of the micro-batch (and the entropy: with gradient when
     entropy_grad, for an entropy bonus, §16). offload: with gradient, the decoder's checkpointed layer inputs
-    wait in host memory until backward (§22)."""
+    wait in host memory until backward (§22). autocast: the decoder (not the log-prob kernel, whose tiles stay
+    fp32) runs under torch.autocast in this dtype (§24)."""
     device = next(model.parameters()).device
     keep_out = ActivationOffload(model) if offload and torch.is_grad_enabled() else contextlib.nullcontext()
-    with keep_out:
+    mixed = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with keep_out, mixed:
         h = hidden_states(model, mb.input_ids.to(device), mb.attention_mask.to(device),
                           None if mb.position_ids is None else mb.position_ids.to(device))
     h = h[mb.rows.to(device), mb.positions.to(device)]  # only completion positions are projected

@@ -97,6 +97,7 @@ class Workload:
     chunk_vocab: int = 8192
     gradient_checkpointing: bool = True
     offload_activations: bool = False  # checkpointed layer inputs in host memory (CUDA; offload.py)
+    bf16_autocast: bool = False  # the decoder's training passes under bf16 autocast (model.autocast)
     eval_prompts: int = 0
     engine: str = "hf"
     kv_cache_bytes: Optional[int] = None  # vLLM: the recipe's explicit KV budget
@@ -212,12 +213,16 @@ def train_phase(s: ModelShape, w: Workload, n_lora: int) -> dict[str, int]:
     # logsumexp per head and row (no T x T matrix).
     per_token_layer = (4 * h + qkv + 3 * i + 7 * w.lora_r) + (h + i)  # saved for backward + gradients in flight
     one_layer = b * t * per_token_layer * cb
-    # With a 16-bit compute dtype, one layer's backward also holds fp32 copies (seen on CUDA with a tensor-level
-    # trace of the recomputed layer, docs/benchmarks.md): transformers' RMSNorm computes in fp32 and keeps its
-    # fp32 input (two norms), peft casts each LoRA input to the adapters' fp32 and keeps that copy for lora_A's
-    # backward, and the widest such copy's fp32 gradient is in flight. At long sequences this is the largest term.
+    # With a 16-bit compute dtype, one layer's backward also holds copies (seen on CUDA with a tensor-level trace
+    # of the recomputed layer, docs/benchmarks.md): transformers' RMSNorm computes in fp32 and keeps its fp32
+    # input (two norms), peft casts each LoRA input to the adapters' fp32 and keeps that copy for lora_A's
+    # backward, and the widest such copy's gradient is in flight. Under bf16 autocast (model.autocast, §24)
+    # lora_A keeps a bf16 input instead: a copy per LoRA module on CPU (peft still casts there, autocast casts
+    # back), the layer's own activation on CUDA. So that share is counted at 2 bytes a value: exact on CPU, the
+    # safe side on CUDA, where the trace's peak fell by 141 of these 208 KiB per token at Llama-3.1-8B's width.
     lora_in = sum(n_in for name, (n_in, _) in s.linears().items() if name in lora_targets(w))
-    fp32_copies = b * t * 4 * (2 * h + lora_in + i) if cb < 4 else 0
+    lora_copy_bytes = 2 if w.bf16_autocast else 4
+    copies = b * t * (4 * 2 * h + lora_copy_bytes * (lora_in + i)) if cb < 4 else 0
     if w.quantized:
         one_layer += max(x * y for x, y in s.linears().values()) * cb  # bitsandbytes dequantizes one weight at a time
     layers_kept = s.num_layers if w.gradient_checkpointing else s.num_layers * per_token_layer / h
@@ -235,7 +240,7 @@ def train_phase(s: ModelShape, w: Workload, n_lora: int) -> dict[str, int]:
     kept = f"checkpointed layer inputs (micro-batch {b} x {t} tok{', 2 layers on device' if offloaded(w) else ''})"
     return {"LoRA gradients (fp32)": n_lora * 4, kept: checkpointed,
             "one layer's recomputation + grads": int(one_layer),
-            **({"one layer's fp32 copies (norms, LoRA inputs)": fp32_copies} if fp32_copies else {}),
+            **({"one layer's copies (fp32 norms, LoRA inputs)": copies} if copies else {}),
             f"log-prob tile ({rows} x {min(w.chunk_vocab, s.vocab_size)})": tile,
             "log-prob rows and grads": kernel_io}
 
@@ -375,6 +380,7 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens(r),
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
         gradient_checkpointing=r.model.gradient_checkpointing, offload_activations=r.train.offload_activations,
+        bf16_autocast=r.model.bf16_autocast,
         eval_prompts=-(-eval_prompts // processes), engine=r.generation.engine,
         kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device, environment=bool(r.environment.name))
 
@@ -447,6 +453,8 @@ def _fields_for(term: str, w: Workload) -> str:
         return "a smaller lora.r"
     if term.startswith("runtime"):
         return "(fixed cost of the runtime)"
+    if term.startswith("one layer's copies") and not w.bf16_autocast:
+        return "model.autocast: true with model.compute_dtype: bfloat16 (no fp32 copies of the LoRA inputs)"
     if term.startswith("checkpointed") and w.device == "cuda" and w.gradient_checkpointing and not w.offload_activations:
         return "train.offload_activations: true (the layer inputs wait in CPU memory)"
     return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)" + (
@@ -457,16 +465,27 @@ def _length_field(w: Workload) -> str:
     return "environment.max_total_tokens" if w.environment else "generation.max_new_tokens"
 
 
+# Of the GPU memory a process can reach, the share the memory model's figures (torch's allocated peak) may fill:
+# the caching allocator rounds blocks and fragments, and that is outside the model (vLLM keeps 10% back by default
+# for the same reason, gpu_memory_utilization 0.9).
+ALLOCATOR_SLACK = 0.10
+
+
 def device_budget(device: str) -> Optional[int]:
-    """Total memory of this machine's GPU (cuda) or RAM (cpu); None when there is no such device."""
+    """What the memory model's peak may reach on this machine's GPU (cuda) or RAM (cpu); None without such a
+    device. On CUDA: the memory this process can still get plus what its allocator already holds (so a desktop,
+    another process and the CUDA context are left out), capped by torch.cuda.set_per_process_memory_fraction (a
+    shared card), less ALLOCATOR_SLACK."""
     import torch
 
     if device == "cuda":
         if not torch.cuda.is_available():
             return None
-        # A process capped by torch.cuda.set_per_process_memory_fraction (a shared card) gets that share.
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
-        return int(torch.cuda.get_device_properties(0).total_memory * fraction)
+        index = torch.cuda.current_device()
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda i=None: 1.0)(index)
+        free, total = torch.cuda.mem_get_info(index)
+        reachable = min(total * fraction, free + torch.cuda.memory_reserved(index))
+        return int(reachable * (1 - ALLOCATOR_SLACK))
     import psutil
 
     return psutil.virtual_memory().total

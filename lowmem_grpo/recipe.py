@@ -27,12 +27,25 @@ class ModelConfig(_Section):
     load_in_4bit: bool = Field(True, description="Load the base in 4-bit NF4 through bitsandbytes (the low-memory path).")
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype of the non-quantized weights and of 4-bit matmuls; use float32 on CPU.")
+    autocast: bool = Field(
+        True, description="With compute_dtype bfloat16, the decoder's log-prob passes (update, reference, old policy) "
+        "run under torch.autocast in bfloat16, as transformers' Trainer does with bf16: the LoRA matmuls take the bf16 "
+        "activations as they are instead of an fp32 copy of each input that peft would keep for backward (up to "
+        "6 x hidden + 2 x intermediate fp32 values per token of a micro-batch); the log-prob kernel stays fp32 "
+        "(docs/algorithm.md §24). No effect with float32, nor with float16, whose LoRA gradients would need loss "
+        "scaling. Default true.")
     double_quant: bool = Field(True, description="bitsandbytes nested quantization of the 4-bit scales (saves ~0.4 bit/param).")
     gradient_checkpointing: bool = Field(True, description="Recompute decoder activations in backward instead of storing them.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
     backend: Literal["transformers", "unsloth"] = Field(
         "transformers", description="Load through transformers + bitsandbytes + peft, or Unsloth's FastLanguageModel "
         "(NVIDIA GPU and the unsloth extra only; untested: never run on a GPU).")
+
+    @property
+    def bf16_autocast(self) -> bool:
+        """Whether the training passes' decoder runs under bf16 autocast (`autocast`): the one rule, read by the
+        trainer and the memory model."""
+        return self.autocast and self.compute_dtype == "bfloat16"
 
 
 class LoraConfig(_Section):

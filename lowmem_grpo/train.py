@@ -322,7 +322,8 @@ class Trainer:
         t = self.recipe.train
         return completion_logprobs(self.model, mb, self.recipe.generation.temperature, t.logprob_chunk_tokens,
                                    t.logprob_chunk_vocab, return_entropy=return_entropy, entropy_grad=entropy_grad,
-                                   offload=t.offload_activations)
+                                   offload=t.offload_activations,
+                                   autocast=torch.bfloat16 if self.recipe.model.bf16_autocast else None)
 
     def no_grad_logprobs(self, batches: list[MicroBatch]) -> dict:
         """Old log-probs (mu > 1: the ratio's denominator), reference log-probs (a KL to the reference), and

@@ -1,6 +1,7 @@
 """Peak memory and step time of one GRPO step: lowmem-grpo against TRL's GRPOTrainer, same model, same run.
 
     OMP_NUM_THREADS=1 python scripts/bench_memory.py [--lengths 128 512 1024] [--skip-trl] [--hidden 256]
+        [--update-only]
     python scripts/bench_memory.py --device cuda --model-config lowmem_grpo/model_configs/Qwen/Qwen2.5-1.5B-Instruct \
         --lengths 512
 
@@ -16,6 +17,9 @@ both trainers. One step = sampling G = 8 completions of exactly L tokens for one
 transformers generate (EOS suppressed so every completion has length L), the reference pass (beta 0.04,
 adapters off), and one optimizer step with gradient checkpointing. Each configuration runs in its own
 process; the first step warms up, the second is timed; the peak is the process's peak RSS over both.
+--update-only skips sampling in both trainers: each is handed the same G completions of exactly L random tokens
+(lowmem-grpo through a scripted engine, TRL through its rollout_func), so a step is the reference pass and the
+update at that length, and lowmem-grpo's prediction is the memory model's static + train phase.
 
 Also measured, each in its own process: the loss phase alone (log-probs of the 8 x L completion tokens
 from their final hidden states, the GRPO loss, backward) through the chunked kernel and through the naive
@@ -153,7 +157,8 @@ def never_eos(model) -> None:
 class ExactLengthEngine:
     """--scripted: completions of exactly max_new_tokens random (non-special) tokens, drawn at once. Measures the
     update at lengths where sampling them would take most of the run (20K tokens x G); the rollout phase's KV
-    cache is then not allocated, and the figure to compare is the memory model's static + train phase."""
+    cache is then not allocated, and the figure to compare is the memory model's static + train phase. TRL's
+    scripted child draws from it too (tokens()), so both trainers get the same completions."""
 
     def __init__(self, vocab: int, special: set[int], seed: int = 0):
         import torch
@@ -161,13 +166,16 @@ class ExactLengthEngine:
         self.ok = torch.tensor([i for i in range(min(vocab, 32000)) if i not in special])
         self.g = torch.Generator().manual_seed(seed)
 
-    def generate(self, prompts, params):
+    def tokens(self, n: int) -> list[int]:
         import torch
 
+        return self.ok[torch.randint(len(self.ok), (n,), generator=self.g)].tolist()
+
+    def generate(self, prompts, params):
         from lowmem_grpo.rollout.base import Completion
 
-        return [Completion(i, self.ok[torch.randint(len(self.ok), (params.max_new_tokens,), generator=self.g)].tolist(),
-                           truncated=True) for i in range(len(prompts)) for _ in range(params.n)]
+        return [Completion(i, self.tokens(params.max_new_tokens), truncated=True)
+                for i in range(len(prompts)) for _ in range(params.n)]
 
     def close(self):
         pass
@@ -193,12 +201,13 @@ def phase_peaks(trainer, peaks: dict) -> None:
 
 
 def bench_recipe(workdir: Path, length: int, micro_batch: int, opts: dict):
-    """The recipe every lowmem-grpo child runs (opts: G, offload, steps; see child_lowmem)."""
+    """The recipe every lowmem-grpo child runs (opts: G, offload, autocast, steps; see child_lowmem)."""
     from lowmem_grpo.recipe import recipe_from_dict
 
     g = opts.get("G", G)
     return recipe_from_dict({
-        "model": {"name_or_path": str(workdir / "model"), "compute_dtype": DTYPE, "load_in_4bit": True},
+        "model": {"name_or_path": str(workdir / "model"), "compute_dtype": DTYPE, "load_in_4bit": True,
+                  "autocast": opts.get("autocast", True)},
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA},
         "data": {"train_path": str(workdir / "prompts.jsonl")},
         "rewards": {"functions": [{"function": "exact"}]},
@@ -269,7 +278,10 @@ def trl_step_timer():
     return StepTimer()
 
 
-def child_trl(workdir: Path, length: int, steps: int = 2) -> dict:
+def child_trl(workdir: Path, length: int, opts: dict) -> dict:
+    """opts: G (completions), scripted (TRL samples nothing: its rollout_func hands it ExactLengthEngine's G completions
+    of exactly L tokens, so the step is its reference pass + update, as lowmem-grpo's scripted one), steps (the last is
+    timed). Out of CUDA memory is a result: {"oom": true, "peak_mib": allocated peak when it failed}."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -278,14 +290,27 @@ def child_trl(workdir: Path, length: int, steps: int = 2) -> dict:
     from lowmem_grpo.model import load_base_model, load_tokenizer
     from lowmem_grpo.recipe import ModelConfig
 
+    g, steps, scripted = opts.get("G", G), opts.get("steps", 2), bool(opts.get("scripted"))
     cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype=DTYPE, load_in_4bit=True)
     tok = load_tokenizer(cfg)
     model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
     never_eos(model)
 
+    engine, handed = None, []  # handed: completions per rollout_func call
+    if scripted:
+        engine = ExactLengthEngine(model.config.vocab_size, set(tok.all_special_ids))
+        os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func's experimental-API warning: not an error's tail
+
+    def scripted_rollout(prompts, trainer):
+        # TRL's sampler already repeats each prompt G times in the slice: one completion per entry, the prompts
+        # tokenized as TRL's own generate path does, logprobs None as that path returns (no vLLM correction).
+        handed.append(len(prompts))
+        return {"prompt_ids": trainer.processing_class(text=prompts)["input_ids"],
+                "completion_ids": [engine.tokens(length) for _ in prompts], "logprobs": None}
+
     timer = trl_step_timer()
     args = GRPOConfig(
-        output_dir=str(workdir / f"run-trl-{length}"), per_device_train_batch_size=G, num_generations=G,
+        output_dir=str(workdir / f"run-trl-{length}"), per_device_train_batch_size=g, num_generations=g,
         max_completion_length=length, max_steps=steps, beta=BETA, learning_rate=LR, temperature=1.0,
         gradient_checkpointing=True, use_cpu=DEVICE == "cpu", bf16=DTYPE == "bfloat16", fp16=False, report_to=[], save_strategy="no",
         logging_steps=1, seed=0, loss_type="grpo", disable_tqdm=True, dataloader_num_workers=0,
@@ -293,13 +318,21 @@ def child_trl(workdir: Path, length: int, steps: int = 2) -> dict:
     peft_cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules="all-linear", task_type="CAUSAL_LM")
     ds = Dataset.from_list([{"prompt": tok.bos_token + PROMPT}] * 4)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=ds, processing_class=tok, peft_config=peft_cfg, callbacks=[timer])
+                          train_dataset=ds, processing_class=tok, peft_config=peft_cfg, callbacks=[timer],
+                          rollout_func=scripted_rollout if scripted else None)
     torch.set_num_threads(1)
     loaded = peak_mib()
-    trainer.train()
-    lengths = [m for m in (h.get("completions/mean_length") for h in trainer.state.log_history) if m is not None]
-    assert lengths and all(abs(m - length) < 1e-6 for m in lengths), lengths
-    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "step_s": timer.times[-1]}
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as exc:  # CUDA only (TRL's [tokens x vocab] logits at long L): the figure itself
+        return {"oom": True, "peak_mib": peak_mib(), "loaded_mib": loaded, "scripted": scripted,
+                "message": str(exc).split("\n")[0][:300]}
+    logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    lengths = [h[f"completions/{k}_length"] for h in logged for k in ("mean", "min", "max")]
+    assert len(logged) == steps and all(abs(m - length) < 1e-6 for m in lengths), lengths
+    assert not scripted or handed == [g] * steps, f"rollout_func handed {handed} completions, expected {g} per step"
+    return {"peak_mib": peak_mib(), "loaded_mib": loaded, "step_s": timer.times[-1], "scripted": scripted,
+            "completion_length": logged[-1]["completions/mean_length"]}
 
 
 def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> dict:
@@ -364,6 +397,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=1024)
     ap.add_argument("--chunk-vocab", type=int, default=8192)
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--update-only", action="store_true",
+                    help="both trainers are handed scripted completions (no sampling): the reference pass + update")
     ap.add_argument("--hidden", type=int, default=None, help="model width (default 256; MLP 3x, 4 heads)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=DEVICE,
                     help="cuda: bf16 compute, peaks from torch.cuda.max_memory_allocated (GPU only, not run in CI)")
@@ -378,7 +413,7 @@ def main() -> None:
         if kind == "lowmem":
             out = child_lowmem(Path(rest[0]), int(rest[1]), int(rest[2]), json.loads(rest[3]) if len(rest) > 3 else {})
         elif kind == "trl":
-            out = child_trl(Path(rest[0]), int(rest[1]), *map(int, rest[2:3]))
+            out = child_trl(Path(rest[0]), int(rest[1]), json.loads(rest[2]) if len(rest) > 2 else {})
         else:
             out = child_loss(int(rest[0]), rest[1], int(rest[2]), int(rest[3]))
         print("RESULT " + json.dumps(out), flush=True)
@@ -400,19 +435,24 @@ def main() -> None:
     what = "peak VRAM (torch.cuda.max_memory_allocated)" if DEVICE == "cuda" else "peak RSS"
     print(f"model: Qwen2, vocab {VOCAB:,}, {SHAPE}, tied embeddings {TIED}, {DTYPE}, NF4 + LoRA r={LORA_R}; G={G}, "
           f"beta={BETA}; {DEVICE}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; lowmem micro_batch_size="
-          f"{args.micro_batch}; memory: {what}")
+          f"{args.micro_batch}; memory: {what}; completions: "
+          f"{'scripted for both trainers (update only)' if args.update_only else 'sampled'}")
     print(f"\n{'L':>5} | {'lowmem peak':>11} {'predicted':>10} {'err':>6} | {'TRL peak':>9} | {'peak ratio':>10} | "
           f"{'lowmem s/step':>13} {'TRL s/step':>10} {'time ratio':>10}")
     steps = {}
     for length in args.lengths:
-        ours = run_child(["lowmem", str(workdir), str(length), str(args.micro_batch)])
-        trl = {"error": "skipped"} if args.skip_trl else run_child(["trl", str(workdir), str(length)])
+        opts = json.dumps({"scripted": args.update_only})
+        ours = run_child(["lowmem", str(workdir), str(length), str(args.micro_batch), opts])
+        trl = {"error": "skipped"} if args.skip_trl else run_child(["trl", str(workdir), str(length), opts])
+        if trl.get("oom"):
+            trl = {"error": f"out of CUDA memory ({trl['peak_mib']:.0f} MiB allocated when it failed)"}
         steps[length] = (ours, trl)
         if "error" in ours:
             print(f"{length:>5} | lowmem-grpo failed: {ours['error']}")
             continue
-        err = 100 * (ours["predicted_mib"] - ours["peak_mib"]) / ours["peak_mib"]
-        line = f"{length:>5} | {ours['peak_mib']:>7.0f} MiB {ours['predicted_mib']:>6.0f} MiB {err:>+5.0f}% | "
+        pred = ours["predicted_phase_mib"]["train"] if args.update_only else ours["predicted_mib"]
+        err = 100 * (pred - ours["peak_mib"]) / ours["peak_mib"]
+        line = f"{length:>5} | {ours['peak_mib']:>7.0f} MiB {pred:>6.0f} MiB {err:>+5.0f}% | "
         if "error" in trl:
             line += f"{'-':>9} | {'-':>10} | {ours['step_s']:>11.2f} s {'-':>10} {'-':>10}   (TRL: {trl['error']})"
         else:

@@ -3,6 +3,7 @@
     python scripts/gpu_check.py                 # on a CUDA machine: the tests, then every row
     python scripts/gpu_check.py --dry-run       # anywhere: the plan (rows, models, what runs), nothing run
     python scripts/gpu_check.py --rows qwen1.5b-512 llama8b-20k --skip-tests --out results/
+    python scripts/gpu_check.py --rows qwen1.5b-512 --skip-tests --skip-trl --no-autocast   # the A/B of model.autocast
 
 GPU-only (a CPU machine gets a clear message and exit code 2; CI runs only --dry-run). Needs the `bench`
 extra (TRL) and bitsandbytes with its CUDA library; docs/benchmarks.md says which wheels a bare GPU machine
@@ -16,9 +17,13 @@ nvidia-smi, is not counted, as in the memory model) and the memory model's predi
 with its error. TRL's GRPOTrainer runs the same model and step where the row says so. "HF tok/s" is the
 transformers engine's sampled tokens per second in the timed step.
 
-Rows marked `update` skip sampling: completions of exactly L random tokens come from a scripted engine (20K
-tokens x 8 through transformers generate would take most of the lease), so the row measures the reference
-pass and the update at that length; its prediction is the memory model's static + train phase.
+Update-only rows (`update only` in the plan, `scripted` in the table) skip sampling in both trainers:
+completions of exactly L random tokens come from a scripted engine (20K tokens x 8 through transformers generate
+would take most of the lease), handed to lowmem-grpo as its engine and to TRL through GRPOTrainer's
+rollout_func, the same G x L tokens to both; so the row measures the reference pass and the update at that
+length, where TRL's [tokens x vocab] logits dominate its peak. Our prediction there is the memory model's
+static + train phase. A TRL run out of CUDA memory is a figure, not a failure: its column says OOM, and
+ours/TRL is bounded by TRL's allocated peak when it failed.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class Row:
     micro_batch: int
     g: int = 8
     offload: bool = False   # train.offload_activations
-    update_only: bool = False  # scripted completions: measures the update, not sampling
+    autocast: bool = True   # model.autocast (the decoder's training passes under bf16 autocast, as TRL's bf16 runs)
+    update_only: bool = False  # scripted completions (both trainers): measures the update, not sampling
     trl: bool = True        # also run TRL's GRPOTrainer on the same model and step
     steps: int = 2          # the last is timed; 1 for the big shapes (a 7B step samples for minutes)
 
@@ -57,15 +63,24 @@ class Row:
 
 
 # The recipes' lengths (gsm8k: 1.5B at 512, math: 7B at 1024) and the anchors': Unsloth's 1.5B GRPO figure and
-# its Llama-3.1-8B at 20K context, G = 8.
+# its Llama-3.1-8B at 20K context, G = 8. The 1.5B update rows measure TRL where its logits grow past the model:
+# at 4K with the recipe's micro-batch, at 16K with the 20K rows' micro-batch 1. TRL has no activation offload: it
+# runs on the offload-off 20K row only.
 ROWS = [
     Row("qwen1.5b-512", "Qwen/Qwen2.5-1.5B-Instruct", 512, 4),
+    Row("qwen1.5b-4k", "Qwen/Qwen2.5-1.5B-Instruct", 4096, 4, update_only=True),
+    Row("qwen1.5b-16k", "Qwen/Qwen2.5-1.5B-Instruct", 16384, 1, update_only=True),
     Row("qwen7b-1024", "Qwen/Qwen2.5-7B-Instruct", 1024, 4, steps=1),
     Row("llama8b-512", "meta-llama/Llama-3.1-8B-Instruct", 512, 4, steps=1),
-    Row("llama8b-20k", "meta-llama/Llama-3.1-8B-Instruct", 20000, 1, update_only=True, trl=False, steps=1),
+    Row("llama8b-20k", "meta-llama/Llama-3.1-8B-Instruct", 20000, 1, update_only=True, steps=1),
     Row("llama8b-20k-offload", "meta-llama/Llama-3.1-8B-Instruct", 20000, 1, offload=True, update_only=True, trl=False,
         steps=1),
 ]
+
+
+def recorded_row(result: dict) -> Row:
+    """The row of a results.json; rows recorded before model.autocast existed ran without it."""
+    return Row(**{"autocast": False, **result["row"]})
 
 
 def plan_lines(rows: list[Row], tests: bool) -> list[str]:
@@ -75,19 +90,25 @@ def plan_lines(rows: list[Row], tests: bool) -> list[str]:
                    "preflight on a simulated small card, a short quickstart)")
     for r in rows:
         what = "update only (scripted completions)" if r.update_only else "sample + update"
+        who = ("lowmem-grpo only" if not r.trl else
+               "lowmem-grpo and TRL (TRL's completions scripted too, through rollout_func)" if r.update_only else
+               "lowmem-grpo and TRL")
         out.append(f"  {r.name}: {r.model} shape ({r.config.relative_to(ROOT)}), G={r.g}, L={r.length}, "
-                   f"micro-batch {r.micro_batch}, offload {'on' if r.offload else 'off'}, {what}, {r.steps} step(s); "
-                   f"{'lowmem-grpo and TRL' if r.trl else 'lowmem-grpo only'}")
+                   f"micro-batch {r.micro_batch}, offload {'on' if r.offload else 'off'}, "
+                   f"autocast {'on' if r.autocast else 'off'}, {what}, {r.steps} step(s); "
+                   f"{who}")
     return out
 
 
 def run_bench_child(row: Row, kind: str, workdir: Path, timeout: float) -> dict:
     env = {**os.environ, "BENCH_MEMORY_DEVICE": "cuda", "BENCH_MEMORY_CONFIG": str(row.config)}
     if kind == "lowmem":
-        opts = {"G": row.g, "offload": row.offload, "scripted": row.update_only, "steps": row.steps}
+        opts = {"G": row.g, "offload": row.offload, "autocast": row.autocast, "scripted": row.update_only,
+                "steps": row.steps}
         args = ["lowmem", str(workdir), str(row.length), str(row.micro_batch), json.dumps(opts)]
     else:
-        args = ["trl", str(workdir), str(row.length), str(row.steps)]
+        opts = {"G": row.g, "scripted": row.update_only, "steps": row.steps}
+        args = ["trl", str(workdir), str(row.length), json.dumps(opts)]
     try:
         proc = subprocess.run([sys.executable, str(BENCH), "--child", *args], capture_output=True, text=True,
                               env=env, timeout=timeout)
@@ -117,7 +138,7 @@ def predictions(row: Row, prompt_tokens: int) -> dict:
 
     from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
 
-    opts = {"G": row.g, "offload": row.offload, "steps": row.steps}
+    opts = {"G": row.g, "offload": row.offload, "autocast": row.autocast, "steps": row.steps}
     recipe = bench_memory.bench_recipe(Path("unused"), row.length, row.micro_batch, opts)
     est = estimate(ModelShape.from_config(AutoConfig.from_pretrained(row.config)),
                    workload_from_recipe(recipe, prompt_tokens, "cuda"))
@@ -131,12 +152,13 @@ def gib(mib: float) -> str:
 
 
 def table(results: list[dict]) -> list[str]:
-    head = (f"{'row':<20} {'G':>2} {'L':>6} {'mb':>2} {'offl':>4} | {'ours GiB':>8} {'pred GiB':>8} {'err':>6} | "
-            f"{'TRL GiB':>7} {'ours/TRL':>8} | {'ours s/step':>11} {'TRL s/step':>10} | {'HF tok/s':>8}")
+    head = (f"{'row':<20} {'G':>2} {'L':>6} {'mb':>2} {'offl':>4} {'ac':>3} {'compl':>8} | {'ours GiB':>8} {'pred GiB':>8} "
+            f"{'err':>6} | {'TRL GiB':>7} {'ours/TRL':>8} | {'ours s/step':>11} {'TRL s/step':>10} | {'HF tok/s':>8}")
     out = [head, "-" * len(head)]
     for res in results:
-        r, ours, trl = Row(**res["row"]), res["ours"], res.get("trl") or {"error": "not run"}
-        lead = f"{r.name:<20} {r.g:>2} {r.length:>6} {r.micro_batch:>2} {'on' if r.offload else 'off':>4} | "
+        r, ours, trl = recorded_row(res), res["ours"], res.get("trl") or {"error": "not run"}
+        lead = (f"{r.name:<20} {r.g:>2} {r.length:>6} {r.micro_batch:>2} {'on' if r.offload else 'off':>4} "
+                f"{'on' if r.autocast else 'off':>3} {'scripted' if r.update_only else 'sampled':>8} | ")
         if "error" in ours:
             out.append(lead + f"lowmem-grpo failed: {ours['error'][-150:]}")
             continue
@@ -145,12 +167,18 @@ def table(results: list[dict]) -> list[str]:
         line = lead + f"{gib(ours['peak_mib']):>8} {gib(pred):>8} {err:>+5.1f}% | "
         if "error" in trl:
             line += f"{'-':>7} {'-':>8} | {ours['step_s']:>11.2f} {'-':>10} | "
+        elif trl.get("oom"):  # TRL needed more than it held when it failed: ours/TRL is at most ours/that
+            bound = f"<{ours['peak_mib'] / trl['peak_mib']:.2f}x"
+            line += f"{'OOM':>7} {bound:>8} | {ours['step_s']:>11.2f} {'-':>10} | "
         else:
             line += (f"{gib(trl['peak_mib']):>7} {ours['peak_mib'] / trl['peak_mib']:>7.2f}x | "
                      f"{ours['step_s']:>11.2f} {trl['step_s']:>10.2f} | ")
         tps = ours.get("rollout_tokens_per_s")
         line += f"{tps:>8.0f}" if tps and not r.update_only else f"{'-':>8}"
         out.append(line)
+    if any(recorded_row(res).update_only for res in results):
+        out.append("compl scripted: no sampling; both trainers are handed the same G x L random tokens (TRL through "
+                   "rollout_func): the reference pass + update. OOM: TRL ran out of CUDA memory.")
     return out
 
 
@@ -160,6 +188,8 @@ def main() -> int:
     ap.add_argument("--rows", nargs="+", metavar="NAME", help=f"rows to run (default all): {', '.join(r.name for r in ROWS)}")
     ap.add_argument("--skip-tests", action="store_true", help="skip pytest tests/gpu")
     ap.add_argument("--skip-trl", action="store_true", help="skip every TRL run")
+    ap.add_argument("--no-autocast", action="store_true",
+                    help="run lowmem-grpo with model.autocast: false (the decoder without bf16 autocast), for an A/B")
     ap.add_argument("--out", default=None, help="folder for results.json and the children's details")
     ap.add_argument("--workdir", default="/tmp/lowmem_gpu_check", help="where the random-weight models are built")
     ap.add_argument("--child-timeout", type=float, default=900.0, help="seconds per child process")
@@ -172,7 +202,7 @@ def main() -> int:
         for path in args.from_results:
             for res in json.loads(Path(path).read_text())["results"]:
                 if "error" not in res["ours"]:  # rows measured before prompt_tokens was recorded: the bench prompt's 7
-                    res["ours"].update(predictions(Row(**res["row"]), res["ours"].get("prompt_tokens", 7)))
+                    res["ours"].update(predictions(recorded_row(res), res["ours"].get("prompt_tokens", 7)))
                 results.append(res)
         print("\n".join(table(results)))
         return 0
@@ -184,6 +214,8 @@ def main() -> int:
     rows = [known[n] for n in args.rows] if args.rows else list(ROWS)
     if args.skip_trl:
         rows = [Row(**{**asdict(r), "trl": False}) for r in rows]
+    if args.no_autocast:
+        rows = [Row(**{**asdict(r), "autocast": False}) for r in rows]
     missing = [str(r.config) for r in rows if not (r.config / "config.json").is_file()]
     if missing:
         print(f"error: no config.json in {', '.join(missing)}", file=sys.stderr)

@@ -1,10 +1,12 @@
 """scripts/gpu_check.py where CI can run it: the plan (--dry-run), the message on a machine without CUDA, the
 table of the recorded H100 results repriced by the memory model (docs/gpu/), and the wheel list in
-docs/benchmarks.md against the project's dependencies. The CUDA runs themselves are GPU-only."""
+docs/benchmarks.md against the project's dependencies; and bench_memory's TRL child with scripted completions
+(update-only rows) on a tiny CPU model. The CUDA runs themselves are GPU-only."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
+BENCH = ROOT / "scripts" / "bench_memory.py"
 RESULTS = sorted((ROOT / "docs" / "gpu").glob("results-*.json"))
 
 
@@ -27,14 +30,44 @@ def run(*args, timeout=300):
 def test_dry_run_plans_every_row_from_a_shipped_config_and_runs_nothing():
     proc = run("--dry-run")
     assert proc.returncode == 0, proc.stderr
-    names = ["qwen1.5b-512", "qwen7b-1024", "llama8b-512", "llama8b-20k", "llama8b-20k-offload"]
+    names = ["qwen1.5b-512", "qwen1.5b-4k", "qwen1.5b-16k", "qwen7b-1024", "llama8b-512", "llama8b-20k",
+             "llama8b-20k-offload"]
     for name in names:
         assert f"  {name}: " in proc.stdout
     assert "pytest tests/gpu" in proc.stdout
     for folder in re.findall(r"\((lowmem_grpo/model_configs/[^)]+)\)", proc.stdout):
         assert (ROOT / folder / "config.json").is_file(), folder
     assert "device:" not in proc.stdout  # nothing touched CUDA
-    assert "offload on, update only" in proc.stdout
+    assert "offload on, autocast on, update only" in proc.stdout
+
+
+def test_no_autocast_plans_the_rows_without_it():
+    proc = run("--dry-run", "--skip-tests", "--rows", "qwen1.5b-512", "--no-autocast")
+    assert proc.returncode == 0, proc.stderr
+    assert "autocast off" in proc.stdout and "autocast on" not in proc.stdout
+
+
+def test_the_plan_says_where_trls_completions_are_scripted():
+    proc = run("--dry-run", "--skip-tests")
+    assert proc.returncode == 0, proc.stderr
+    plan = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    for name, length in (("qwen1.5b-4k", 4096), ("qwen1.5b-16k", 16384), ("llama8b-20k", 20000)):
+        assert f"L={length}," in plan[name] and "update only (scripted completions)" in plan[name], plan[name]
+        assert plan[name].endswith("lowmem-grpo and TRL (TRL's completions scripted too, through rollout_func)")
+    assert plan["llama8b-20k-offload"].endswith("lowmem-grpo only")  # TRL has no activation offload
+    assert plan["qwen1.5b-512"].endswith("sample + update, 2 step(s); lowmem-grpo and TRL")
+
+
+def test_the_table_shows_a_trl_out_of_memory_as_oom_with_the_bound_on_the_ratio(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+
+    row = next(r for r in gpu_check.ROWS if r.name == "qwen1.5b-16k")
+    ours = {"peak_mib": 6000.0, "predicted_mib": 6200.0, "predicted_phase_mib": {"train": 6200.0}, "step_s": 9.0}
+    trl = {"oom": True, "peak_mib": 75000.0, "loaded_mib": 1500.0, "scripted": True}
+    line, = [ln for ln in gpu_check.table([{"row": gpu_check.asdict(row), "ours": ours, "trl": trl}])
+             if ln.startswith("qwen1.5b-16k")]
+    assert re.search(r"scripted \|\s+5\.86\s+6\.05\s+\+3\.3% \|\s+OOM\s+<0\.08x \|\s+9\.00\s+- \|", line), line
 
 
 def test_an_unknown_row_is_an_error_naming_the_known_ones():
@@ -52,13 +85,17 @@ def test_without_cuda_it_says_so_and_exits_2():
 
 def test_the_memory_model_is_within_15_percent_of_every_recorded_h100_row():
     """The H100 figures of docs/benchmarks.md, repriced by this checkout's memory model: a change to the model
-    that moves a prediction more than 15% off what the GPU measured fails here."""
+    that moves a prediction more than 15% off what the GPU measured fails here. The autocast trial's row ran with
+    the decoder under bf16 autocast (model.autocast), the others without it."""
     assert len(RESULTS) >= 3
-    rows = {r["row"]["name"] for p in RESULTS for r in json.loads(p.read_text())["results"]}
-    assert rows == {"qwen1.5b-512", "qwen7b-1024", "llama8b-512", "llama8b-20k", "llama8b-20k-offload"}
-    proc = run("--from-results", *map(str, RESULTS))
+    files = [*RESULTS, ROOT / "docs" / "gpu" / "autocast-trial.json"]
+    rows = {(r["row"]["name"], "on" if r["row"].get("autocast") else "off")
+            for p in files for r in json.loads(p.read_text())["results"]}
+    assert rows == {("qwen1.5b-512", "off"), ("qwen7b-1024", "off"), ("llama8b-512", "off"), ("llama8b-20k", "off"),
+                    ("llama8b-20k-offload", "off"), ("qwen1.5b-512", "on")}
+    proc = run("--from-results", *map(str, files))
     assert proc.returncode == 0, proc.stderr
-    errors = {line.split()[0]: float(re.search(r"([+-]\d+\.\d)%", line).group(1))
+    errors = {(line.split()[0], line.split()[5]): float(re.search(r"([+-]\d+\.\d)%", line).group(1))
               for line in proc.stdout.splitlines() if re.match(r"(qwen|llama)", line)}
     assert errors.keys() == rows
     assert all(abs(e) <= 15 for e in errors.values()), errors
@@ -81,3 +118,23 @@ def test_the_wheel_list_names_every_dependency_once():
         assert bool(on_machine) != bool(carried), cells
         if carried:
             assert re.search(rf"\b{re.escape(cells[0].strip())} \d", carried), cells  # the wheel itself, pinned
+
+
+def test_trls_scripted_child_trains_on_g_completions_of_exactly_l_tokens(tmp_path):
+    """An update-only row's TRL run on a tiny CPU model, through the same command line gpu_check uses: TRL's
+    rollout_func hands it G random completions of exactly L tokens; the child checks TRL's logged lengths and
+    the completions per step, and reports the peak and the step time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_MEMORY_HIDDEN": "32", "BENCH_MEMORY_DEVICE": "cpu"}
+    env.pop("BENCH_MEMORY_CONFIG", None)
+    build = (f"import sys; sys.path.insert(0, {str(BENCH.parent)!r}); import bench_memory as b; "
+             f"from pathlib import Path; b.build(Path({str(tmp_path)!r}))")
+    subprocess.run([sys.executable, "-c", build], env=env, check=True, capture_output=True, timeout=120)
+    opts = json.dumps({"G": 4, "scripted": True, "steps": 1})
+    proc = subprocess.run([sys.executable, str(BENCH), "--child", "trl", str(tmp_path), "16", opts], env=env,
+                          capture_output=True, text=True, timeout=180)
+    results = [json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert results, proc.stderr[-3000:]
+    res, = results
+    assert res["scripted"] is True and res["completion_length"] == 16, res
+    assert res["step_s"] > 0 and res["peak_mib"] >= res["loaded_mib"] > 0, res
+    assert "experimental feature" not in proc.stderr  # TRL_EXPERIMENTAL_SILENCE: no warning for an error's tail

@@ -399,3 +399,24 @@ def test_the_trainer_decodes_in_the_waves_its_budget_holds(tmp_path, tiny_model_
         assert t.preflight()["predicted_mib"] * mm.MiB == mm.estimate(shape, w, t.memory_budget).peak
     finally:
         t.close()
+
+
+def test_the_cuda_budget_is_what_the_process_can_reach_less_the_allocators_share(monkeypatch):
+    """A gaming card runs a desktop too: the budget is the memory this process can still get plus what its
+    allocator holds (the model's weights), capped by a per-process fraction, less ALLOCATOR_SLACK; never the
+    card's total. (torch.cuda's queries stubbed: CI has no GPU; tests/gpu checks the fraction on a real card.)"""
+    import torch
+
+    card, desktop, context, ours = 24 * mm.GiB, 1.5 * mm.GiB, 0.5 * mm.GiB, 3 * mm.GiB
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=None: (int(card - desktop - context - ours), int(card)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=None: int(ours))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=None: fraction["value"])
+    reachable = card - desktop - context          # 22 GiB: the free memory plus this process's 3 GiB
+    assert mm.device_budget("cuda") == int(reachable * (1 - mm.ALLOCATOR_SLACK))
+    fraction["value"] = 0.25                      # a shared card: 6 GiB for this process
+    assert mm.device_budget("cuda") == int(card * 0.25 * (1 - mm.ALLOCATOR_SLACK))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mm.device_budget("cuda") is None

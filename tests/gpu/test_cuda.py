@@ -182,8 +182,8 @@ def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice
     from lowmem_grpo.train import Trainer, TrainingError
 
     tok = tiny.build_tokenizer()
-    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                                                     intermediate_size=512, max_position_embeddings=16400,
+    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                                                     intermediate_size=1024, max_position_embeddings=16400,
                                                      vocab_size=32768), seed=0)
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
@@ -192,7 +192,8 @@ def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice
     fraction = (2 * mm.GiB) / total
     torch.cuda.set_per_process_memory_fraction(fraction)
     try:
-        assert abs(mm.device_budget("cuda") - 2 * mm.GiB) < mm.MiB  # the budget the advice is sized for
+        budget = 2 * mm.GiB * (1 - mm.ALLOCATOR_SLACK)  # the simulated card, less the allocator's share
+        assert abs(mm.device_budget("cuda") - budget) < mm.MiB  # the budget the advice is sized for
         recipe = recipe_from_dict({
             "model": {"name_or_path": str(tmp_path / "model"), "compute_dtype": "bfloat16"},
             "data": {"train_path": str(tmp_path / "train.jsonl")},
@@ -203,12 +204,17 @@ def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice
         })
         trainer = Trainer(recipe, log=lambda *a: None)
         predicted, _, _ = mm.estimate_recipe(recipe, "cuda")
-        assert predicted.peak > 2 * mm.GiB  # the memory model agrees it cannot fit
+        # Not only the memory model's whole figure: the terms no implementation avoids, the checkpointed layer
+        # inputs and the kernel's fp32 hidden rows with their gradient, are more than the card by themselves (an
+        # earlier recipe, at hidden 256, fit in 2 GiB once the decoder ran under autocast).
+        train = predicted.phases["train"]
+        unavoidable = sum(v for k, v in train.items() if k.startswith(("checkpointed", "log-prob rows")))
+        assert unavoidable > 2 * mm.GiB, train
         with pytest.raises(TrainingError) as err:
             trainer.preflight()
         text = str(err.value)
         assert "preflight" in text and "ran out of memory" in text
-        assert "of 2.00 GiB" in text                      # the simulated card
+        assert f"of {mm.fmt(budget)}" in text            # the simulated card
         assert "train.micro_batch_size" in text           # the advice names what to change
         trainer.close()
     finally:
