@@ -135,7 +135,8 @@ def export(run_dir, out_dir, dtype, adapter_only, step):
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--memory", "memory", default=None, metavar="SIZE",
-              help="Memory to fit in, e.g. 8GiB or 12GB (default: this machine's GPU, or its RAM with --device cpu).")
+              help="Memory to fit in, e.g. 8GiB or 12GB (default: what this process can reach of this machine's GPU, "
+                   "less 10% for the allocator, or its RAM with --device cpu).")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="Where the run will train: cuda predicts torch's allocated peak, cpu the process RSS.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
@@ -156,6 +157,8 @@ def estimate(recipe, memory, device, nproc, overrides):
         if budget is None:
             click.echo("no budget: pass --memory SIZE (no GPU on this machine)")
             return
+        if not memory:
+            click.echo(mm.budget_note(device, budget))
         advice = mm.advise(shape, workload, budget)
         click.echo("\n".join(advice.lines))
         if not advice.fits:

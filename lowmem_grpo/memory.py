@@ -491,6 +491,17 @@ def device_budget(device: str) -> Optional[int]:
     return psutil.virtual_memory().total
 
 
+def budget_note(device: str, budget: int) -> str:
+    """One line on where `device_budget`'s figure comes from, for `lowmem-grpo estimate`."""
+    if device != "cuda":
+        return f"budget: {fmt(budget)}, this machine's RAM"
+    import torch
+
+    total = torch.cuda.mem_get_info(torch.cuda.current_device())[1]
+    return (f"budget: {fmt(budget)} of this GPU's {fmt(total)}: the memory this process can reach (others' use and "
+            f"the CUDA context left out), less {ALLOCATOR_SLACK:.0%} for the allocator's rounding and fragmentation")
+
+
 def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
     """Tokens in the longest training prompt, read from the data when it can be (else the recipe's cap)."""
     from .data import DataError, PromptSet

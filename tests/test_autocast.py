@@ -104,6 +104,30 @@ def test_the_grad_and_no_grad_passes_agree_under_autocast(model_dir):
     assert torch.equal(old, new.detach())
 
 
+def test_offload_under_autocast_gives_the_same_gradients(model_dir, monkeypatch):
+    """Activation offload (§22) through its host-copy path, as a GPU run takes it, with the decoder under
+    autocast: the bf16 layer inputs come back as they went, so the gradients are bit for bit those without it."""
+    from lowmem_grpo.offload import ActivationOffload
+
+    model, tok = bf16_policy(model_dir)
+    mb = micro_batch(tok)
+    plain_logp, plain_grads = logprobs_and_grads(model, mb, torch.bfloat16)
+    taken = []
+
+    def forced(m):
+        off = ActivationOffload(m, min_bytes=1, copy_host_tensors=True)
+        taken.append(off)
+        return off
+
+    monkeypatch.setattr("lowmem_grpo.batch.ActivationOffload", forced)
+    model.zero_grad(set_to_none=True)
+    logp = completion_logprobs(model, mb, 1.0, 1024, 8192, offload=True, autocast=torch.bfloat16)
+    aggregate(logp, mb.weights).backward()
+    grads = torch.cat([p.grad.double().flatten() for _, p in sorted(model.named_parameters()) if p.grad is not None])
+    assert taken and taken[0].offloaded_bytes > 0
+    assert torch.equal(logp.detach().double(), plain_logp) and torch.equal(grads, plain_grads)
+
+
 def saved_copies(model, ids, autocast: bool) -> Counter:
     """(width, dtype) of the distinct [tokens x width] tensors autograd saves for backward, width hidden or
     intermediate (checkpointing off, so every layer's saved tensors are seen)."""

@@ -171,6 +171,9 @@ def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
     assert res.exit_code == 1 and "does not fit" in res.output
     res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "plenty"])
     assert res.exit_code == 2 and "8GiB" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["estimate", str(path), "--device", "cpu"])   # no --memory: says what it took
+    assert res.exit_code == 0 and "this machine's RAM" in res.output, res.output
+    assert "budget:" not in CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB"]).output
 
 
 def _trainer(tmp_path, tiny_model_dir, tiny_data, **train):
@@ -418,5 +421,7 @@ def test_the_cuda_budget_is_what_the_process_can_reach_less_the_allocators_share
     assert mm.device_budget("cuda") == int(reachable * (1 - mm.ALLOCATOR_SLACK))
     fraction["value"] = 0.25                      # a shared card: 6 GiB for this process
     assert mm.device_budget("cuda") == int(card * 0.25 * (1 - mm.ALLOCATOR_SLACK))
+    note = mm.budget_note("cuda", mm.device_budget("cuda"))   # what `lowmem-grpo estimate` says of it
+    assert note.startswith("budget: 5.40 GiB of this GPU's 24.00 GiB") and "less 10%" in note, note
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert mm.device_budget("cuda") is None
