@@ -2,7 +2,7 @@
 
     python scripts/trace_memory.py --tokens 8192 16384                      # Llama-3.1-8B's width, 2 layers
     python scripts/trace_memory.py --tokens 1024 --hidden 1024 --intermediate 3584 --vocab 32000   # CPU-sized
-    python scripts/trace_memory.py --tokens 8192 --autocast                 # the decoder under bf16 autocast
+    python scripts/trace_memory.py --tokens 8192 --autocast                 # as the trainer runs by default
 
 Builds a small model of a real model's width (random weights, bf16, 4-bit NF4 + LoRA r=16 as the trainer loads
 it), then runs the trainer's update path on one sequence of T tokens: completion_logprobs, the loss, backward.
@@ -10,8 +10,8 @@ On CUDA it first prints the allocator's peak above the weights (torch.cuda.max_m
 anywhere, it runs the same pass under a dispatch mode that records every tensor an op creates and when its
 storage dies, and prints the tensors alive at the highest point, grouped by shape and dtype. This is how the
 memory model's fp32-copies term was found (docs/benchmarks.md, "On a GPU"). The slope of the peak between
-two lengths is the per-token cost of the layers' recomputation; --autocast runs the decoder under
-torch.autocast in the compute dtype (an experiment: the trainer does not do this).
+two lengths is the per-token cost of the layers' recomputation; --autocast runs the decoder under bf16
+autocast, as the trainer does with model.autocast (its default in bf16), and without it as model.autocast: false.
 
 GPU figures need a CUDA machine (not run in CI); on a CPU it traces the CPU path.
 """
@@ -84,25 +84,11 @@ def build(folder: Path, hidden: int, intermediate: int, heads: int, kv_heads: in
     tok.save_pretrained(folder)
 
 
-def decoder_under_autocast() -> None:
-    """--autocast: the decoder's forward (batch.hidden_states) under bf16 autocast; the chunked log-prob kernel
-    stays outside, since autocast would run its fp32 tiles' matmul in bf16."""
-    import lowmem_grpo.batch as batch
-
-    plain = batch.hidden_states
-
-    def hidden_states(model, *args, **kwargs):
-        with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16):
-            return plain(model, *args, **kwargs)
-
-    batch.hidden_states = hidden_states
-
-
-def update_pass(model, mb, device) -> None:
+def update_pass(model, mb, device, autocast: bool = False) -> None:
     from lowmem_grpo.batch import completion_logprobs
     from lowmem_grpo.loss import aggregate
 
-    logp = completion_logprobs(model, mb, 1.0, 1024, 8192)
+    logp = completion_logprobs(model, mb, 1.0, 1024, 8192, autocast=torch.bfloat16 if autocast else None)
     aggregate(logp, mb.weights.to(device)).backward()
 
 
@@ -115,7 +101,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--autocast", action="store_true", help="run the update pass under bf16 autocast (experiment)")
+    ap.add_argument("--autocast", action="store_true", help="the decoder under bf16 autocast (model.autocast)")
     args = ap.parse_args()
 
     from lowmem_grpo import tiny
@@ -129,8 +115,6 @@ def main() -> None:
     model, _ = load_policy(ModelConfig(name_or_path=str(folder), compute_dtype="bfloat16", load_in_4bit=True),
                            LoraConfig(r=16, alpha=32))
     model.train()
-    if args.autocast:
-        decoder_under_autocast()
     device = next(model.parameters()).device
     pad = tiny.build_tokenizer().pad_token_id
     for t in args.tokens:
@@ -142,12 +126,12 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-            update_pass(model, mb, device)
+            update_pass(model, mb, device, args.autocast)
             torch.cuda.synchronize()
             row["cuda_peak_above_weights_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
         model.zero_grad(set_to_none=True)
         with LiveTensors() as live:
-            update_pass(model, mb, device)
+            update_pass(model, mb, device, args.autocast)
         row["traced_peak_mib"] = round(live.peak / 2**20, 1)
         print(json.dumps(row), flush=True)
         count, size = Counter(), Counter()

@@ -425,3 +425,41 @@ def test_the_cuda_budget_is_what_the_process_can_reach_less_the_allocators_share
     assert note.startswith("budget: 5.40 GiB of this GPU's 24.00 GiB") and "less 10%" in note, note
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert mm.device_budget("cuda") is None
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
+    """The memory model's update cost per completion token (the train phase's slope between two lengths) against
+    scripts/trace_memory.py's tracer, which adds up the storages the trainer's update pass keeps alive: a 4-bit
+    bf16 model, one sequence, with and without the decoder under bf16 autocast (model.autocast; on CPU peft's
+    LoRA inputs become bf16 copies, which the model counts at 2 bytes). On CUDA the same comparison was made with
+    the allocator's peak (docs/benchmarks.md, "On a GPU")."""
+    import importlib.util
+    from pathlib import Path
+
+    from lowmem_grpo.batch import pack
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "trace_memory.py"
+    spec = importlib.util.spec_from_file_location("trace_memory", path)
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    trace.build(tmp_path, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=2048, layers=4, positions=4200)
+    model, tok = load_policy(ModelConfig(name_or_path=str(tmp_path), compute_dtype="bfloat16", load_in_4bit=True),
+                             LoraConfig(r=16, alpha=32))
+    model.train()
+    lengths, peaks = (2048, 4096), []
+    for t in lengths:
+        ids = torch.randint(4, len(tok), (t,), generator=torch.Generator().manual_seed(t)).tolist()
+        mb = pack([[5, 6, 7]], [ids], torch.ones(1), 1, "token_mean", t, tok.pad_token_id)[0]
+        model.zero_grad(set_to_none=True)
+        with trace.LiveTensors() as live:
+            trace.update_pass(model, mb, torch.device("cpu"), autocast)
+        peaks.append(live.peak)
+    traced = (peaks[1] - peaks[0]) / (lengths[1] - lengths[0])
+    shape = mm.ModelShape.from_config(model.config)
+    w = mm.Workload(micro_batch_size=1, prompt_tokens=3, bf16_autocast=autocast, device="cpu")
+    n_lora = mm.lora_params(shape, w)
+    train = [sum(mm.train_phase(shape, replace(w, completion_tokens=t), n_lora).values()) for t in lengths]
+    predicted = (train[1] - train[0]) / (lengths[1] - lengths[0])
+    print(f"per token: traced {traced / 1024:.1f} KiB, memory model {predicted / 1024:.1f} KiB")
+    assert abs(predicted - traced) <= 0.2 * traced, (predicted, traced)
