@@ -65,6 +65,9 @@ VARIANTS = {
     "dynamic_sampling": ["algorithm.dynamic_sampling=true"],
     "math_overlong": ["rewards.functions=[{function: math}, {function: overlong, kwargs: {buffer: 2}}]"],
     "math_repetition": ["rewards.functions=[{function: math}, {function: repetition, kwargs: {ngram: 1}}]"],
+    # docs/algorithm.md §24: bf16 compute with the decoder's training passes under autocast, and without it
+    "bf16_autocast": ["model.compute_dtype=bfloat16", "model.autocast=true"],
+    "bf16_plain": ["model.compute_dtype=bfloat16", "model.autocast=false"],
 }
 
 
