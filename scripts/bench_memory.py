@@ -439,9 +439,8 @@ def main() -> None:
           f"{'scripted for both trainers (update only)' if args.update_only else 'sampled'}")
     print(f"\n{'L':>5} | {'lowmem peak':>11} {'predicted':>10} {'err':>6} | {'TRL peak':>9} | {'peak ratio':>10} | "
           f"{'lowmem s/step':>13} {'TRL s/step':>10} {'time ratio':>10}")
-    steps = {}
+    steps, opts = {}, json.dumps({"scripted": args.update_only})
     for length in args.lengths:
-        opts = json.dumps({"scripted": args.update_only})
         ours = run_child(["lowmem", str(workdir), str(length), str(args.micro_batch), opts])
         trl = {"error": "skipped"} if args.skip_trl else run_child(["trl", str(workdir), str(length), opts])
         if trl.get("oom"):
