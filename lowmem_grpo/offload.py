@@ -3,8 +3,9 @@
 With gradient checkpointing, what a decoder keeps on the device from its forward to its backward is each
 layer's input, [tokens x hidden] per layer (docs/algorithm.md §22). torch.utils.checkpoint stores those
 inputs through autograd's saved-tensor mechanism, so a `saved_tensors_hooks` context around the policy's
-forward sees them: `pack` copies each one into pinned host memory on a side stream, and the device copy is
-freed as soon as the copy is done; `unpack` brings it back when backward reaches that layer. Activations
+forward sees them: `pack` copies each one into pinned host memory on a side stream, and the device tensor is
+dropped once a later pack has made the compute stream wait for that copy; `unpack` brings it back when
+backward reaches that layer. Activations
 inside a checkpointed layer never reach these hooks (checkpoint's own hooks take them first), and parameters
 are never copied: they live on the device anyway.
 
@@ -15,11 +16,13 @@ forcing it with `copy_host_tensors`).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 import torch
 
 MIN_OFFLOAD_BYTES = 1 << 20   # smaller saved tensors (masks, norms' statistics) are not worth a transfer
+MAX_IN_FLIGHT = 1  # device tensors held for their copy to host: the current layer input (docs/algorithm.md §22)
 
 
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -34,11 +37,17 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.min_bytes, self.copy_host_tensors = min_bytes, copy_host_tensors
         self.offloaded_bytes, self.offloaded_tensors = 0, 0
         self.stream: Optional[torch.cuda.Stream] = None
+        self.in_flight: deque = deque()   # (device tensor, the copy's CUDA event or None), oldest first
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> "ActivationOffload":
         super().__enter__()
         return self
+
+    def __exit__(self, *exc):
+        while self.in_flight:  # the forward is over: nothing it made stays on the device on our account
+            self._release_oldest()
+        return super().__exit__(*exc)
 
     def _wanted(self, t: torch.Tensor) -> bool:
         if t.device.type == "cpu" and not self.copy_host_tensors:
@@ -52,18 +61,36 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return t
         self.offloaded_bytes += t.numel() * t.element_size()
         self.offloaded_tensors += 1
-        if t.device.type != "cuda":
-            return t.device, t.detach().clone(memory_format=torch.contiguous_format)  # CPU: the same round trip
-        # The copy runs on a side stream once the forward's work on t is done; record_stream keeps t's block from
-        # being reused before the copy has read it, so the forward never waits for the transfer.
+        if t.device.type != "cuda":  # CPU (tests): the same round trip and bookkeeping, with nothing to wait for
+            self._hold_until_copied(t, None)
+            return t.device, t.detach().clone(memory_format=torch.contiguous_format)
+        # The copy runs on a side stream once the forward's work on t is done, so the forward does not wait for it.
         if self.stream is None:
             self.stream = torch.cuda.Stream(t.device)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)
+        self._hold_until_copied(t, self.stream.record_event())
         return t.device, host
+
+    def _hold_until_copied(self, t: torch.Tensor, copied: Optional["torch.cuda.Event"]) -> None:
+        """t's block must not be reused before the copy has read it. We hold t rather than `record_stream` it: a
+        block under record_stream is freed only when the allocator next finds the copy finished, and when the
+        copies are slower than the layers (small layers, PCIe-bound) that is many layers late, all of them counted
+        at the peak (the likely cause of the 24-layer test's shortfall, docs/benchmarks.md). Holding at most MAX_IN_FLIGHT, and making
+        the compute stream wait for the oldest copy before dropping it, bounds what the forward keeps whatever
+        the copies' speed; at worst the forward runs at the speed of the copies."""
+        self.in_flight.append((t, copied))
+        while len(self.in_flight) > MAX_IN_FLIGHT:
+            self._release_oldest()
+
+    def _release_oldest(self) -> None:
+        t, copied = self.in_flight.popleft()
+        if copied is not None:
+            # Work queued after this on the compute stream, including whatever the allocator gives t's block to
+            # next, runs after the copy: so t can be dropped now, and its memory counts as free at once.
+            torch.cuda.current_stream(t.device).wait_event(copied)
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):

@@ -4,6 +4,8 @@ and the memory model accounts for it. The CUDA side (peak VRAM lower, gradients 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from lowmem_grpo import tiny
 from lowmem_grpo.batch import completion_logprobs, pack
 from lowmem_grpo.loss import aggregate
 from lowmem_grpo.model import hidden_states
-from lowmem_grpo.offload import ActivationOffload
+from lowmem_grpo.offload import MAX_IN_FLIGHT, ActivationOffload
 from lowmem_grpo.recipe import RecipeError, recipe_from_dict
 
 
@@ -54,6 +56,47 @@ def test_offload_takes_each_layers_checkpointed_input_and_nothing_inside_a_layer
     assert off.offloaded_bytes == sum(torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in shapes)
     # the parameters (the embedding, the head) are never copied
     assert all(s != tuple(model.model.embed_tokens.weight.shape) for s, _ in shapes)
+
+
+def test_what_offload_holds_for_its_copies_adds_nothing_to_what_the_decoder_holds(tok):
+    """The copy path holds the tensors its copies read (offload.py: held, not record_stream'ed, so that slow
+    copies cannot pile up at the peak), at most MAX_IN_FLIGHT = 1: the current layer input, which the decoder
+    holds anyway. Counted against the same forward with nothing held: at every pack no more tensors are alive,
+    and none after the context exits; the host copies then carry the same backward."""
+    model = checkpointed_model(tok, layers=4)
+    for n, p in model.named_parameters():
+        p.requires_grad_("layers.0." in n and "up_proj" in n)
+    b, t = 2, 48
+    ids = torch.randint(0, len(tok), (b, t))
+
+    def forward(holds: bool):
+        refs, alive = [], []
+
+        class Spy(ActivationOffload):
+            def _pack(self, x):
+                out = super()._pack(x)
+                if out is not x:
+                    refs.append(weakref.ref(x))
+                    alive.append(sum(r() is not None for r in refs))
+                return out
+
+            def _hold_until_copied(self, x, copied):
+                if holds:
+                    super()._hold_until_copied(x, copied)
+
+        model.zero_grad(set_to_none=True)
+        with Spy(model, min_bytes=b * t * 8, copy_host_tensors=True):
+            h = hidden_states(model, ids)
+        after = sum(r() is not None for r in refs)
+        h.sum().backward()
+        return alive, after, model.model.layers[0].mlp.up_proj.weight.grad.clone()
+
+    held, held_after, g_held = forward(holds=True)
+    free, free_after, g_free = forward(holds=False)
+    assert len(held) == len(free) >= 4 + 1                  # the 4 layer inputs and the final norm's input
+    assert MAX_IN_FLIGHT == 1 and held == free, (held, free)  # a second one held would show here
+    assert held_after == free_after                         # drained on exit: the backward starts with nothing held
+    assert torch.equal(g_held, g_free) and g_held.abs().sum() > 0
 
 
 def _grads(model, tok, offload: bool, copy: bool, monkeypatch):
