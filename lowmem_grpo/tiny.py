@@ -124,19 +124,8 @@ def write_jsonl(rows: list[dict], path: Path) -> None:
 # --- supervised warm start ---------------------------------------------------------------------------
 
 def sft_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded prompt+answer+eos with labels only on the answer and eos."""
-    seqs, labels = [], []
-    for r in rows:
-        p = [tokenizer.bos_token_id] + tokenizer.encode(r["prompt"], add_special_tokens=False)
-        a = tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
-        seqs.append(p + a)
-        labels.append([-100] * len(p) + a)
-    width = max(len(s) for s in seqs)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
-    lab = torch.tensor([[-100] * (width - len(s)) + s for s in labels])
-    att = (torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None]).long()
-    return ids, att, lab
+    """Left-padded bos + prompt + answer + eos with labels only on the answer and eos."""
+    return segments_batch(tokenizer, [[(r["prompt"], False), (r["answer"], True)] for r in rows])
 
 
 @torch.no_grad()
