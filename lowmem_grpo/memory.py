@@ -257,6 +257,25 @@ def offloaded_host_bytes(s: ModelShape, w: Workload) -> int:
     return w.micro_batch_size * t * s.hidden_size * w.compute_bytes * (s.num_layers + 2) if offloaded(w) else 0
 
 
+HOST_HEADROOM = 0.2   # of the machine's available RAM, left to the trainer's own growth and everything else
+
+
+def host_memory_problem(s: ModelShape, w: Workload, available: int, processes: int = 1) -> Optional[str]:
+    """Why offload's pinned host memory (offloaded_host_bytes, per process) would not fit in `available` bytes
+    of this machine's RAM, or None. Pinned pages cannot be swapped, so past what is free the run ends by the
+    kernel's OOM killer (or a failed cudaHostAlloc) mid-step, not with an error: checked before step 1."""
+    need = offloaded_host_bytes(s, w) * processes
+    room = int(available * (1 - HOST_HEADROOM))
+    if need <= room:
+        return None
+    each = f" ({processes} processes x {fmt(need // processes)})" if processes > 1 else ""
+    return (f"train.offload_activations: the layer inputs of a micro-batch of {w.micro_batch_size} x "
+            f"{w.prompt_tokens + w.completion_tokens} tokens need {fmt(need)} of pinned CPU memory{each}, and this "
+            f"machine has {fmt(available)} available ({fmt(room)} once {HOST_HEADROOM:.0%} is left to the rest); "
+            f"pinned memory cannot be swapped out. Lower train.micro_batch_size or the completion length, free "
+            f"RAM, or set train.offload_activations: false.")
+
+
 def static_terms(s: ModelShape, w: Workload) -> dict[str, int]:
     """What lives for the whole run: runtime (CPU), base weights, LoRA parameters, optimizer state."""
     n_lora = lora_params(s, w)
@@ -350,7 +369,8 @@ def estimate(s: ModelShape, w: Workload, budget: Optional[int] = None) -> Estima
         est.notes.append("CUDA: this is torch's allocated peak; nvidia-smi shows ~0.5 GiB more (CUDA context)")
     if offloaded(w):
         est.notes.append(f"train.offload_activations: {fmt(offloaded_host_bytes(s, w))} of pinned CPU memory holds "
-                         f"the checkpointed layer inputs during the update")
+                         f"the checkpointed layer inputs during the update (preflight checks it against the RAM "
+                         f"available)")
     return est
 
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
 import torch
 
 from . import checkpoint as ckpt
@@ -46,7 +47,7 @@ from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
                    top_entropy_mask)
 from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, decode_waves, device_budget, estimate, fmt,
-                     peak_rss_mib, return_freed_memory_to_os, workload_from_recipe)
+                     host_memory_problem, peak_rss_mib, return_freed_memory_to_os, workload_from_recipe)
 from .metrics import PhaseTimer, summary_line
 from .model import eval_mode, load_policy, reference_mode, takes_shared_prompts, trainable_parameters
 from .progress import Progress
@@ -507,6 +508,9 @@ class Trainer:
         shape, workload = self.memory_model(len(longest))
         device = workload.device
         predicted = estimate(shape, workload, self.memory_budget).peak   # at the waves the run decodes in
+        host = host_memory_problem(shape, workload, psutil.virtual_memory().available, self.world.size)
+        if host is not None:  # before the forward pins it: past free RAM the OOM killer would end the run
+            raise TrainingError(f"preflight: {host}")
         cuda = [torch.cuda.current_device()] if device == "cuda" else []
         try:
             with torch.random.fork_rng(devices=cuda):

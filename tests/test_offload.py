@@ -212,3 +212,63 @@ def test_recipe_rejects_offload_with_the_unsloth_backend():
     with pytest.raises(RecipeError) as err:
         recipe_from_dict(d)
     assert "train.offload_activations" in str(err.value) and "model.backend: unsloth" in str(err.value)
+
+
+def test_offloads_pinned_host_memory_is_checked_against_the_machines_available_ram():
+    shape = mm.ModelShape(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                          head_dim=128, intermediate_size=14336, tie_word_embeddings=False)
+    w = mm.Workload(micro_batch_size=1, prompt_tokens=512, completion_tokens=20000, prompts_per_step=1,
+                    offload_activations=True)
+    need = mm.offloaded_host_bytes(shape, w)
+    assert need == 20512 * 4096 * 2 * 34                      # 5.3 GiB: 32 layer inputs + the final norm's
+    room = need / (1 - mm.HOST_HEADROOM)                       # the least available RAM that holds it
+    assert mm.host_memory_problem(shape, w, int(room) + 1) is None
+    problem = mm.host_memory_problem(shape, w, int(room) - 1)
+    assert problem is not None
+    for named in ("train.offload_activations", "train.micro_batch_size", mm.fmt(need), "1 x 20512 tokens"):
+        assert named in problem, (named, problem)
+    # torchrun's processes on one machine pin theirs side by side
+    two = mm.host_memory_problem(shape, w, int(room) + 1, processes=2)
+    assert two is not None and f"2 processes x {mm.fmt(need)}" in two
+    # nothing is pinned on a CPU, or without offload
+    assert mm.host_memory_problem(shape, mm.Workload(**{**w.__dict__, "device": "cpu"}), 0) is None
+    assert mm.host_memory_problem(shape, mm.Workload(**{**w.__dict__, "offload_activations": False}), 0) is None
+
+
+def test_preflight_stops_before_the_forward_when_offload_cannot_pin_its_inputs(tiny_model_dir, tiny_data, tmp_path,
+                                                                                monkeypatch):
+    """The trainer's wiring, with the CUDA side stubbed: the memory model's workload says cuda (as on a GPU) and
+    psutil says the machine has 1 KiB available, less than the tiny micro-batch would pin. Preflight raises
+    one TrainingError naming the field, before any forward pass would start pinning (with the RAM to hold it
+    the check passes: the test above)."""
+    from types import SimpleNamespace
+
+    from conftest import QUIET, recipe_dict
+
+    from lowmem_grpo.train import Trainer, TrainingError
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"offload_activations": True})
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    real = Trainer.memory_model
+
+    def as_on_cuda(self, prompt_tokens):
+        shape, workload = real(self, prompt_tokens)
+        return shape, mm.Workload(**{**workload.__dict__, "device": "cuda"})
+
+    monkeypatch.setattr(Trainer, "memory_model", as_on_cuda)
+    monkeypatch.setattr("lowmem_grpo.train.psutil.virtual_memory", lambda: SimpleNamespace(available=1024))
+    need = mm.offloaded_host_bytes(*as_on_cuda(trainer, len(trainer.train_set.longest_prompt())))
+    assert need > 1024, need
+
+    class ForwardStarted(Exception):
+        pass
+
+    def forward(self, *a, **k):
+        raise ForwardStarted
+
+    monkeypatch.setattr(Trainer, "logprobs", forward)
+    with pytest.raises(TrainingError) as err:
+        trainer.preflight()
+    text = str(err.value)
+    assert text.startswith("preflight: train.offload_activations") and "of pinned CPU memory" in text, text
+    trainer.close()
