@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .rollout.base import EVAL_BATCH  # prompts one greedy-eval generate call decodes
+from .rollout.base import EVAL_BATCH, largest_wave, wave_plan  # EVAL_BATCH: prompts a greedy-eval call decodes
 
 GiB, MiB = 2**30, 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -296,6 +296,7 @@ class Waves:
     eval: int          # of eval_seqs (held-out prompts, one greedy sequence each); 0 without held-out prompts
     rollout_seqs: int
     eval_seqs: int
+    rollout_calls: int = 1   # generate calls a rollout takes (rollout.base.wave_plan)
 
     def split(self, phase: str) -> bool:
         """Whether the budget makes this phase decode in smaller calls than it would without one (a rollout:
@@ -305,8 +306,11 @@ class Waves:
         return 0 < self.eval < min(EVAL_BATCH, self.eval_seqs)
 
     def describe(self, phase: str) -> str:
-        size, total = (self.rollout, self.rollout_seqs) if phase == "rollout" else (self.eval, self.eval_seqs)
-        return f"{total} seqs in {-(-total // size)} waves of {size}"
+        if phase == "rollout":
+            calls, size, total = self.rollout_calls, self.rollout, self.rollout_seqs
+        else:  # the trainer's eval batches: calls of `eval` prompts, the last one smaller
+            calls, size, total = -(-self.eval_seqs // self.eval), self.eval, self.eval_seqs
+        return f"{total} seqs in {calls} waves of {'at most ' if calls * size != total else ''}{size}"
 
     @property
     def max_batch_sequences(self) -> Optional[int]:
@@ -334,14 +338,17 @@ def fit_sequences(s: ModelShape, w: Workload, budget: int, most: int) -> int:
 
 
 def decode_waves(s: ModelShape, w: Workload, budget: int) -> Waves:
-    """The rollout's wave: the most of its prompts_per_step x G sequences that fit the budget beside the static
-    memory. Eval's: the most of min(EVAL_BATCH, eval_prompts) that also keep the eval phase no larger than the
-    rollout's wave or the train phase, so eval never sets the peak by its batch. At least 1 each (with
-    held-out prompts). Under vLLM the wave is max_num_seqs: the KV term is vLLM's own budget whatever it is."""
+    """The rollout's wave: its prompts_per_step x G sequences in the fewest generate calls that fit the budget
+    beside the static memory, made as even as they can be (rollout.base.wave_plan: the engine splits the same
+    way under this cap). Eval's: the most of min(EVAL_BATCH, eval_prompts) that also keep the eval phase no
+    larger than the rollout's wave or the train phase, so eval never sets the peak by its batch. At least 1
+    each (with held-out prompts). Under vLLM the wave is max_num_seqs: the KV term is vLLM's own budget."""
     rollout_seqs = w.prompts_per_step * w.num_generations
-    rollout = fit_sequences(s, w, budget, rollout_seqs)
+    fit = fit_sequences(s, w, budget, rollout_seqs)
+    rollout = largest_wave(w.prompts_per_step, w.num_generations, fit)
+    calls = len(wave_plan(w.prompts_per_step, w.num_generations, fit))
     if not w.eval_prompts:
-        return Waves(rollout, 0, rollout_seqs, 0)
+        return Waves(rollout, 0, rollout_seqs, 0, calls)
     static = sum(static_terms(s, w).values())
     cap = max(sum(decode_phase(s, w, rollout, "").values()), sum(train_phase(s, w, lora_params(s, w)).values()))
 
@@ -349,7 +356,7 @@ def decode_waves(s: ModelShape, w: Workload, budget: int) -> Waves:
         phase = sum(decode_phase(s, w, k, "").values())
         return static + phase <= budget and phase <= cap
 
-    return Waves(rollout, _largest(min(EVAL_BATCH, w.eval_prompts), ok), rollout_seqs, w.eval_prompts)
+    return Waves(rollout, _largest(min(EVAL_BATCH, w.eval_prompts), ok), rollout_seqs, w.eval_prompts, calls)
 
 
 def estimate(s: ModelShape, w: Workload, budget: Optional[int] = None) -> Estimate:

@@ -156,7 +156,7 @@ def test_eval_shows_progress_on_a_terminal(tiny_model_dir, tiny_data, tmp_path, 
 
 def test_eval_decodes_in_the_wave_its_budget_holds(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
     """`lowmem-grpo eval` with a memory budget that holds 3 sequences per generate call: no call decodes more
-    (greedy in waves of 3 prompts, each prompt's 4 samples in calls of 3 and 1), and the greedy records are
+    (greedy in waves of 3 prompts, each prompt's 4 samples in two calls of 2), and the greedy records are
     those of an eval whose budget holds every call."""
     from lowmem_grpo import memory as mm
     from lowmem_grpo.data import prompt_set
@@ -188,7 +188,7 @@ def test_eval_decodes_in_the_wave_its_budget_holds(tiny_model_dir, tiny_data, tm
                       list(sizes))
     (roomy, roomy_sizes), (tight, tight_sizes) = runs["roomy"], runs["tight"]
     assert roomy_sizes == [7, 28]                           # this machine's memory: one call each, as before
-    assert tight_sizes == [3, 3, 1] + [3, 1] * 7            # greedy waves of 3 prompts, then 4 samples a prompt
+    assert tight_sizes == [3, 3, 1] + [2, 2] * 7            # greedy waves of 3 prompts, then 4 samples a prompt
     greedy = [[r for r in rs if r["mode"] == "greedy"] for rs in (roomy, tight)]
     assert greedy[0] == greedy[1] and len(greedy[0]) == 7
     assert [(r["prompt_index"], r["sample"]) for r in tight if r["mode"] == "sample"] == \

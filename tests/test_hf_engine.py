@@ -10,7 +10,7 @@ import torch
 from lowmem_grpo.model import load_base_model, load_tokenizer
 from lowmem_grpo.recipe import ModelConfig
 from lowmem_grpo.rollout import make_engine
-from lowmem_grpo.rollout.base import EngineConfig, SamplingParams
+from lowmem_grpo.rollout.base import EngineConfig, SamplingParams, largest_wave, wave_plan
 from lowmem_grpo.rollout.hf import HFEngine
 
 PROMPTS = ["12+7=", "3+4=", "100+250=", "9+9=", "45+6="]   # different lengths: each wave pads differently
@@ -57,7 +57,8 @@ def test_greedy_waves_equal_one_call(model_tok, monkeypatch):
 
 @pytest.mark.parametrize("cap,expected_calls", [(4, [(1, 3)] * 5),                       # n <= cap: one prompt a call
                                                 (2, [(1, 2), (1, 1)] * 5),               # n > cap: samples split
-                                                (7, [(2, 3), (2, 3), (1, 3)])])          # two prompts a call
+                                                (7, [(2, 3), (2, 3), (1, 3)]),           # two prompts a call
+                                                (12, [(3, 3), (2, 3)])])                 # 3 + 2 prompts, not 4 + 1
 def test_sampled_waves_keep_count_order_and_prompt_index(model_tok, monkeypatch, cap, expected_calls):
     """top_k = 1 makes sampling deterministic through the sampling path (warpers, log-prob recorder): the waves'
     completions must then be one call's, grouped by prompt; at temperature 1 the count and grouping."""
@@ -109,3 +110,35 @@ def test_the_wave_is_vllms_max_num_seqs():
     assert (default.max_num_seqs, default.max_batch_sequences) == (64, None)   # max(4 x 8, EVAL_BATCH)
     waved = EngineConfig.from_recipe(recipe, 5)
     assert (waved.max_num_seqs, waved.max_batch_sequences) == (5, 5)
+
+
+def test_wave_plans_take_the_fewest_calls_made_even():
+    """rollout.base.wave_plan, which the engine follows and the memory model prices: every sample of every prompt
+    once, in order; no call over the cap; whole prompts when n <= cap; the fewest calls that allows; their sizes
+    differ by at most one prompt (or one sample). 8 samples under a cap of 7: 4 + 4, not 7 + 1."""
+    assert wave_plan(1, 8, 7) == [(0, 1, 4), (0, 1, 4)] and largest_wave(1, 8, 7) == 4
+    assert wave_plan(4, 8, 24) == [(0, 2, 8), (2, 2, 8)]        # 2 + 2 prompts, not 3 + 1
+    assert wave_plan(5, 3, None) == wave_plan(5, 3, 15) == [(0, 5, 3)]
+    checked = 0
+    for prompts in range(1, 9):
+        for n in range(1, 11):
+            for cap in range(1, prompts * n + 2):
+                plan = wave_plan(prompts, n, cap)
+                samples = [0] * prompts                               # each prompt's n samples, once
+                for first, count, each in plan:
+                    for p in range(first, first + count):
+                        samples[p] += each
+                assert samples == [n] * prompts, (prompts, n, cap, plan)
+                starts = [first for first, _, _ in plan]
+                assert starts == sorted(starts) and starts[0] == 0   # in prompt order
+                assert max(count * each for _, count, each in plan) <= cap or len(plan) == 1
+                if len(plan) > 1 and n <= cap:                        # whole prompts, the fewest calls, even
+                    assert all(each == n for _, _, each in plan)
+                    assert len(plan) == -(-prompts // (cap // n))
+                    assert max(c for _, c, _ in plan) - min(c for _, c, _ in plan) <= 1
+                elif len(plan) > 1:                                   # each prompt's samples split, even
+                    assert all(count == 1 for _, count, _ in plan)
+                    assert len(plan) == prompts * -(-n // cap)
+                    assert max(e for _, _, e in plan) - min(e for _, _, e in plan) <= 1
+                checked += 1
+    assert checked > 1000

@@ -264,7 +264,8 @@ def _phase(est, name) -> int:
 def test_waves_keep_the_peak_within_the_budget(engine):
     """For every shipped shape, completion length, G and budget where the static memory plus the train phase,
     and plus a one-sequence decode, each fit: the predicted peak with waves is within the budget, eval is no
-    larger than the rollout or the train phase, and each wave is the largest that fits (one more does not)."""
+    larger than the rollout or the train phase, the rollout takes the fewest calls that fit, made even, and eval's
+    wave is the largest that fits (one more does not)."""
     from transformers import AutoConfig
 
     assert len(SHIPPED_CONFIGS) >= 5
@@ -292,7 +293,11 @@ def test_waves_keep_the_peak_within_the_budget(engine):
                     assert est.peak_phase != "eval"
                     waves = est.waves
                     if waves.rollout < waves.rollout_seqs:
-                        assert static + decode(waves.rollout + 1) > budget
+                        fit = max(k for k in range(1, waves.rollout_seqs + 1) if static + decode(k) <= budget)
+                        # the fewest calls that fit (one more sequence a call would not), made even
+                        assert waves.rollout == mm.largest_wave(4, g, fit) <= fit
+                        fewest = -(-4 // (fit // g)) if g <= fit else 4 * -(-g // fit)   # whole prompts, or split
+                        assert waves.rollout_calls == len(mm.wave_plan(4, g, fit)) == fewest
                     if waves.eval < min(mm.EVAL_BATCH, 200):
                         more = decode(waves.eval + 1)
                         assert static + more > budget or more > max(decode(waves.rollout), train)
@@ -390,14 +395,15 @@ def test_the_trainer_decodes_in_the_waves_its_budget_holds(tmp_path, tiny_model_
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run2")
     t = train_mod.Trainer(recipe_from_dict(d), log=logs.append)
     try:
-        assert (t.waves.rollout, t.waves.eval) == (3, 3) and t.engine.max_batch_sequences == 3
+        # a prompt's 4 samples take 2 calls under a cap of 3: 2 + 2, not 3 + 1 (rollout.base.wave_plan)
+        assert (t.waves.rollout, t.waves.eval) == (2, 3) and t.engine.max_batch_sequences == 3
         assert [line for line in logs if "waves" in line] == [
             f"[lowmem-grpo] decoding in waves to fit {mm.fmt(t.memory_budget)} (memory model): "
-            "rollout 8 seqs in 3 waves of 3; eval 8 seqs in 3 waves of 3"]
+            "rollout 8 seqs in 4 waves of 2; eval 8 seqs in 3 waves of at most 3"]
         assert t.evaluate() == before and sizes == [3, 3, 2]
         sizes.clear()
         t.train_step()
-        assert sizes == [3, 1, 3, 1]   # each prompt's 4 samples in calls of 3 and 1
+        assert sizes == [2, 2, 2, 2]   # what the memory model's rollout wave says
         shape, w = t.memory_model(len(t.train_set.longest_prompt()))   # the preflight predicts at the waves
         assert t.preflight()["predicted_mib"] * mm.MiB == mm.estimate(shape, w, t.memory_budget).peak
     finally:

@@ -17,6 +17,34 @@ EVAL_BATCH = 64
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
+def wave_plan(num_prompts: int, n: int, cap: Optional[int]) -> list[tuple[int, int, int]]:
+    """How a request for n samples of each of num_prompts prompts is decoded in generate calls (waves) of at
+    most `cap` sequences: (first prompt, prompts, samples of each) per call, in order. Whole prompts when
+    n <= cap, else each prompt's samples over several calls. The fewest calls, made as even as they can be:
+    a wave's KV cache sets the phase's peak, and 8 samples in waves of 4 + 4 take as many calls as 7 + 1 at
+    less memory (docs/algorithm.md §23). No cap, or one that holds the request: the one call."""
+    if cap is None or num_prompts * n <= cap:
+        return [(0, num_prompts, n)]
+    if n <= cap:
+        plan, first = [], 0
+        for count in _even(num_prompts, -(-num_prompts // (cap // n))):
+            plan.append((first, count, n))
+            first += count
+        return plan
+    return [(i, 1, each) for i in range(num_prompts) for each in _even(n, -(-n // cap))]
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """total split into `parts` sizes that differ by at most 1, the larger first."""
+    q, r = divmod(total, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def largest_wave(num_prompts: int, n: int, cap: Optional[int]) -> int:
+    """The most sequences any call of wave_plan holds."""
+    return max(count * each for _, count, each in wave_plan(num_prompts, n, cap))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int

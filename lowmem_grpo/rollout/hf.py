@@ -26,7 +26,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..model import eval_mode
-from .base import Completion, SamplingParams
+from .base import Completion, SamplingParams, wave_plan
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -110,25 +110,18 @@ class HFEngine:
         self.max_batch_sequences = max_batch_sequences  # sequences per generate call (a wave); None: all at once
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One generate call when len(prompts) x n fits max_batch_sequences (or there is no cap); else waves of
-        whole prompts with their n samples (n <= cap), or of one prompt's samples (n > cap). Completions come
-        back in the order and with the prompt_index one call gives; sampling draws differ from one call's."""
-        n, cap = params.n, self.max_batch_sequences
-        if cap is None or len(prompts) * n <= cap:
+        """One generate call when len(prompts) x n fits max_batch_sequences (or there is no cap); else the calls
+        of base.wave_plan: whole prompts with their n samples (n <= cap), or one prompt's samples over several
+        calls (n > cap), as even as they can be. Completions come back in the order and with the prompt_index
+        one call gives; sampling draws differ from one call's."""
+        plan = wave_plan(len(prompts), params.n, self.max_batch_sequences)
+        if len(plan) == 1:
             return self._generate(prompts, params)
         out = []
-        if n <= cap:
-            per = cap // n
-            for start in range(0, len(prompts), per):
-                for c in self._generate(prompts[start: start + per], params):
-                    c.prompt_index += start
-                    out.append(c)
-            return out
-        for i, prompt in enumerate(prompts):
-            for done in range(0, n, cap):
-                for c in self._generate([prompt], replace(params, n=min(cap, n - done))):
-                    c.prompt_index = i
-                    out.append(c)
+        for first, count, each in plan:
+            for c in self._generate(prompts[first: first + count], replace(params, n=each)):
+                c.prompt_index += first
+                out.append(c)
         return out
 
     @torch.no_grad()
