@@ -3,7 +3,8 @@ them); scripts/gpu_check.py runs them on a GPU machine and docs/benchmarks.md ho
 
 Each mirrors a CPU test where one exists: NF4 + LoRA backward against the dequantized twin (tests/test_model.py),
 the chunked log-prob kernel against log_softmax + gather (tests/test_logprobs.py), activation offload
-(tests/test_offload.py), preflight's advice (tests/test_memory.py) and the quickstart learning."""
+(tests/test_offload.py), preflight's advice and rollout waves on a small card (tests/test_memory.py) and the
+quickstart learning."""
 
 from __future__ import annotations
 
@@ -221,6 +222,70 @@ def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice
         assert "preflight" in text and "ran out of memory" in text
         assert f"of {mm.fmt(budget)}" in text            # the simulated card
         assert "train.micro_batch_size" in text           # the advice names what to change
+        trainer.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rollout waves on a simulated small card
+# ------------------------------------------------------------------------------------------------------
+
+@needs_bnb
+def test_rollout_waves_fit_a_simulated_small_card(tmp_path, monkeypatch):
+    """A 1.25 GiB card (torch.cuda.set_per_process_memory_fraction): one call of a step's 8 sequences of 2,000
+    tokens would need about 1.3 GiB by the memory model (320 MiB static + a 1 GiB KV cache), 4 about 0.8. The
+    trainer decodes
+    in two even waves of 4 (memory.decode_waves, rollout.base.wave_plan), and torch's allocated peak over the
+    rollout stays within the budget it sized them for. Not run on a GPU yet (docs/benchmarks.md)."""
+    from lowmem_grpo import memory as mm
+    from lowmem_grpo import tiny
+    from lowmem_grpo.metrics import PhaseTimer
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.rollout.hf import HFEngine
+    from lowmem_grpo.train import Trainer
+
+    tok = tiny.build_tokenizer()
+    # wide KV (32 KV heads x 128 x 4 layers: 64 KiB a token a sequence), little else
+    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=32,
+                                                     intermediate_size=1024, max_position_embeddings=2100,
+                                                     vocab_size=8192), seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    tiny.write_jsonl([{"prompt": "1+2=", "answer": "3"}] * 4, tmp_path / "train.jsonl")
+    card = int(1.25 * mm.GiB)
+    torch.cuda.set_per_process_memory_fraction(card / torch.cuda.get_device_properties(0).total_memory)
+    sizes, real = [], HFEngine._generate
+
+    def recording(self, prompts, params):
+        sizes.append(len(prompts) * params.n)
+        return real(self, prompts, params)
+
+    try:
+        recipe = recipe_from_dict({
+            "model": {"name_or_path": str(tmp_path / "model"), "compute_dtype": "bfloat16"},
+            "data": {"train_path": str(tmp_path / "train.jsonl")},
+            "rewards": {"functions": [{"function": "exact"}]},
+            "generation": {"num_generations": 8, "max_new_tokens": 2000},
+            "train": {"steps": 1, "prompts_per_step": 1, "micro_batch_size": 1},
+            "output": {"dir": str(tmp_path / "run")},
+        })
+        trainer = Trainer(recipe, log=lambda *a: None)
+        assert (trainer.waves.rollout, trainer.waves.rollout_calls) == (4, 2), trainer.waves
+        shape, w = trainer.memory_model(len(trainer.train_set.longest_prompt()))
+        predicted = mm.estimate(shape, w, trainer.memory_budget)
+        rollout_peak = sum(predicted.static.values()) + sum(predicted.phases["rollout"].values())
+        monkeypatch.setattr(HFEngine, "_generate", recording)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.rollout(trainer.select_prompts(), PhaseTimer())
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        print(f"rollout in waves {sizes}: peak {mm.fmt(peak)}, memory model {mm.fmt(rollout_peak)}, "
+              f"budget {mm.fmt(trainer.memory_budget)} of the {mm.fmt(card)} card")
+        assert sizes == [4, 4]
+        assert peak <= trainer.memory_budget
         trainer.close()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
