@@ -177,6 +177,26 @@ def test_activation_offload_lowers_peak_vram_and_keeps_gradients_equal(layers, r
 # Preflight on a simulated small card
 # ------------------------------------------------------------------------------------------------------
 
+def _small_card_recipe(tmp_path, spec, num_generations: int, max_new_tokens: int, micro_batch_size: int):
+    """A tiny model of `spec` and a one-prompt recipe on it, saved under tmp_path, for the simulated-card tests."""
+    from lowmem_grpo import tiny
+    from lowmem_grpo.recipe import recipe_from_dict
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, spec, seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    tiny.write_jsonl([{"prompt": "1+2=", "answer": "3"}] * 4, tmp_path / "train.jsonl")
+    return recipe_from_dict({
+        "model": {"name_or_path": str(tmp_path / "model"), "compute_dtype": "bfloat16"},
+        "data": {"train_path": str(tmp_path / "train.jsonl")},
+        "rewards": {"functions": [{"function": "exact"}]},
+        "generation": {"num_generations": num_generations, "max_new_tokens": max_new_tokens},
+        "train": {"steps": 1, "prompts_per_step": 1, "micro_batch_size": micro_batch_size},
+        "output": {"dir": str(tmp_path / "run")},
+    })
+
+
 @needs_bnb
 def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice(tmp_path):
     """torch.cuda.set_per_process_memory_fraction makes the card look small; a recipe whose micro-batch cannot fit
@@ -184,30 +204,18 @@ def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice
     simulated card's, not the real one's."""
     from lowmem_grpo import memory as mm
     from lowmem_grpo import tiny
-    from lowmem_grpo.recipe import recipe_from_dict
     from lowmem_grpo.train import Trainer, TrainingError
 
-    tok = tiny.build_tokenizer()
-    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
-                                                     intermediate_size=1024, max_position_embeddings=16400,
-                                                     vocab_size=32768), seed=0)
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    tiny.write_jsonl([{"prompt": "1+2=", "answer": "3"}] * 4, tmp_path / "train.jsonl")
+    recipe = _small_card_recipe(tmp_path, tiny.TinyModelSpec(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                                                              intermediate_size=1024, max_position_embeddings=16400,
+                                                              vocab_size=32768),
+                                num_generations=16, max_new_tokens=16000, micro_batch_size=16)
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = (2 * mm.GiB) / total
     torch.cuda.set_per_process_memory_fraction(fraction)
     try:
         budget = 2 * mm.GiB * (1 - mm.ALLOCATOR_SLACK)  # the simulated card, less the allocator's share
         assert abs(mm.device_budget("cuda") - budget) < mm.MiB  # the budget the advice is sized for
-        recipe = recipe_from_dict({
-            "model": {"name_or_path": str(tmp_path / "model"), "compute_dtype": "bfloat16"},
-            "data": {"train_path": str(tmp_path / "train.jsonl")},
-            "rewards": {"functions": [{"function": "exact"}]},
-            "generation": {"num_generations": 16, "max_new_tokens": 16000},
-            "train": {"steps": 1, "prompts_per_step": 1, "micro_batch_size": 16},
-            "output": {"dir": str(tmp_path / "run")},
-        })
         trainer = Trainer(recipe, log=lambda *a: None)
         predicted, _, _ = mm.estimate_recipe(recipe, "cuda")
         # Not only the memory model's whole figure: the terms no implementation avoids, the checkpointed layer
@@ -236,24 +244,19 @@ def test_preflight_on_a_simulated_small_card_fails_with_the_memory_models_advice
 def test_rollout_waves_fit_a_simulated_small_card(tmp_path, monkeypatch):
     """A 1.25 GiB card (torch.cuda.set_per_process_memory_fraction): one call of a step's 8 sequences of 2,000
     tokens would need about 1.3 GiB by the memory model (320 MiB static + a 1 GiB KV cache), 4 about 0.8. The
-    trainer decodes
-    in two even waves of 4 (memory.decode_waves, rollout.base.wave_plan), and torch's allocated peak over the
+    trainer decodes in two even waves of 4 (memory.decode_waves, rollout.base.wave_plan), and torch's allocated peak over the
     rollout stays within the budget it sized them for. Not run on a GPU yet (docs/benchmarks.md)."""
     from lowmem_grpo import memory as mm
     from lowmem_grpo import tiny
     from lowmem_grpo.metrics import PhaseTimer
-    from lowmem_grpo.recipe import recipe_from_dict
     from lowmem_grpo.rollout.hf import HFEngine
     from lowmem_grpo.train import Trainer
 
-    tok = tiny.build_tokenizer()
     # wide KV (32 KV heads x 128 x 4 layers: 64 KiB a token a sequence), little else
-    model = tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=32,
-                                                     intermediate_size=1024, max_position_embeddings=2100,
-                                                     vocab_size=8192), seed=0)
-    model.save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    tiny.write_jsonl([{"prompt": "1+2=", "answer": "3"}] * 4, tmp_path / "train.jsonl")
+    recipe = _small_card_recipe(tmp_path, tiny.TinyModelSpec(hidden_size=4096, num_layers=4, num_heads=32,
+                                                              num_kv_heads=32, intermediate_size=1024,
+                                                              max_position_embeddings=2100, vocab_size=8192),
+                                num_generations=8, max_new_tokens=2000, micro_batch_size=1)
     card = int(1.25 * mm.GiB)
     torch.cuda.set_per_process_memory_fraction(card / torch.cuda.get_device_properties(0).total_memory)
     sizes, real = [], HFEngine._generate
@@ -263,14 +266,6 @@ def test_rollout_waves_fit_a_simulated_small_card(tmp_path, monkeypatch):
         return real(self, prompts, params)
 
     try:
-        recipe = recipe_from_dict({
-            "model": {"name_or_path": str(tmp_path / "model"), "compute_dtype": "bfloat16"},
-            "data": {"train_path": str(tmp_path / "train.jsonl")},
-            "rewards": {"functions": [{"function": "exact"}]},
-            "generation": {"num_generations": 8, "max_new_tokens": 2000},
-            "train": {"steps": 1, "prompts_per_step": 1, "micro_batch_size": 1},
-            "output": {"dir": str(tmp_path / "run")},
-        })
         trainer = Trainer(recipe, log=lambda *a: None)
         assert (trainer.waves.rollout, trainer.waves.rollout_calls) == (4, 2), trainer.waves
         shape, w = trainer.memory_model(len(trainer.train_set.longest_prompt()))
