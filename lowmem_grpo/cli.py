@@ -135,8 +135,9 @@ def export(run_dir, out_dir, dtype, adapter_only, step):
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--memory", "memory", default=None, metavar="SIZE",
-              help="Memory to fit in, e.g. 8GiB or 12GB (default: what this process can reach of this machine's GPU, "
-                   "less 10% for the allocator, or its RAM with --device cpu).")
+              help="The GPU's memory, e.g. 8GiB or 12GB: the budget is what the trainer takes on such a card (less "
+                   "its CUDA context and 10% for the allocator); with --device cpu, the RAM to fit in. Default: what "
+                   "this process can reach of this machine's GPU, less 10%, or its RAM with --device cpu.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
               help="Where the run will train: cuda predicts torch's allocated peak, cpu the process RSS.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
@@ -149,7 +150,11 @@ def estimate(recipe, memory, device, nproc, overrides):
 
     def go():
         r = load_recipe(recipe, list(overrides))
-        budget = mm.parse_size(memory) if memory else mm.device_budget(device)
+        size = mm.parse_size(memory) if memory else None
+        if size is None:
+            budget = mm.device_budget(device)
+        else:
+            budget = mm.card_budget(size) if device == "cuda" else size
         est, shape, workload = mm.estimate_recipe(r, device, processes=nproc, budget=budget)  # waves fit the budget
         click.echo(f"{recipe}: {r.model.name_or_path} (vocab {shape.vocab_size:,}, hidden {shape.hidden_size}, "
                    f"{shape.num_layers} layers), {device}" + (f", per process of {nproc}" if nproc > 1 else ""))
@@ -157,8 +162,10 @@ def estimate(recipe, memory, device, nproc, overrides):
         if budget is None:
             click.echo("no budget: pass --memory SIZE (no GPU on this machine)")
             return
-        if not memory:
+        if size is None:
             click.echo(mm.budget_note(device, budget))
+        elif device == "cuda":
+            click.echo(mm.card_note(size))
         advice = mm.advise(shape, workload, budget)
         click.echo("\n".join(advice.lines))
         if not advice.fits:

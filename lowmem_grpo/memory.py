@@ -373,7 +373,7 @@ def estimate(s: ModelShape, w: Workload, budget: Optional[int] = None) -> Estima
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     est = Estimate(static, phases, peak_phase, sum(static.values()) + sum(phases[peak_phase].values()), waves=waves)
     if w.device == "cuda":
-        est.notes.append("CUDA: this is torch's allocated peak; nvidia-smi shows ~0.5 GiB more (CUDA context)")
+        est.notes.append(f"CUDA: this is torch's allocated peak; nvidia-smi shows ~{fmt(CUDA_CONTEXT)} more (CUDA context)")
     if offloaded(w):
         est.notes.append(f"train.offload_activations: {fmt(offloaded_host_bytes(s, w))} of pinned CPU memory holds "
                          f"the checkpointed layer inputs during the update (preflight checks it against the RAM "
@@ -496,6 +496,19 @@ def _length_field(w: Workload) -> str:
 # the caching allocator rounds blocks and fragments, and that is outside the model (vLLM keeps 10% back by default
 # for the same reason, gpu_memory_utilization 0.9).
 ALLOCATOR_SLACK = 0.10
+CUDA_CONTEXT = GiB // 2   # what nvidia-smi shows beyond torch's allocated memory: the CUDA context, its kernels
+
+
+def card_budget(card: int) -> int:
+    """device_budget on an idle card of `card` bytes: the CUDA context out, then ALLOCATOR_SLACK."""
+    return int(max(0, card - CUDA_CONTEXT) * (1 - ALLOCATOR_SLACK))
+
+
+def card_note(card: int) -> str:
+    """For `lowmem-grpo estimate --memory SIZE` on CUDA: where the budget for a card of SIZE comes from."""
+    return (f"budget: {fmt(card_budget(card))} of a {fmt(card)} card, as the trainer takes it on an idle one: its "
+            f"CUDA context (~{fmt(CUDA_CONTEXT)}) and {ALLOCATOR_SLACK:.0%} for the allocator left out (a desktop "
+            f"on the card takes more)")
 
 
 def device_budget(device: str) -> Optional[int]:

@@ -60,7 +60,8 @@ def test_estimate_answers_offline_from_the_shipped_config(name, no_network):
             f"(lowmem_grpo/model_configs; nothing downloaded)") in result.output
     # the breakdown is the one from the config folder itself (as model.name_or_path) at the recipe's prompt cap
     r = load_recipe(path, [f"model.name_or_path={hub.MODEL_CONFIGS / model_id}"])
-    ref, _, _ = mm.estimate_recipe(r, "cuda", prompt_tokens=r.data.max_prompt_tokens, budget=mm.parse_size(f"{tier}GB"))
+    ref, _, _ = mm.estimate_recipe(r, "cuda", prompt_tokens=r.data.max_prompt_tokens,
+                                   budget=mm.card_budget(mm.parse_size(f"{tier}GB")))
     breakdown = "\n".join(line for line in ref.lines() if not line.lstrip().startswith("note:"))
     assert breakdown in result.output
     assert f"predicted peak {mm.fmt(ref.peak)}" in " ".join(result.output.split())

@@ -173,7 +173,14 @@ def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
     assert res.exit_code == 2 and "8GiB" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(main, ["estimate", str(path), "--device", "cpu"])   # no --memory: says what it took
     assert res.exit_code == 0 and "this machine's RAM" in res.output, res.output
-    assert "budget:" not in CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB"]).output
+    # --memory is a card's size: the budget is what the trainer takes on such a card, less its CUDA context and
+    # the allocator's share (the same rule as device_budget on a real one); with --device cpu, the RAM as given
+    card = CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB"]).output
+    assert mm.card_budget(8 * mm.GiB) == int((8 * mm.GiB - mm.CUDA_CONTEXT) * (1 - mm.ALLOCATOR_SLACK))
+    assert f"budget: {mm.fmt(mm.card_budget(8 * mm.GiB))} of a 8.00 GiB card" in card
+    assert f"of {mm.fmt(mm.card_budget(8 * mm.GiB))} (" in card and "of 8.00 GiB (" not in card
+    ram = CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB", "--device", "cpu"]).output
+    assert "budget:" not in ram and "of 8.00 GiB (" in ram, ram
 
 
 def _trainer(tmp_path, tiny_model_dir, tiny_data, **train):
