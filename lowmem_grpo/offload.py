@@ -5,9 +5,8 @@ layer's input, [tokens x hidden] per layer (docs/algorithm.md §22). torch.utils
 inputs through autograd's saved-tensor mechanism, so a `saved_tensors_hooks` context around the policy's
 forward sees them: `pack` copies each one into pinned host memory on a side stream, and the device tensor is
 dropped once a later pack has made the compute stream wait for that copy; `unpack` brings it back when
-backward reaches that layer. Activations
-inside a checkpointed layer never reach these hooks (checkpoint's own hooks take them first), and parameters
-are never copied: they live on the device anyway.
+backward reaches that layer. Activations inside a checkpointed layer never reach these hooks (checkpoint's
+own hooks take them first), and parameters are never copied: they live on the device anyway.
 
 On a CPU every tensor is already in host memory: the hooks pass it through untouched, so a CPU run is the
 same run with or without offload (tests/test_offload.py checks gradients equal, and checks the copy path by
@@ -77,10 +76,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _hold_until_copied(self, t: torch.Tensor, copied: Optional["torch.cuda.Event"]) -> None:
         """t's block must not be reused before the copy has read it. We hold t rather than `record_stream` it: a
         block under record_stream is freed only when the allocator next finds the copy finished, and when the
-        copies are slower than the layers (small layers, PCIe-bound) that is many layers late, all of them counted
-        at the peak (the likely cause of the 24-layer test's shortfall, docs/benchmarks.md). Holding at most MAX_IN_FLIGHT, and making
-        the compute stream wait for the oldest copy before dropping it, bounds what the forward keeps whatever
-        the copies' speed; at worst the forward runs at the speed of the copies."""
+        copies are slower than the layers (small layers, PCIe-bound) that is many layers late, all of them
+        counted at the peak (the likely cause of the 24-layer test's shortfall, docs/benchmarks.md). Holding at
+        most MAX_IN_FLIGHT, and making the compute stream wait for the oldest copy before dropping it, bounds
+        what the forward keeps whatever the copies' speed; at worst the forward runs at the copies' speed."""
         self.in_flight.append((t, copied))
         while len(self.in_flight) > MAX_IN_FLIGHT:
             self._release_oldest()
