@@ -3,6 +3,8 @@
     python scripts/trace_memory.py --tokens 8192 16384                      # Llama-3.1-8B's width, 2 layers
     python scripts/trace_memory.py --tokens 1024 --hidden 1024 --intermediate 3584 --vocab 32000   # CPU-sized
     python scripts/trace_memory.py --tokens 8192 --autocast                 # as the trainer runs by default
+    python scripts/trace_memory.py --tokens 2048 4096 --hidden 256 --intermediate 512 --heads 4 --kv-heads 2 \
+        --vocab 2048 --layers 4 --autocast --peft-as-on-cuda               # on CPU, peft's LoRA inputs as on CUDA
 
 Builds a small model of a real model's width (random weights, bf16, 4-bit NF4 + LoRA r=16 as the trainer loads
 it), then runs the trainer's update path on one sequence of T tokens: completion_logprobs, the loss, backward.
@@ -13,7 +15,10 @@ memory model's fp32-copies term was found (docs/benchmarks.md, "On a GPU"). The 
 two lengths is the per-token cost of the layers' recomputation; --autocast runs the decoder under bf16
 autocast, as the trainer does with model.autocast (its default in bf16), and without it as model.autocast: false.
 
-GPU figures need a CUDA machine (not run in CI); on a CPU it traces the CPU path.
+GPU figures need a CUDA machine (not run in CI); on a CPU it traces the CPU path. --peft-as-on-cuda (CPU, with
+--autocast): peft casts each LoRA input to the adapters' fp32 unless `torch.is_autocast_enabled()`, which asks
+about CUDA's autocast only, so on CPU it casts (and autocast casts back: a bf16 copy per LoRA module) where on
+CUDA it does not; this makes that check answer for CPU's autocast, to trace on CPU what CUDA keeps.
 """
 
 from __future__ import annotations
@@ -102,7 +107,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--autocast", action="store_true", help="the decoder under bf16 autocast (model.autocast)")
+    ap.add_argument("--peft-as-on-cuda", action="store_true",
+                    help="CPU: torch.is_autocast_enabled() answers for CPU autocast, so peft skips its cast as on CUDA")
     args = ap.parse_args()
+    if args.peft_as_on_cuda:
+        cuda_check = torch.is_autocast_enabled   # no argument: CUDA's autocast (torch 2.13)
+        torch.is_autocast_enabled = lambda *device: cuda_check(*device) if device else cuda_check("cpu")
 
     from lowmem_grpo import tiny
     from lowmem_grpo.batch import pack
@@ -120,7 +130,7 @@ def main() -> None:
     for t in args.tokens:
         ids = torch.randint(4, 20, (t,)).tolist()
         mb = pack([[5, 6, 7]], [ids], torch.ones(1), 1, "token_mean", t, pad)[0]
-        row = {"tokens": t, "autocast": args.autocast, "device": device.type}
+        row = {"tokens": t, "autocast": args.autocast, "peft_as_on_cuda": args.peft_as_on_cuda, "device": device.type}
         if device.type == "cuda":
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
