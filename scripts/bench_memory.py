@@ -181,9 +181,10 @@ class ExactLengthEngine:
         pass
 
 
-def phase_peaks(trainer, peaks: dict) -> None:
+def phase_peaks(trainer, peaks: dict, reserved: dict) -> None:
     """CUDA: record torch's allocated peak of each phase of a step (rollout, the no-grad passes, the update)
-    into `peaks` (MiB, the largest over steps), by wrapping the trainer's phase methods."""
+    into `peaks`, and the caching allocator's reserved peak into `reserved` (MiB, the largest over steps), by
+    wrapping the trainer's phase methods. Reserved over allocated is what memory.ALLOCATOR_SLACK allows for."""
     import torch
 
     def wrap(name, fn):
@@ -193,6 +194,7 @@ def phase_peaks(trainer, peaks: dict) -> None:
             out = fn(*a, **kw)
             torch.cuda.synchronize()
             peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
+            reserved[name] = max(reserved.get(name, 0.0), torch.cuda.max_memory_reserved() / 2**20)
             return out
         return measured
 
@@ -240,8 +242,9 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int, opts: dict) -> di
     if opts.get("scripted"):
         trainer.engine = ExactLengthEngine(trainer.model.config.vocab_size, set(trainer.tokenizer.all_special_ids))
     peaks: dict = {}
+    reserved: dict = {}
     if DEVICE == "cuda":
-        phase_peaks(trainer, peaks)
+        phase_peaks(trainer, peaks, reserved)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -255,7 +258,7 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int, opts: dict) -> di
     return {"peak_mib": max([peak_mib(), loaded, *peaks.values()]), "loaded_mib": loaded, "resident_mib": resident,
             "prompt_tokens": prompt_tokens,
             "step_s": times[-1], "predicted_mib": est.peak / 2**20, "predicted_phase": est.peak_phase,
-            "phase_peak_mib": peaks,
+            "phase_peak_mib": peaks, **({"reserved_peak_mib": max(reserved.values())} if reserved else {}),
             "predicted_phase_mib": {p: (static + sum(parts.values())) / 2**20 for p, parts in est.phases.items()},
             "rollout_tokens_per_s": row.get("time/rollout_tokens_per_s"), "rollout_s": row.get("time/rollout_s"),
             "estimate": est.lines()}

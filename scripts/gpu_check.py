@@ -15,7 +15,9 @@ G completions of exactly L tokens (EOS suppressed), beta 0.04 (the reference pas
 first warms up, the second is timed. Peaks are torch.cuda.max_memory_allocated (the CUDA context, ~0.5 GiB in
 nvidia-smi, is not counted, as in the memory model) and the memory model's prediction is printed beside each
 with its error. TRL's GRPOTrainer runs the same model and step where the row says so. "HF tok/s" is the
-transformers engine's sampled tokens per second in the timed step.
+transformers engine's sampled tokens per second in the timed step. "resv/alloc" is the caching allocator's reserved
+peak over the allocated one: what the card must hold beyond the memory model's figure, which the trainer's budget
+allows for with memory.ALLOCATOR_SLACK.
 
 Update-only rows (`update only` in the plan, `scripted` in the table) skip sampling in both trainers:
 completions of exactly L random tokens come from a scripted engine (20K tokens x 8 through transformers generate
@@ -36,12 +38,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "scripts" / "bench_memory.py"
 sys.path[:0] = [str(ROOT), str(BENCH.parent)]   # lowmem_grpo, and bench_memory's recipe for --from-results
 
 from lowmem_grpo.hub import MODEL_CONFIGS  # noqa: E402  (the shipped config.json files, named like hub ids)
+from lowmem_grpo.memory import ALLOCATOR_SLACK  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -147,13 +151,21 @@ def predictions(row: Row, prompt_tokens: int) -> dict:
             "predicted_phase_mib": {p: (static + sum(parts.values())) / 2**20 for p, parts in est.phases.items()}}
 
 
+def reserved_over_allocated(ours: dict) -> Optional[float]:
+    """The run's reserved peak (torch.cuda.max_memory_reserved) over its allocated peak: the share of the card the
+    allocator's rounding and fragmentation took beyond what the memory model counts. None where not recorded
+    (rows measured before it was)."""
+    return ours["reserved_peak_mib"] / ours["peak_mib"] if ours.get("reserved_peak_mib") else None
+
+
 def gib(mib: float) -> str:
     return f"{mib / 1024:.2f}"
 
 
 def table(results: list[dict]) -> list[str]:
     head = (f"{'row':<20} {'G':>2} {'L':>6} {'mb':>2} {'offl':>4} {'ac':>3} {'compl':>8} | {'ours GiB':>8} {'pred GiB':>8} "
-            f"{'err':>6} | {'TRL GiB':>7} {'ours/TRL':>8} | {'ours s/step':>11} {'TRL s/step':>10} | {'HF tok/s':>8}")
+            f"{'err':>6} | {'TRL GiB':>7} {'ours/TRL':>8} | {'ours s/step':>11} {'TRL s/step':>10} | {'HF tok/s':>8} | "
+            f"{'resv/alloc':>10}")
     out = [head, "-" * len(head)]
     for res in results:
         r, ours, trl = recorded_row(res), res["ours"], res.get("trl") or {"error": "not run"}
@@ -175,7 +187,11 @@ def table(results: list[dict]) -> list[str]:
                      f"{ours['step_s']:>11.2f} {trl['step_s']:>10.2f} | ")
         tps = ours.get("rollout_tokens_per_s")
         line += f"{tps:>8.0f}" if tps and not r.update_only else f"{'-':>8}"
+        ratio = reserved_over_allocated(ours)
+        line += f" | {ratio:>9.2f}x" if ratio else f" | {'-':>10}"
         out.append(line)
+    out.append(f"resv/alloc: the caching allocator's reserved peak over torch's allocated peak; the trainer's budget "
+               f"allows up to {1 / (1 - ALLOCATOR_SLACK):.2f}x (memory.ALLOCATOR_SLACK); '-': not recorded.")
     if any(recorded_row(res).update_only for res in results):
         out.append("compl scripted: no sampling; both trainers are handed the same G x L random tokens (TRL through "
                    "rollout_func): the reference pass + update. OOM: TRL ran out of CUDA memory.")
