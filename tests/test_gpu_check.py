@@ -126,19 +126,40 @@ def _name(req: str) -> str:
     return re.split(r"[<>=!~;\[ ]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
 
 
-def test_the_wheel_list_names_every_dependency_once():
+def test_the_wheel_list_names_every_dependency_once(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_wheels
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["bench"]} | {"pytest"}
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
-    table = text.split("<!-- gpu-wheels:begin -->")[1].split("<!-- gpu-wheels:end -->")[0]
-    rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[2:]]
-    listed = [_name(cells[0]) for cells in rows]
+    rows = gpu_wheels.table_rows((ROOT / "docs" / "benchmarks.md").read_text())
+    listed = [_name(name) for name, _, _ in rows]
     assert sorted(listed) == sorted(deps), set(listed) ^ deps
-    for cells in rows:  # each is either on the machine or carried, not both, not neither
-        on_machine, carried = cells[1].strip(), cells[2].strip()
-        assert bool(on_machine) != bool(carried), cells
+    for name, on_machine, carried in rows:  # each is either on the machine or carried, not both, not neither
+        assert bool(on_machine) != bool(carried), (name, on_machine, carried)
         if carried:
-            assert re.search(rf"\b{re.escape(cells[0].strip())} \d", carried), cells  # the wheel itself, pinned
+            assert re.search(rf"\b{re.escape(name)} \d", carried), (name, carried)  # the wheel itself, pinned
+
+
+def test_the_wheels_fetched_are_the_tables_pinned_ones_for_the_gpu_machines_python(monkeypatch):
+    """scripts/gpu_wheels.py downloads what the table carries, each pinned once, for CPython 3.12 on x86_64
+    (the lent machines), whatever runs it; --list shows that command and downloads nothing."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_wheels
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    wheels = gpu_wheels.pinned_wheels(text)
+    names = [_name(w.split("==")[0]) for w in wheels]
+    assert len(names) == len(set(names)) and all(re.fullmatch(r"[\w.-]+==\d[\w.]*", w) for w in wheels), wheels
+    carried = {_name(name) for name, _, c in gpu_wheels.table_rows(text) if c}
+    assert carried <= set(names) and {"bitsandbytes", "trl", "pydantic-core"} <= set(names), (carried, names)
+    cmd = gpu_wheels.download_command(wheels, Path("/tmp/w"))
+    assert cmd[-len(wheels):] == wheels and "--no-deps" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "manylinux2014_x86_64" in cmd
+    proc = subprocess.run([sys.executable, str(SCRIPT.parent / "gpu_wheels.py"), "--list", "--dest", "/nonexistent/w"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "bitsandbytes==0.50.2" in proc.stdout, proc.stderr
+    assert not Path("/nonexistent/w").exists()
 
 
 def test_trls_scripted_child_trains_on_g_completions_of_exactly_l_tokens(tmp_path):
