@@ -87,7 +87,12 @@ def complete_checkpoints(run_dir) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
              and (p / "trainer_state.pt").is_file() and (p / "adapter").is_dir()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=step_of)
+
+
+def step_of(ckpt: Path) -> int:
+    """The step a checkpoint folder holds, from its name (step-000042: 42)."""
+    return int(Path(ckpt).name[len(PREFIX):])
 
 
 def latest(run_dir) -> Optional[Path]:

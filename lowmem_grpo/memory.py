@@ -450,6 +450,27 @@ def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
     return Advice(False, lines)
 
 
+def out_of_memory_advice(s: ModelShape, w: Workload, budget: Optional[int]) -> Advice:
+    """What to change after a run really ran out of memory: `advise` where the memory model agrees the run does
+    not fit in `budget`. Where it predicted a fit, what ran out is memory the model does not count: on CUDA
+    mostly the caching allocator's fragmentation, which expandable segments avoid (PyTorch's CUDA semantics
+    notes, "optimizing memory usage"), or another process on the card; and a micro-batch half the size leaves
+    room (same result, more passes)."""
+    if budget is None:
+        return Advice(False, [])
+    advice = advise(s, w, budget)
+    if not advice.fits:
+        return advice
+    elsewhere = ("the caching allocator's fragmentation (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or "
+                 "another process on the card" if w.device == "cuda" else "other processes on this machine")
+    lines = [f"the memory model predicted {fmt(estimate(s, w, budget).peak)} of {fmt(budget)}: what ran out is "
+             f"memory it does not count, most likely {elsewhere}."]
+    half = w.micro_batch_size // 2
+    if half >= 1:
+        lines.append(f"set train.micro_batch_size: {half} for more room (same result, more passes).")
+    return Advice(False, lines, half or None, w.chunk_tokens)
+
+
 def _each_field_once(suggestions: list[str]) -> list[str]:
     """The suggestions with every recipe field named once: an alternative ('a / b', 'a or b') whose field an
     earlier suggestion named is dropped, and a suggestion left with none."""

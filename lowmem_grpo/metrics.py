@@ -78,10 +78,12 @@ PHASES = ("select", "rollout", "reward", "gather", "pack", "no_grad", "update", 
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of one step: `with clock("rollout"): ...`."""
+    """Wall-clock seconds per phase of one step: `with clock("rollout"): ...`; and the phase an exception
+    left (`failed`, the innermost), for the trainer's out-of-memory error."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.failed: str | None = None
         self._t0 = time.perf_counter()
 
     @contextlib.contextmanager
@@ -89,6 +91,9 @@ class PhaseTimer:
         t0 = time.perf_counter()
         try:
             yield
+        except BaseException:
+            self.failed = self.failed or phase
+            raise
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 

@@ -24,6 +24,7 @@ This file orchestrates: the maths is in loss.py, advantages.py, logprobs.py and 
 
 from __future__ import annotations
 
+import gc
 import math
 import signal
 import sys
@@ -47,7 +48,8 @@ from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
                    top_entropy_mask)
 from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, decode_waves, device_budget, estimate, fmt,
-                     host_memory_problem, peak_rss_mib, return_freed_memory_to_os, workload_from_recipe)
+                     host_memory_problem, out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os,
+                     workload_from_recipe)
 from .metrics import PhaseTimer, summary_line
 from .model import eval_mode, load_policy, reference_mode, takes_shared_prompts, trainable_parameters
 from .progress import Progress
@@ -191,6 +193,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(   # the schedule counts steps * mu updates
             self.optimizer, lr_lambda(r.optimizer.schedule, r.optimizer.warmup_steps, r.train.steps * r.algorithm.mu))
         self.step, self.state = 0, LoopState()
+        self.optimizer_steps = 0  # taken by this process: whether a failed step has moved the weights yet
+        self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
         if start_ckpt is not None:
             saved = ckpt.load_trainer_state(start_ckpt)
             self.optimizer.load_state_dict(saved["optimizer"])
@@ -441,9 +445,9 @@ class Trainer:
         before, after, seq_ids, advantages = zip(*distributed.gather_lists(mine, self.world))  # batch indices (§21)
         return diag.logp_moved(before, after, seq_ids, advantages)
 
-    def train_step(self) -> Step:
+    def train_step(self, clock: Optional[PhaseTimer] = None) -> Step:
         r, g, a = self.recipe, self.recipe.generation, self.recipe.algorithm
-        clock = PhaseTimer()
+        clock = clock if clock is not None else PhaseTimer()
         row = dict.fromkeys(diag.STEP_KEYS)  # every key in every row; None where it does not apply
         with clock("select"):                                                          # 1. select
             examples = self.select_prompts()
@@ -575,9 +579,62 @@ class Trainer:
         """Train to train.steps (or a Ctrl-C), evaluating before and after. The engine and the sinks are
         closed on every way out."""
         try:
-            return self._fit()
+            try:
+                return self._fit()
+            except (torch.OutOfMemoryError, MemoryError) as exc:  # outside a step (a step's: step_or_checkpoint)
+                what = _first_sentences(exc)
+            _release_memory()
+            raise TrainingError(self.out_of_memory(what, "held-out evaluation", None)) from None
         finally:
             self.close()
+
+    def step_or_checkpoint(self) -> Step:
+        """train_step; on an out-of-memory, one error with the memory model's advice, and nothing lost where that
+        can be: before the step's first optimizer step the weights and optimizer are still the previous step's,
+        so they are checkpointed with the RNG and loop state that step left, and a resume repeats this step as
+        an uninterrupted run would have made it. One process only: several would be waiting in a collective."""
+        rng, state, clock = ckpt.rng_state(), replace(self.state), PhaseTimer()
+        updates = (self.optimizer_steps, self.scheduler.last_epoch)
+        try:
+            return self.train_step(clock)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            what = _first_sentences(exc)
+        _release_memory()   # out of the except block: the failed step's tensors went with its traceback
+        saved = None
+        if (self.optimizer_steps, self.scheduler.last_epoch) == updates and self.world.size == 1 and self.step > 0:
+            ckpt.set_rng_state(rng)
+            self.state = state
+            last = ckpt.latest(self.run_dir)
+            saved = last if last is not None and ckpt.step_of(last) == self.step else self.save()
+        raise TrainingError(self.out_of_memory(what, f"{clock.failed or 'step'} phase of step {self.step + 1}",
+                                               saved)) from None
+
+    def out_of_memory(self, what: str, where: str, saved: Optional[Path]) -> str:
+        """The out-of-memory error's text: where, the memory model's view and advice, and what was kept."""
+        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
+        budget = device_budget(device)
+        lines = [f"ran out of memory in the {where} ({what}); peak {fmt(peak_memory_mib() * 2**20)}"
+                 + (f" of a {fmt(budget)} budget" if budget else "") + "."]
+        advice = None
+        try:
+            sets = [x for x in (self.train_set, self.eval_set) if x is not None]
+            advice = out_of_memory_advice(*self.memory_model(max(len(x.longest_prompt()) for x in sets)), budget)
+            lines += advice.lines
+        except MemoryModelError as exc:
+            lines.append(f"(no advice: {exc})")
+        t = self.recipe.train
+        fix = ("" if advice is None or not advice.micro_batch_size else
+               f" --set train.micro_batch_size={advice.micro_batch_size}"
+               + (f" --set train.logprob_chunk_tokens={advice.chunk_tokens}"
+                  if advice.chunk_tokens and advice.chunk_tokens != t.logprob_chunk_tokens else ""))
+        last = ckpt.latest(self.run_dir)
+        if saved is not None:
+            lines.append(f"Nothing lost: {saved} holds the {self.step} finished step(s). Resume with: "
+                         f"{self.resume_command}{fix}")
+        else:
+            lines.append(f"Last checkpoint: {last} (resume with: {self.resume_command}{fix})" if last else
+                         "No checkpoint yet.")
+        return "\n".join(lines)
 
     def _fit(self) -> dict:
         r = self.recipe
@@ -593,7 +650,7 @@ class Trainer:
         progress = Progress(r.train.steps, self.step, r.output.progress if self.world.main else "lines", self.log)
         with _StopFlag(self.log) as stop, progress:
             while self.step < r.train.steps:
-                step = self.train_step()
+                step = self.step_or_checkpoint()
                 row = step.row
                 self.step += 1
                 bad = bool(row.get("nonfinite"))
@@ -656,6 +713,21 @@ class Trainer:
             self.engine.close()
         finally:
             self.metrics.close()
+
+
+def _first_sentences(exc: BaseException) -> str:
+    """An out-of-memory error's gist: its type and first two sentences (CUDA's text goes on for a paragraph)."""
+    text = " ".join(str(exc).split())
+    return type(exc).__name__ + (": " + ". ".join(text.split(". ")[:2]).rstrip(".") if text else "")
+
+
+def _release_memory() -> None:
+    """What a failed step held back to the device (CUDA's cache) or the OS, so that a checkpoint can be written."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    else:
+        return_freed_memory_to_os()
 
 
 def peak_memory_mib() -> float:

@@ -111,6 +111,25 @@ def test_advise_finds_a_micro_batch_or_names_fields():
     assert roomy.fits and roomy.micro_batch_size == 32
 
 
+def test_out_of_memory_advice_is_advise_where_the_model_agrees_and_names_what_it_misses_where_not():
+    """After a real out-of-memory: where the memory model says the run does not fit, its advice as preflight gives
+    it; where it said the run fits, the memory it does not count (on CUDA the allocator's fragmentation, which
+    expandable segments avoid) and half the micro-batch."""
+    shape = mm.ModelShape(vocab_size=151_936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                          head_dim=128, intermediate_size=8960, tie_word_embeddings=True)
+    w = mm.Workload(micro_batch_size=16, prompts_per_step=4, num_generations=8, completion_tokens=1024, device="cuda")
+    need = mm.estimate(shape, w).peak
+    assert mm.out_of_memory_advice(shape, w, int(need * 0.8)) == mm.advise(shape, w, int(need * 0.8))
+    roomy = mm.out_of_memory_advice(shape, w, 2 * need)
+    assert not roomy.fits and roomy.micro_batch_size == 8, roomy
+    assert f"predicted {mm.fmt(need)} of {mm.fmt(2 * need)}" in roomy.lines[0]
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in roomy.lines[0]
+    assert roomy.lines[1].startswith("set train.micro_batch_size: 8")
+    cpu = mm.out_of_memory_advice(shape, replace(w, device="cpu", micro_batch_size=1), 64 * mm.GiB)
+    assert "other processes on this machine" in cpu.lines[0] and len(cpu.lines) == 1 and cpu.micro_batch_size is None
+    assert mm.out_of_memory_advice(shape, w, None).lines == []
+
+
 @pytest.mark.parametrize("text,expected", [("8GiB", 8 * 2**30), ("12GB", 12 * 2**30), ("512MiB", 512 * 2**20),
                                            ("7.5G", int(7.5 * 2**30)), ("1000", 1000)])
 def test_parse_size(text, expected):

@@ -169,7 +169,7 @@ def test_the_engine_is_closed_on_every_way_out(tiny_model_dir, tiny_data, tmp_pa
 
     t = Trainer(recipe_from_dict({**d, "output": {**d["output"], "dir": str(tmp_path / "b")}}), **QUIET)
 
-    def boom():
+    def boom(clock=None):
         raise RuntimeError("reward server down")
 
     monkeypatch.setattr(t, "train_step", boom)                        # 2. a run that fails mid-step

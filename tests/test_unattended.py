@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUIET, recipe_dict, write_recipe
+from conftest import QUIET, losses_by_step, recipe_dict, write_recipe
 from lowmem_grpo import checkpoint as ckpt
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import recipe_from_dict
@@ -259,3 +259,84 @@ def test_second_ctrl_c_aborts_and_keeps_the_last_checkpoint(tiny_model_dir, tiny
     resumed = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, **QUIET)
     assert resumed.step == state["step"]
     assert max(r["step"] for r in read_metrics(run)) == state["step"]  # rows after the checkpoint were dropped
+
+
+# -- out of memory mid-run ------------------------------------------------------------------------------------
+
+_CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 7.63 GiB of which "
+             "1.12 GiB is free. Of the allocated memory 5.90 GiB is allocated by PyTorch.")
+
+
+def _out_of_memory_in_update(t: Trainer, at_step: int, at_update: int = 1) -> None:
+    """Make the `at_update`-th update (of mu) of step `at_step` run out of memory in its first micro-batch's
+    forward, with a CUDA error's type and text, as an update that outgrows the card would."""
+    real_update, real_logprobs, calls = t.update, t.logprobs, []
+
+    def out_of_memory(mb, **kw):
+        raise torch.OutOfMemoryError(_CUDA_OOM)
+
+    def update(batches, prev_objective=None):
+        calls.append(t.step + 1)
+        t.logprobs = out_of_memory if calls.count(at_step) == at_update and calls[-1] == at_step else real_logprobs
+        return real_update(batches, prev_objective)
+
+    t.update = update
+
+
+def test_out_of_memory_in_an_update_checkpoints_the_last_step_and_resume_matches_a_straight_run(
+        tiny_model_dir, tiny_data, tmp_path):
+    """Before the step's first optimizer step nothing has moved: the error checkpoints the finished steps (no
+    periodic checkpoint was due), with the RNG and loop state they left, so that a resume makes the same steps
+    3-4 as a straight run (with the same recipe: the advised micro-batch gives the same result up to rounding)."""
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "cut", train={"steps": 4}, output={"save_every": 100})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    _out_of_memory_in_update(t, at_step=3)
+    with pytest.raises(TrainingError) as err:
+        t.fit()
+    msg, run = str(err.value), tmp_path / "cut"
+    assert msg.startswith("ran out of memory in the update phase of step 3 (OutOfMemoryError: CUDA out of memory. "
+                          "Tried to allocate 2.00 GiB)"), msg
+    assert "the memory model predicted" in msg and "set train.micro_batch_size: 1" in msg   # 3 // 2
+    assert (f"Nothing lost: {run / 'checkpoints' / 'step-000002'} holds the 2 finished step(s). Resume with: "
+            f"lowmem-grpo train --resume {run} --set train.micro_batch_size=1") in msg
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step-000002"]
+    assert max(r["step"] for r in read_metrics(run)) == 2
+
+    resumed = Trainer(recipe_from_dict(d), run_dir=run, resume=True, **QUIET)
+    assert resumed.step == 2
+    resumed.fit()
+    d["output"]["dir"] = str(tmp_path / "straight")
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    cut, straight = losses_by_step(run), losses_by_step(tmp_path / "straight")
+    assert sorted(cut) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert cut[step] == straight[step], (step, cut[step], straight[step])
+
+
+def test_out_of_memory_after_an_optimizer_step_writes_no_checkpoint_of_a_half_done_step(tiny_model_dir, tiny_data,
+                                                                                       tmp_path):
+    """mu = 2: the second update of step 2 runs out of memory after the first moved the weights. That state is
+    no step's: nothing is saved, and the error says which checkpoint is the last (none here)."""
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 3}, algorithm={"mu": 2},
+                    output={"save_every": 100})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    _out_of_memory_in_update(t, at_step=2, at_update=2)
+    with pytest.raises(TrainingError) as err:
+        t.fit()
+    msg = str(err.value)
+    assert msg.startswith("ran out of memory in the update phase of step 2"), msg
+    assert "Nothing lost" not in msg and msg.endswith("No checkpoint yet."), msg
+    assert ckpt.complete_checkpoints(tmp_path / "run") == []
+
+
+def test_out_of_memory_in_held_out_evaluation_is_one_error_naming_it(tiny_model_dir, tiny_data, tmp_path,
+                                                                     monkeypatch):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 2}, output={"save_every": 1})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    real = t.evaluate
+    monkeypatch.setattr(t, "evaluate", lambda: real() if t.step < 2 else (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(TrainingError) as err:
+        t.fit()
+    msg = str(err.value)
+    assert msg.startswith("ran out of memory in the held-out evaluation (MemoryError)"), msg
+    assert f"Last checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step-000002'}" in msg, msg
