@@ -540,15 +540,19 @@ class Trainer:
         return ModelShape.from_config(self.model.config), workload_from_recipe(self.recipe, prompt_tokens, device,
                                                                                   self.world.size)
 
+    def whole_run_memory_model(self) -> tuple[ModelShape, Workload]:
+        """memory_model at the longest prompt, training or held-out: what every phase of the run is sized for."""
+        sets = [s for s in (self.train_set, self.eval_set) if s is not None]
+        return self.memory_model(max(len(s.longest_prompt()) for s in sets))
+
     def _decode_waves(self) -> Optional[Waves]:
         """Sequences per generate call in a rollout and in eval, sized to this device's memory at the longest
         prompt, training or held-out (memory.decode_waves); None without a budget or for a model the memory
         model does not know."""
         if self.memory_budget is None:
             return None
-        sets = [s for s in (self.train_set, self.eval_set) if s is not None]
         try:
-            shape, workload = self.memory_model(max(len(s.longest_prompt()) for s in sets))
+            shape, workload = self.whole_run_memory_model()
         except MemoryModelError:
             return None
         waves = decode_waves(shape, workload, self.memory_budget)
@@ -611,22 +615,20 @@ class Trainer:
 
     def out_of_memory(self, what: str, where: str, saved: Optional[Path]) -> str:
         """The out-of-memory error's text: where, the memory model's view and advice, and what was kept."""
-        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
-        budget = device_budget(device)
+        budget = self.memory_budget   # the budget the run's waves were sized for
         lines = [f"ran out of memory in the {where} ({what}); peak {fmt(peak_memory_mib() * 2**20)}"
                  + (f" of a {fmt(budget)} budget" if budget else "") + "."]
-        advice = None
+        fix = ""
         try:
-            sets = [x for x in (self.train_set, self.eval_set) if x is not None]
-            advice = out_of_memory_advice(*self.memory_model(max(len(x.longest_prompt()) for x in sets)), budget)
-            lines += advice.lines
+            advice = out_of_memory_advice(*self.whole_run_memory_model(), budget)
         except MemoryModelError as exc:
             lines.append(f"(no advice: {exc})")
-        t = self.recipe.train
-        fix = ("" if advice is None or not advice.micro_batch_size else
-               f" --set train.micro_batch_size={advice.micro_batch_size}"
-               + (f" --set train.logprob_chunk_tokens={advice.chunk_tokens}"
-                  if advice.chunk_tokens and advice.chunk_tokens != t.logprob_chunk_tokens else ""))
+        else:
+            lines += advice.lines
+            if advice.micro_batch_size:
+                fix = f" --set train.micro_batch_size={advice.micro_batch_size}"
+            if advice.micro_batch_size and advice.chunk_tokens != self.recipe.train.logprob_chunk_tokens:
+                fix += f" --set train.logprob_chunk_tokens={advice.chunk_tokens}"
         last = ckpt.latest(self.run_dir)
         if saved is not None:
             lines.append(f"Nothing lost: {saved} holds the {self.step} finished step(s). Resume with: "
