@@ -475,11 +475,13 @@ def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
     spec = importlib.util.spec_from_file_location("trace_memory", path)
     trace = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trace)
-    trace.build(tmp_path, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=2048, layers=4, positions=4200)
+    trace.build(tmp_path, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=2048, layers=4, positions=2100)
     model, tok = load_policy(ModelConfig(name_or_path=str(tmp_path), compute_dtype="bfloat16", load_in_4bit=True),
                              LoraConfig(r=16, alpha=32))
     model.train()
-    lengths, peaks = (2048, 4096), []
+    # 1,024 and 2,048 give the slope 2,048 and 4,096 do (to the byte), at a third of the time: the attention's
+    # L^2 work in bf16 is most of it on a CPU without native bf16. Below 1,024 the loss tiles' fixed size shows.
+    lengths, peaks = (1024, 2048), []
     for t in lengths:
         ids = torch.randint(4, len(tok), (t,), generator=torch.Generator().manual_seed(t)).tolist()
         mb = pack([[5, 6, 7]], [ids], torch.ones(1), 1, "token_mean", t, tok.pad_token_id)[0]
