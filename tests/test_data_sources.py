@@ -89,6 +89,7 @@ def test_uncached_hub_dataset_offline_is_a_clear_error(tmp_path):
     assert "offline" in msg and "copy its cache" in msg and "jsonl" in msg
 
 
+@pytest.mark.slow
 def test_uncached_hub_dataset_in_train_names_the_field_without_traceback(tiny_model_dir, tiny_data, tmp_path):
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")
     d["data"]["eval_path"] = "hf:lowmem-grpo-tests/nothing@test"

@@ -99,7 +99,7 @@ def _cases(model_dir, data, run_root: Path) -> dict:
     return cases
 
 
-@pytest.mark.slow
+@pytest.mark.slow(50)
 def test_two_processes_make_the_one_process_update(tiny_model_dir, tiny_data, tmp_path):
     """After one step from the same completions, 2 gloo processes' LoRA weights and Adam moments equal one
     process's within 1e-10 relative (float64), for every aggregation, mu 1 and 2, group and batch reward
@@ -221,7 +221,7 @@ def straight_run(tiny_model_dir, tiny_data, tmp_path_factory) -> tuple[dict, Pat
     return d, tmp
 
 
-@pytest.mark.slow
+@pytest.mark.slow(40)  # as the kill -9 test below, which shares straight_run: collected side by side
 def test_two_process_run_writes_one_runs_metrics_checkpoints_and_eval(straight_run, tmp_path):
     d, tmp = straight_run
     run, log = tmp / "run", (tmp / "log.txt").read_text()
@@ -260,7 +260,7 @@ def test_two_process_run_writes_one_runs_metrics_checkpoints_and_eval(straight_r
         [(i, j) for i in range(10) for j in range(2)]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(40)
 def test_kill9_of_one_process_stops_the_job_then_resume_matches_the_straight_run(straight_run, tiny_model_dir,
                                                                                  tiny_data, tmp_path):
     """kill -9 of process 1 mid-run: torchrun ends the job non-zero within 60 s and no process is left;
@@ -314,7 +314,7 @@ def test_a_process_that_raises_stops_the_job_with_its_error(tiny_model_dir, tiny
     assert "error: process 1 of 2 ended with exit code 2" in text and "Traceback" not in text, text[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(20)
 def test_a_process_that_hangs_fails_the_job_after_the_collective_timeout(tiny_model_dir, tiny_data, tmp_path):
     """Process 1 never returns from its reward function: process 0 waits train.collective_timeout_s at the
     exchange, then stops with a one-line error, and torchrun stops process 1."""

@@ -59,6 +59,7 @@ def _cli(*args, cwd=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
+@pytest.mark.slow(35)
 def test_eval_command_reproduces_the_trainers_final_accuracy(tiny_model_dir, tiny_data, tmp_path):
     """THE parity check: train via the CLI, then `lowmem-grpo eval RUN --k 1` gives exactly the final
     eval/accuracy (and mean reward, and count) the trainer wrote to metrics.jsonl."""
@@ -107,6 +108,7 @@ def test_eval_command_reproduces_the_trainers_final_accuracy(tiny_model_dir, tin
     assert first_train_prompt == json.loads(tiny_data[0].read_text().splitlines()[0])["prompt"]
 
 
+@pytest.mark.slow(30)
 def test_eval_of_an_exported_merged_model(tiny_model_dir, tiny_data, tmp_path):
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 1})
     recipe = write_recipe(tmp_path / "r.yaml", d)
@@ -120,6 +122,7 @@ def test_eval_of_an_exported_merged_model(tiny_model_dir, tiny_data, tmp_path):
     assert summary["n"] == 8 and "pass@1" in summary
 
 
+@pytest.mark.slow(20)
 def test_eval_errors_are_named(tiny_model_dir, tiny_data, tmp_path):
     no_eval = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")
     no_eval["data"].pop("eval_path")

@@ -162,6 +162,7 @@ def test_the_wheels_fetched_are_the_tables_pinned_ones_for_the_gpu_machines_pyth
     assert not Path("/nonexistent/w").exists()
 
 
+@pytest.mark.slow(25)
 def test_trls_scripted_child_trains_on_g_completions_of_exactly_l_tokens(tmp_path):
     """An update-only row's TRL run on a tiny CPU model, through the same command line gpu_check uses: TRL's
     rollout_func hands it G random completions of exactly L tokens; the child checks TRL's logged lengths and

@@ -14,6 +14,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parent.parent / "lowmem_grpo"
 
 
@@ -93,6 +95,7 @@ def test_the_checker_sees_a_cycle():
     assert "lowmem_grpo.diagnostics" in g["lowmem_grpo.train"]     # `from . import diagnostics as diag`
 
 
+@pytest.mark.slow(60)
 def test_every_module_imports_on_its_own():
     """Each module in a fresh interpreter, first thing (an import-order dependency would fail here); the
     interpreters run a few at a time (each is mostly torch's import, ~2 s). vLLM's engine module is left out

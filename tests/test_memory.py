@@ -460,6 +460,7 @@ def test_the_cuda_budget_is_what_the_process_can_reach_less_the_allocators_share
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+@pytest.mark.slow(25)
 def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
     """The memory model's update cost per completion token (the train phase's slope between two lengths) against
     scripts/trace_memory.py's tracer, which adds up the storages the trainer's update pass keeps alive: a 4-bit

@@ -89,6 +89,7 @@ def _cli(*args, cwd=None):
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
+@pytest.mark.slow(35)
 def test_cli_train_resume_export(tiny_model_dir, tiny_data, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run",
                                                            train={"steps": 2}))

@@ -425,6 +425,7 @@ def test_unsupported_head_size_is_an_engine_error(V_, tiny_model_dir):
         V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
 
 
+@pytest.mark.slow(20)
 def test_close_keeps_a_process_group_that_existed_before(V_, vllm_model_dir, tmp_path):
     """Shutting vLLM down destroys torch.distributed's default group; a group the trainer made survives
     close() (in a subprocess: a process group in the test process would leak into other tests)."""

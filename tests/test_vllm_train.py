@@ -78,6 +78,7 @@ def test_same_completions_same_losses_through_either_engine(vllm_model_dir, tiny
     assert all(row.get("rollout/logprob_abs_diff") is None for row in rows_hf)
 
 
+@pytest.mark.slow
 def test_resume_through_vllm_replays_the_same_samples(vllm_model_dir, tiny_data, tmp_path):
     """Sampling draws from torch's global RNG, which checkpoints save: 2 steps + resume to 4 = 4 straight."""
     d = _recipe(vllm_model_dir, tiny_data, tmp_path / "full", train={"steps": 4, "eval_max_prompts": 4},
@@ -89,6 +90,7 @@ def test_resume_through_vllm_replays_the_same_samples(vllm_model_dir, tiny_data,
         assert cut[step] == full[step], (step, cut[step], full[step])
 
 
+@pytest.mark.slow(20)
 def test_cli_train_with_vllm_engine(vllm_model_dir, tiny_data, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", _recipe(vllm_model_dir, tiny_data, tmp_path / "run",
                                                        train={"steps": 2, "eval_max_prompts": 4}))
@@ -118,7 +120,7 @@ def test_sampler_correction_through_vllm(vllm_model_dir, tiny_data, tmp_path, mo
         assert r["rollout/logprob_abs_diff"] is not None
 
 
-@pytest.mark.slow
+@pytest.mark.slow(30)
 def test_two_processes_each_with_its_own_engine_train_on_the_current_weights(vllm_model_dir, tiny_data, tmp_path):
     """Under torchrun (gloo, 2 processes, docs/algorithm.md §21) each process builds its own in-process engine
     inside the job's process group; the run completes, and at every step the engines' log-probs of what they
