@@ -625,10 +625,10 @@ class Trainer:
             lines.append(f"(no advice: {exc})")
         else:
             lines += advice.lines
-            if advice.micro_batch_size:
+            if advice.micro_batch_size:   # advice with a micro-batch always names its tile too (memory.advise)
                 fix = f" --set train.micro_batch_size={advice.micro_batch_size}"
-            if advice.micro_batch_size and advice.chunk_tokens != self.recipe.train.logprob_chunk_tokens:
-                fix += f" --set train.logprob_chunk_tokens={advice.chunk_tokens}"
+                if advice.chunk_tokens != self.recipe.train.logprob_chunk_tokens:
+                    fix += f" --set train.logprob_chunk_tokens={advice.chunk_tokens}"
         last = ckpt.latest(self.run_dir)
         if saved is not None:
             lines.append(f"Nothing lost: {saved} holds the {self.step} finished step(s). Resume with: "
