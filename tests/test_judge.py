@@ -291,6 +291,61 @@ def check():
     assert run.passed == [True, False]
 
 
+def test_a_value_side_that_compares_or_holds_the_expected_value_is_judged_inside():
+    """The value side runs in the sandbox with the solution's objects, and its source is readable there: when
+    it compares, does arithmetic or calls a module's function, the verdict (or the expected value) is in
+    there. Such tests are judged inside, and counted so; inputs and indices are still fine."""
+    inside = ["assert (f(1) == 2) is True", "assert (f(1) == 2) == True", "assert f(2) - 7 == 0",
+              "assert abs(f(1) - g(2)) < 1e-6", "assert math.isclose(f(1), 0.5) is True",
+              "assert (f(1) if g() else 2) == 2", "assert (f(1) or 2) == 2"]
+    outside = ["assert f(x + 1, [1] * 3) == 4", "assert f(1)[-1] == 2", "assert Solution().two_sum([2, 7], 9) == [0, 1]",
+               "assert f('a').count('b') == 2", "assert round(f(1), 2) == 3.14", "assert ' '.join(f(1)) == 'a b'",
+               "assert sorted(f([3, 1]), reverse=True) == [3, 1]", "assert -f(1) == 2"]
+    assert [t for t in inside if judging(t).outside] == []
+    assert [t for t in outside if not judging(t).outside] == []
+    # an object whose operators give what the test wants: it passes the first two inside, none outside
+    forger = "class E:\n    def __eq__(self, o):\n        return True\n    def __sub__(self, o):\n        return 0\n" \
+             "def f(x):\n    return E()\n"
+    run = run_tests(forger, inside[:3] + ["assert f(1) == 2"], timeout=2)
+    assert run.judged_outside == [False, False, False, True] and run.passed == [True, True, True, False]
+
+
+def test_tolerance_checks_are_judged_outside_on_the_difference():
+    """abs(<expr> - <number>) < tol: the number is the expected value. Only <expr> enters the sandbox and the
+    trainer takes the difference, so an object whose __sub__ gives 0, a solution that rebinds abs, and one
+    that reads the number from the test's source all fail; an honest one passes."""
+    tests = ["assert abs(truncate(3.5) - 0.5) < 1e-6", "assert 1e-6 > abs(0.25 - truncate(2.25))"]
+    j = judging(tests[0])
+    assert j.outside and j.src == "truncate(3.5)" and j.around == (0.5, False) and judging(tests[1]).around == (0.25, True)
+    forgers = {
+        "__sub__": "class Z:\n    def __sub__(self, o):\n        return 0\n    __rsub__ = __sub__\n"
+                   "def truncate(x):\n    return Z()\n",
+        "abs": "abs = lambda v: 0\ndef truncate(x):\n    return 7.0\n",
+        "source": "import ast, sys\ndef truncate(x):\n    f = sys._getframe()\n    while 'cmd' not in f.f_locals:\n"
+                  "        f = f.f_back\n    tree = ast.parse(f.f_locals['cmd']['src'], mode='eval').body\n"
+                  "    return [n.value for n in ast.walk(tree) if isinstance(getattr(n, 'value', None), float)][-1]\n",
+    }
+    for name, solution in forgers.items():
+        assert run_tests(solution, tests, timeout=2).passed == [False, False], name
+    assert run_tests("def truncate(x):\n    return x % 1.0", tests, timeout=2).passed == [True, True]
+    assert judge_value(j, '["S", "61"]') == (False, "TypeError")           # Python's own error for str - float
+    assert judge_value(j, '["I", "%x"]' % 10 ** 400) == (False, "OverflowError")
+
+
+def test_sets_of_colliding_hashes_are_refused_quickly():
+    """Ints k * (2**61 - 1) all hash to 0: a 1 MiB set of them took the trainer ~20 s to build (quadratic).
+    The decoder refuses many elements of one hash; honest sets (even -1 and -2, which share one) pass."""
+    p = 2 ** 61 - 1
+    ints = ['["I","%x"]' % (k * p) for k in range(1, 38000)]   # 1 MiB: the largest value a test may send
+    start = time.monotonic()
+    for text in ('["E",[%s]]' % ",".join(ints), '["D",[%s]]' % ",".join('[%s,["N"]]' % i for i in ints[:5000]),
+                 '["Z",[%s]]' % ",".join('["T",[%s]]' % i for i in ints[:5000])):
+        with pytest.raises(ValueError, match="colliding"):
+            decode_value(text)
+    assert time.monotonic() - start < 10   # (the set alone took ~20 s to build before; linear now, ~0.1 s)
+    assert decode_value('["E",[["I","-1"],["I","-2"],["I","%x"]]]' % p) == {-1, -2, p}
+
+
 # ---------------------------------------------------------------------------------------------
 # Limits the reporter enforces
 

@@ -644,10 +644,128 @@ def add(a, b):
         d.rmdir()
 
 
+def _sysv_ipc() -> set:
+    found = set()
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            found |= {(kind, int(line.split()[1])) for line in list(f)[1:]}
+    return found
+
+
+def _remove_ipc(objects) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    for kind, ident in objects:   # IPC_RMID
+        {"shm": libc.shmctl, "msg": libc.msgctl}.get(kind, lambda i, c, a: libc.semctl(i, 0, c))(ident, 0, None)
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_memory_outside_the_address_space_limit_and_ipc_left_behind(namespaces):
+    """memfd_create with write(), and System V shared memory, message queues and semaphores, hold memory that
+    RLIMIT_AS does not count (a process limited to 256 MiB held 1.9 GB in memfds); System V objects also
+    outlived the run (256 MB of shm segments stayed on the host). The calls fail, and nothing is left."""
+    require_any(namespaces, "seccomp", "netns")   # (an IPC namespace comes with the network namespace)
+    hog = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def hog():
+    got = []
+    try:
+        fd = os.memfd_create('m')
+        os.write(fd, b'x' * (8 << 20))
+        got.append('memfd')
+    except OSError:
+        pass
+    if libc.shmget(0, 64 << 20, 0o1600) >= 0:     # IPC_PRIVATE, IPC_CREAT | 0600, left behind
+        got.append('shm')
+    if libc.msgget(0, 0o1600) >= 0:
+        got.append('msg')
+    if libc.semget(0, 1000, 0o1600) >= 0:
+        got.append('sem')
+    return got
+"""
+    before = _sysv_ipc()
+    try:
+        res = run_python(hog + "print(hog())", 10, namespaces=namespaces, memory_mb=256)
+        assert res.ok, res.stderr
+        if "seccomp" in res.protections:
+            assert res.stdout.strip() == "[]"
+        assert score(hog, ["assert hog() == []"], namespaces=namespaces) == ("seccomp" in res.protections)
+        assert _sysv_ipc() == before
+    finally:
+        _remove_ipc(_sysv_ipc() - before)
+
+
+def test_kernel_keys_cannot_be_added():
+    """Kernel keys are not namespaced: keys added to a uid's user keyring outlived the run (its fresh uid stayed
+    in /proc/key-users with 20 KB of keys, for good). add_key, request_key and keyctl fail."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("the sandbox's seccomp filter is written for x86_64 and aarch64 only")
+    prog = """
+import ctypes, os, platform
+nr = {'x86_64': 248, 'aarch64': 217}[platform.machine()]
+libc = ctypes.CDLL(None, use_errno=True)
+ok = libc.syscall(nr, b'user', b'kept', b'x' * 1000, 1000, -4) >= 0   # add_key(..., KEY_SPEC_USER_KEYRING)
+print(ok, os.getuid())
+"""
+    res = run_python(prog, 10)
+    added, uid = res.stdout.split()
+    assert res.ok and added == "False", res
+    with open("/proc/key-users") as f:
+        assert uid not in [line.split(":")[0].strip() for line in f]
+
+
+def test_no_user_namespace_inside_the_sandbox():
+    """In a user namespace of its own a program holds every capability there: it mounted a tmpfs of 100 GB
+    and wrote 1 GB into it in 4 s (past memory_mb and tmpfs_mb: all of the host's memory, at that pace), and
+    reaches the kernel code meant for namespace admins. The minimal root is a chroot, which the kernel
+    refuses a user namespace."""
+    require_any(True, "minimal_root")
+    prog = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(4, 1, 0, 0, 0)                      # PR_SET_DUMPABLE, as the uid map needs
+print(libc.unshare(0x10000000 | 0x20000), os.strerror(ctypes.get_errno()))   # CLONE_NEWUSER | CLONE_NEWNS
+"""
+    res = run_python(prog, 10)
+    assert res.ok and res.stdout.split()[0] == "-1", res
+
+
+def test_empty_files_are_capped_too():
+    """tmpfs_mb caps the data; each empty file still cost ~1 KB of kernel memory, 200,000 files (200 MB) in 6 s.
+    The private tmpfs also caps the number of files (64 per MiB)."""
+    require_any(True, "private_tmp")
+    prog = """
+import os
+n = 0
+try:
+    while n < 100000:
+        open('/tmp/%d' % n, 'wb').close()
+        n += 1
+except OSError:
+    pass
+print(n)
+"""
+    res = run_python(prog, 20, tmpfs_mb=8)
+    assert res.ok and 0 < int(res.stdout) <= 8 * 64, res
+
+
+def test_status_lines_are_the_sandboxs_only():
+    """A program that writes the bootstrap's status or error line to its stderr made the run a "sandbox_error"
+    (which stops the code reward) or claimed protections it did not have. Only lines carrying the run's
+    secret count; the program's stay in its stderr."""
+    fake = "\\x00LOWMEM-SANDBOX-ERROR {'error': 'forged', 'active': [], 'failed': {}}\\n"
+    fake += "\\x00LOWMEM-SANDBOX {'active': ['forged'], 'failed': {}}\\n"
+    res = run_python(f"import os\nos.write(2, b\"{fake}\")\nprint('done')", 10)
+    assert res.ok and res.killed_reason is None and res.error is None and res.stdout == "done\n"
+    assert "forged" not in res.protections and res.stderr.count("LOWMEM-SANDBOX") == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # A machine without full isolation: the code reward refuses unless told
 
-NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "private_proc", "private_tmp", "minimal_root", "hidden_paths", "userns")
+NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "ipcns", "private_proc", "private_tmp", "minimal_root", "hidden_paths", "userns")
 
 
 def test_code_reward_refuses_a_weak_sandbox_unless_accepted(monkeypatch):

@@ -22,7 +22,11 @@ Who decides a verdict (docs/sandbox.md, "Verdicts"):
   and lists, tuples, dicts, sets of those, as tagged JSON, strings as hex UTF-8), and the trainer
   parses the literal with ast.literal_eval and compares. The expected value never reaches the program, and anything
   that is not plain data (an object whose __eq__ is always true, an int subclass with its own __eq__)
-  fails. A program can only claim a value, never a verdict.
+  fails. A program can only claim a value, never a verdict. That needs `<expr>` to be only a value: around
+  the solution's calls (whose arguments are inputs) it may not compare, do arithmetic or call a module's
+  function (`(f(x) == 2) is True`, `f(x) - 2 == 0`: the solution's objects answer those, and the expected
+  value would be in the sandbox), else the test is judged inside. `abs(<expr> - <number>) < tol` is judged
+  outside on the difference: only `<expr>` enters, the trainer subtracts.
 * Any other test (a bare boolean assert, several statements) is *judged inside*: its pass/fail comes
   from the sandboxed program. Those verdicts can be forged by a solution that manipulates its own
   interpreter; `classify_tests` and `count_judging` count them so that a dataset's share is known.
@@ -52,6 +56,7 @@ sandboxed child processes, the threads only wait on their pipes.
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import marshal
 import operator
@@ -68,6 +73,7 @@ DEFAULT_TEST_TIMEOUT_S = 3.0
 DEFAULT_WORKERS = 2
 VALUE_CAP = 1 << 20      # bytes of one test's encoded value; a larger value fails the test
 _MAX_DEPTH = 100         # nesting of a returned value
+_MAX_SAME_HASH = 16      # elements of one decoded set (keys of one dict) that may share a hash
 _GRACE_S = 0.5           # past a test's own limit, the reporter stops waiting for the solver
 
 _PY_TAGS = {"python", "py", "python3", "py3"}
@@ -372,13 +378,15 @@ _OPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.Lt
 @dataclass(frozen=True)
 class Judging:
     """How one test is judged. kind "value": `src` is the expression the program evaluates, and the trainer
-    compares its value with `expected` by `op` (the literal on the left when `literal_first`); kind
-    "exec": `src` is the whole test, run inside, and its verdict is the program's."""
+    compares its value (abs(value - c) when `around` is (c, False), abs(c - value) for (c, True)) with
+    `expected` by `op` (the literal on the left when `literal_first`); kind "exec": `src` is the whole
+    test, run inside, and its verdict is the program's."""
     kind: str
     src: str
     op: Optional[type] = None
     expected: Any = None
     literal_first: bool = False
+    around: Optional[tuple] = None   # (c, c_first): the side was abs(src - c) (abs(c - src)), taken by the trainer
 
     @property
     def outside(self) -> bool:
@@ -406,8 +414,71 @@ def judging(test: str) -> Judging:
             continue
         if op in (ast.Is, ast.IsNot) and not (expected is None or expected is True or expected is False):
             return inside   # identity with any other literal is an implementation detail
-        return Judging("value", ast.unparse(expr), op, expected, literal_first)
+        # abs(<expr> - <number>) < tol: the usual float check. The number is the expected value: only <expr>
+        # enters the sandbox, the trainer takes the difference.
+        around = _tolerance(expr)
+        if around is not None:
+            expr, around = around
+        if not _only_a_value(expr):
+            return inside
+        return Judging("value", ast.unparse(expr), op, expected, literal_first, around)
     return inside
+
+
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def _tolerance(expr) -> Optional[tuple]:
+    """(X, (c, c_first)) when `expr` is abs(X - c) or abs(c - X) with c a number literal; else None."""
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "abs"
+            and len(expr.args) == 1 and not expr.keywords and isinstance(expr.args[0], ast.BinOp)
+            and isinstance(expr.args[0].op, ast.Sub)):
+        return None
+    diff = expr.args[0]
+    for c_first, lit, x in ((False, diff.right, diff.left), (True, diff.left, diff.right)):
+        try:
+            c = ast.literal_eval(lit)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        return (x, (c, c_first)) if type(c) in (int, float, complex) else None
+    return None
+
+
+def _solution_call(func) -> bool:
+    """Is this the function of a call to the solution's code: a bare name that is not a builtin, or a method
+    of what such a call returns (Solution().two_sum, f(x).count)? Its arguments are then the test's inputs."""
+    if isinstance(func, ast.Name):
+        return func.id not in _BUILTIN_NAMES
+    if isinstance(func, ast.Attribute):
+        root = func.value
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        return isinstance(root, ast.Call) and _solution_call(root.func)
+    return False
+
+
+def _only_a_value(expr) -> bool:
+    """Can the value side be judged outside? The sandbox evaluates it with the solution's objects, which answer
+    every operator and comparison as they like, and the solution can read its source. So around the
+    solution's calls (their arguments and subscripts are inputs) it must not compare (`(f(x) == 2) is True`),
+    do arithmetic (`f(x) - 0.5 < 1e-9`: the expected value is in there) or call a module's function
+    (`math.isclose(f(x), 0.5) is True`); such a test is judged inside, and counted so."""
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Compare, ast.BoolOp, ast.IfExp, ast.BinOp)):
+            return False
+        if isinstance(node, ast.Call):
+            if _solution_call(node.func):
+                stack.append(node.func)   # the receiver of a method; the arguments are inputs
+                continue
+            if isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Constant):
+                return False   # math.isclose(...), obj.method(...): may be a check of its own
+        if isinstance(node, ast.Subscript):
+            stack.append(node.value)      # an index is an input
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return True
 
 
 def classify_tests(tests: Iterable[str]) -> tuple[int, int]:
@@ -491,6 +562,17 @@ def decode_value(text: str):
     def reject(token):
         raise _Malformed(f"bare {token}")
 
+    def hashed(items):
+        # Distinct values of one hash (ints k * (2**61 - 1), tuples of them) make a set or dict cost quadratic
+        # time to build: 1 MiB of them holds the trainer for many seconds. No honest value has many.
+        seen: dict = {}
+        for v in items:
+            h = hash(v)
+            seen[h] = seen.get(h, 0) + 1
+            if seen[h] > _MAX_SAME_HASH:
+                raise _Malformed("colliding hashes")
+        return items
+
     def dec(x, depth):
         if depth > _MAX_DEPTH or type(x) is not list or not x or type(x[0]) is not str:
             raise _Malformed("not a tagged value")
@@ -515,16 +597,14 @@ def decode_value(text: str):
                 if tag == "T":
                     return tuple(dec(v, depth + 1) for v in a)
                 if tag == "E":
-                    return {dec(v, depth + 1) for v in a}
+                    return set(hashed([dec(v, depth + 1) for v in a]))
                 if tag == "Z":
-                    return frozenset(dec(v, depth + 1) for v in a)
+                    return frozenset(hashed([dec(v, depth + 1) for v in a]))
                 if tag == "D":
-                    out = {}
-                    for pair in a:
-                        if type(pair) is not list or len(pair) != 2:
-                            raise _Malformed("bad dict item")
-                        out[dec(pair[0], depth + 1)] = dec(pair[1], depth + 1)
-                    return out
+                    if not all(type(pair) is list and len(pair) == 2 for pair in a):
+                        raise _Malformed("bad dict item")
+                    keys = hashed([dec(pair[0], depth + 1) for pair in a])
+                    return dict(zip(keys, [dec(pair[1], depth + 1) for pair in a]))
         if tag == "C" and len(args) == 2 and all(type(a) is str for a in args):
             return complex(float.fromhex(args[0]), float.fromhex(args[1]))
         raise _Malformed(f"bad tag {tag!r}")
@@ -542,8 +622,11 @@ def judge_value(j: Judging, text: str) -> tuple[bool, str]:
     except _Malformed:
         return False, "malformed value"
     try:
+        if j.around is not None:   # abs(<value> - c): computed here, on plain data
+            c, c_first = j.around
+            value = abs(c - value) if c_first else abs(value - c)
         ok = bool(_OPS[j.op](*((j.expected, value) if j.literal_first else (value, j.expected))))
-    except (TypeError, ValueError, RecursionError, OverflowError, MemoryError) as exc:
+    except (TypeError, ValueError, RecursionError, ArithmeticError, MemoryError) as exc:
         return False, type(exc).__name__
     return ok, "" if ok else "AssertionError"
 

@@ -11,17 +11,18 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
   (`python -I -S -c _BOOTSTRAP`) there, in its own session/process group, with an environment reduced
   to PATH/LANG (no variable of the parent reaches the program).
 * The bootstrap, best effort and in this order:
-  - `unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID)` through libc (_ctypes; Python 3.11 has no
-    os.unshare). As root this needs no user namespace; as an ordinary user it retries with
+  - `unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)` through libc (_ctypes; Python 3.11
+    has no os.unshare). As root this needs no user namespace; as an ordinary user it retries with
     CLONE_NEWUSER. A new network namespace has only a loopback device that is down: no network at all,
-    not even 127.0.0.1.
+    not even 127.0.0.1; System V IPC objects live and die with the run's own IPC namespace.
   - forks an "init", PID 1 of the new PID namespace, which builds the program's *minimal root*: a tmpfs
     mounted over the run's directory holding read-only binds of only what the interpreter needs (the
     interpreter, its sys.path, the directories of the libraries and data files it maps; `_root_layout`
     finds them once per interpreter), the host's symlinks on the way to them, a minimal /dev (null, zero,
     full, random, urandom), a fresh /proc (other processes and their environments become invisible),
     size-capped tmpfs /tmp and /dev/shm, a two-line /etc/passwd; the program is copied to /tmp/sandbox;
-    then it pivot_roots into it and detaches the host's tree: nothing else of the host is reachable.
+    then it pivot_roots into it, detaches the host's tree (nothing else of the host is reachable) and
+    chroots into the tree's directory (a chrooted process may not create a user namespace).
     (With minimal_root=False, or where that fails and the weaker mode was accepted: the host's tree,
     with private /proc, /tmp, /var/tmp, /dev/shm, and hide_paths under empty tmpfs.) Init forks the
     program (PID 2) and waits for it, reaping orphans. When init exits — after the program, or killed
@@ -35,9 +36,12 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
     uid makes NPROC bite, makes the host's files read-only (or unreadable) to the program, forbids
     signalling the trainer, and — being unique to the run — lets the parent kill every process of that
     uid afterwards even without a PID namespace;
-  - PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), PR_SET_PDEATHSIG=SIGKILL (the
-    program dies with its parent);
+  - PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), a seccomp filter denying a few
+    system calls (kernel keys; memfd_create and System V IPC, which hold memory RLIMIT_AS does not count),
+    PR_SET_PDEATHSIG=SIGKILL (the program dies with its parent);
   - execs `python -I -S -B main.py`.
+* The bootstrap's status line (on stderr, before the exec) carries a per-run secret from its environment,
+  so that the program cannot write one.
 * The parent reads stdout/stderr incrementally with a byte cap, enforces a wall-clock deadline, and
   at the end *always* SIGKILLs the whole process group (and, without a PID namespace, every process of
   the run's uid), then deletes the directory.
@@ -189,6 +193,7 @@ active, failed = [], {}
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 16384, 1 << 18
 MS_REMOUNT, MS_BIND, MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MNT_DETACH = 32, 4096, 1024, 2048, 1 << 21, 2
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+CLONE_NEWIPC = 0x08000000
 # glibc has no pivot_root wrapper: the raw syscall, by architecture
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203, "ppc64": 203,
               "s390x": 217, "i686": 217, "armv7l": 218}
@@ -198,9 +203,14 @@ def errno_text():
     return os.strerror(_ctypes.get_errno())
 
 
+# The parent's secret for this run, on every status line: the program can write lines that look like ours to
+# its stderr, but not this. It comes in the environment, which the program does not inherit (execve below).
+SECRET = os.environ.get("LOWMEM_SANDBOX_SECRET", "").encode("ascii", "replace")
+
+
 def emit(mark, payload):
     try:   # a Python literal of str, list and dict: the parent reads it with ast.literal_eval
-        os.write(2, mark + repr(payload).encode("ascii", "backslashreplace") + b"\n")
+        os.write(2, mark + SECRET + b" " + repr(payload).encode("ascii", "backslashreplace") + b"\n")
     except OSError:
         pass
 
@@ -229,7 +239,9 @@ if run_uid is None and my_uid != 0:
 
 ns = False
 if cfg["namespaces"]:
-    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID
+    # CLONE_NEWIPC: System V shared memory, message queues and semaphores outlive their process (a program
+    # could leave GBs of shm segments behind); in an IPC namespace of its own they go with the run.
+    flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
     if libc.unshare(flags) == 0:
         ns = True
     else:
@@ -249,10 +261,14 @@ if cfg["namespaces"]:
         else:
             failed["namespaces"] = first
     if ns:
-        active += ["netns", "pidns", "mountns"]
+        active += ["netns", "pidns", "mountns", "ipcns"]
         # Nothing mounted in here may propagate back to the host.
         if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
             give_up("cannot make mounts private: " + errno_text())
+
+# The size caps the data only: each empty file still costs ~1 KB of kernel memory (200,000 a second).
+TMPFS_OPTS = ("size=%dm,nr_inodes=%d,mode=1777" % (cfg["tmpfs_mb"], 64 * cfg["tmpfs_mb"])).encode()
+
 
 def sys_mount(src, dst, fstype, flags, data, what):
     if libc.mount(src, dst, fstype, flags, data) != 0:
@@ -282,7 +298,13 @@ def build_root(spec, program):
     new = os.getcwd()
     sys_mount(b"tmpfs", new.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=755", "root tmpfs")
     try:
+        # The tree goes in a directory of the tmpfs, and the program's root is that directory (a chroot below
+        # the pivoted root): the kernel refuses a chrooted process a new user namespace, in which it would
+        # hold every capability: mounting a tmpfs of any size (all of memory), reaching kernel code for
+        # namespace admins.
         os.chdir(new)   # into the fresh tmpfs
+        os.mkdir("r", 0o755)
+        os.chdir("r")
         for d, mode, uid, gid in spec["dirs"]:
             os.mkdir("." + d)
             os.chmod("." + d, mode)
@@ -310,7 +332,7 @@ def build_root(spec, program):
         for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                              ("stderr", "/proc/self/fd/2")):
             os.symlink(target, "dev/" + name)
-        opts = ("size=%dm,mode=1777" % cfg["tmpfs_mb"]).encode()
+        opts = TMPFS_OPTS
         for d in ("dev/shm", "tmp"):
             os.mkdir(d, 0o755)
             sys_mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts, "tmpfs /" + d)
@@ -331,6 +353,7 @@ def build_root(spec, program):
             f.write(program)
         if run_uid is not None:
             os.chown("tmp/sandbox", run_uid, run_uid)
+        os.chdir("..")
         sys_mount(None, b".", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None, "read-only root")
         nr = PIVOT_ROOT.get(os.uname().machine)
         if nr is None:
@@ -345,6 +368,7 @@ def build_root(spec, program):
     # The host's root now lies on top of ours at "/": detach it, with every mount below it.
     if libc.umount2(b".", MNT_DETACH) != 0:
         give_up("cannot detach the host root after pivot_root: " + errno_text())
+    os.chroot("r")
     os.chdir("/tmp/sandbox")
 
 
@@ -426,7 +450,7 @@ if ns:
             if any(p.startswith(d + "/") for p in interp):
                 failed["private_tmp:" + d] = "the interpreter lives there"
                 continue
-            opts = ("size=%dm,mode=1777" % cfg["tmpfs_mb"]).encode()
+            opts = TMPFS_OPTS
             if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts) == 0:
                 tmp_ok.append(d)
             else:
@@ -482,6 +506,57 @@ if libc.prctl(38, 1, 0, 0, 0) == 0:          # PR_SET_NO_NEW_PRIVS
     active.append("no_new_privs")
 else:
     failed["no_new_privs"] = errno_text()
+
+
+class Char(_ctypes._SimpleCData):
+    _type_ = "c"
+
+
+# AUDIT_ARCH_* and the numbers of add_key, request_key, keyctl, memfd_create, shmget, msgget, semget
+DENIED = {"x86_64": (0xC000003E, (248, 249, 250, 319, 29, 68, 64)),
+          "aarch64": (0xC00000B7, (217, 218, 219, 279, 194, 186, 190))}
+
+
+def deny_syscalls():
+    """A seccomp filter: the system calls of DENIED fail with EPERM; other system-call ABIs (i386, x32 on
+    x86_64) get ENOSYS for everything. Kernel keys (add_key, request_key, keyctl) are not namespaced: a
+    uid's user keyrings outlive its last process, the program can make them unremovable, and every run
+    has a fresh uid: kernel memory left behind for good (Docker's default profile denies them too).
+    memfd_create, shmget, msgget, semget hold memory outside RLIMIT_AS and the tmpfs caps (memfds of
+    file_size_mb each, as many as descriptors): GBs from a process limited to memory_mb."""
+    arch, nrs = DENIED[os.uname().machine]
+    bo = sys.byteorder
+
+    def insn(code, jt, jf, k):
+        return code.to_bytes(2, bo) + bytes((jt, jf)) + k.to_bytes(4, bo)
+
+    deny, allow, enosys = 0x00050001, 0x7FFF0000, 0x00050026   # SECCOMP_RET_ERRNO | EPERM, ALLOW, ERRNO | ENOSYS
+    code = [insn(0x20, 0, 0, 4), insn(0x15, 1, 0, arch), insn(0x06, 0, 0, enosys),   # arch == ours, or ENOSYS
+            insn(0x20, 0, 0, 0), insn(0x45, len(nrs) + 1, 0, 0x40000000)]            # nr; x32 ABI: denied
+    code += [insn(0x15, len(nrs) - k, 0, nr) for k, nr in enumerate(nrs)]
+    code += [insn(0x06, 0, 0, allow), insn(0x06, 0, 0, deny)]
+
+    def buffer(data):
+        class Buf(_ctypes.Array):
+            _type_ = Char
+            _length_ = len(data)
+        return Buf.from_buffer_copy(data)
+
+    prog = buffer(b"".join(code))
+    fprog = buffer(len(code).to_bytes(2, bo) + bytes(6) + _ctypes.addressof(prog).to_bytes(8, bo))  # sock_fprog
+    if libc.prctl(22, 2, fprog, 0, 0) != 0:   # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(errno_text())
+
+
+if os.uname().machine not in DENIED:
+    failed["seccomp"] = "no filter written for " + os.uname().machine
+else:
+    try:
+        deny_syscalls()
+        active.append("seccomp")
+    except OSError as exc:
+        failed["seccomp"] = str(exc)
+
 # After the uid change: changing credentials clears the parent-death signal.
 if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:   # PR_SET_PDEATHSIG
     active.append("pdeathsig")
@@ -804,10 +879,11 @@ def sandbox_info(namespaces: bool = True, drop_privileges: bool = True, minimal_
 
 # The layers the code reward needs before it runs model-written code ("uid" too when we are root: a
 # program left as root could undo the others). docs/sandbox.md says what each one stops.
-FULL_ISOLATION = ("netns", "pidns", "mountns", "private_proc", "minimal_root", "private_tmp", "rlimit:cpu",
-                  "rlimit:as", "rlimit:fsize", "rlimit:nofile", "rlimit:nproc", "no_new_privs")
-_WHY_KEYS = {"netns": "namespaces", "pidns": "namespaces", "mountns": "namespaces", "uid": "uid",
-             "no_new_privs": "no_new_privs", "private_proc": "private_proc", "minimal_root": "minimal_root"}
+FULL_ISOLATION = ("netns", "pidns", "mountns", "ipcns", "private_proc", "minimal_root", "private_tmp",
+                  "rlimit:cpu", "rlimit:as", "rlimit:fsize", "rlimit:nofile", "rlimit:nproc", "no_new_privs")
+_WHY_KEYS = {"netns": "namespaces", "pidns": "namespaces", "mountns": "namespaces", "ipcns": "namespaces",
+             "uid": "uid", "no_new_privs": "no_new_privs", "private_proc": "private_proc",
+             "minimal_root": "minimal_root"}
 
 
 def missing_protections(limits: Optional["SandboxLimits"] = None) -> dict:
@@ -820,7 +896,8 @@ def missing_protections(limits: Optional["SandboxLimits"] = None) -> dict:
     for layer in needed:
         if layer in p.protections:
             continue
-        if layer in ("netns", "pidns", "mountns", "private_proc", "private_tmp", "minimal_root") and not lim.namespaces:
+        if layer in ("netns", "pidns", "mountns", "ipcns", "private_proc", "private_tmp", "minimal_root") \
+                and not lim.namespaces:
             why = "namespaces: false"
         elif layer == "minimal_root" and not lim.minimal_root:
             why = "minimal_root: false"
@@ -878,6 +955,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
     timeout_s = max(0.05, float(timeout_s))
     uid = random.randrange(*plan.uid_choice) if plan.drop_uid else None
     workdir = tempfile.mkdtemp(prefix="lowmem-sandbox-")
+    secret = os.urandom(8).hex()   # marks the bootstrap's status lines on stderr (_split_status)
     proc = None
     try:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
@@ -893,9 +971,9 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                "root": plan.root if plan.namespaces else None}
         argv = [plan.bootstrap_python, "-I", "-S", "-B", "-c", _BOOTSTRAP, marshal.dumps(cfg).hex()]
         try:
-            proc = subprocess.Popen(argv, cwd=workdir, env=dict(_MIN_ENV), stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    close_fds=True)
+            proc = subprocess.Popen(argv, cwd=workdir, env={**_MIN_ENV, "LOWMEM_SANDBOX_SECRET": secret},
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, close_fds=True)
         except OSError as exc:
             raise SandboxError(f"cannot start the sandbox bootstrap {plan.bootstrap_python}: {exc}") from exc
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
@@ -914,7 +992,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                     pass
         shutil.rmtree(workdir, ignore_errors=True)
 
-    status, error, err_bytes = _split_status(bytes(err[0]))
+    status, error, err_bytes = _split_status(bytes(err[0]), secret)
     if len(err_bytes) > max_output_bytes:
         err_bytes, err[1] = err_bytes[:max_output_bytes], True
     reason = None
@@ -959,14 +1037,17 @@ def _hide_list(hide_paths) -> list:
     return out
 
 
-def _split_status(err: bytes):
-    """Strip the bootstrap's status/error lines from the start of stderr."""
+def _split_status(err: bytes, secret: str):
+    """Strip the bootstrap's status/error lines from the start of stderr: those that carry this run's secret.
+    A line the program wrote in their form stays part of its stderr (else it could fake a "sandbox_error",
+    which stops the code reward, or the protections it ran under)."""
     status, error = {}, None
-    while err.startswith(_STATUS_MARK) or err.startswith(_ERROR_MARK):
+    ok, bad = _STATUS_MARK + secret.encode() + b" ", _ERROR_MARK + secret.encode() + b" "
+    while err.startswith(ok) or err.startswith(bad):
         line, _, err = err.partition(b"\n")
-        is_error = line.startswith(_ERROR_MARK)
+        is_error = line.startswith(bad)
         try:
-            payload = ast.literal_eval(line[len(_ERROR_MARK if is_error else _STATUS_MARK):].decode("ascii"))
+            payload = ast.literal_eval(line[len(bad if is_error else ok):].decode("ascii"))
             if not isinstance(payload, dict):
                 raise ValueError(payload)
         except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
