@@ -83,21 +83,25 @@ def group_advantages(rewards: torch.Tensor, mode: str = "mean_std", scale: str =
 
 
 def normalize_then_sum_advantages(per_function: list[torch.Tensor], weights: list[float], mode: str = "mean_std",
-                                  scale: str = "group", **kwargs) -> torch.Tensor:
+                                  scale: str = "group", scored: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """GDPO (docs/algorithm.md §17): each reward function's [groups, G] scores get their own group advantage,
     the advantages are summed with the functions' weights, and (unless scale is 'none') the sum is divided
-    by its std over the batch's valid completions + STD_EPS. A completion some function skipped (NaN) is
-    skipped for all: advantage 0, in no statistic. Normalising each function first keeps a function with a
-    wide reward range from drowning out the others, which summing the rewards first would let it do."""
+    by its std over the batch's scored completions + STD_EPS. Normalising each function first keeps a function
+    with a wide reward range from drowning out the others, which summing the rewards first would let it do.
+
+    scored: [groups, G] bool, the completions that have a reward (default: those every function scored). A
+    scored completion one function left out (NaN: a TRL-shaped function's None, "does not apply") is out of
+    that function's statistics and adds 0 to the sum, as in TRL; one that is not scored gets advantage 0."""
     if not per_function or len(per_function) != len(weights):
         raise ValueError(f"need one weight per reward function: {len(per_function)} functions, {len(weights)} weights")
-    valid = torch.stack([~torch.isnan(f) for f in per_function]).all(dim=0)
+    if scored is None:
+        scored = torch.stack([~torch.isnan(f) for f in per_function]).all(dim=0)
     total = torch.zeros_like(per_function[0])
     for scores, w in zip(per_function, weights):
-        total = total + w * group_advantages(torch.where(valid, scores, float("nan")), mode, scale, **kwargs)
+        total = total + w * group_advantages(torch.where(scored, scores, float("nan")), mode, scale, **kwargs)
     if scale != "none":
-        total = total / (batch_std(total, valid) + STD_EPS)
-    return torch.where(valid, total, 0.0)
+        total = total / (batch_std(total, scored) + STD_EPS)
+    return torch.where(scored, total, 0.0)
 
 
 def zero_std_groups(rewards: torch.Tensor) -> torch.Tensor:

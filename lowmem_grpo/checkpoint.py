@@ -8,6 +8,7 @@ only ever sees complete checkpoints. Older checkpoints are deleted only after th
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -85,8 +86,8 @@ def complete_checkpoints(run_dir) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-             and (p / "trainer_state.pt").is_file() and (p / "adapter").is_dir()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and (p / "trainer_state.pt").is_file() and (p / "adapter").is_dir()]   # (not a copy, step-3-old)
     return sorted(found, key=step_of)
 
 
@@ -108,3 +109,31 @@ def rng_states(saved: dict) -> list:
 def load_trainer_state(ckpt: Path) -> dict:
     # weights_only=False: the state holds Python RNG tuples and numpy arrays that we wrote ourselves.
     return torch.load(Path(ckpt) / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def adapter_problem(folder: Path) -> Optional[str]:
+    """What makes a peft adapter folder unloadable (a missing or corrupt config or weights file: a copy cut short,
+    a full disk), or None; checked before any model is loaded, so it is one clear line, not peft's traceback."""
+    folder = Path(folder)
+    cfg = folder / "adapter_config.json"
+    if not cfg.is_file():
+        return f"{folder}: no adapter_config.json (not a peft adapter folder)"
+    try:
+        parsed = json.loads(cfg.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        return f"{cfg}: not a readable JSON file ({exc})"
+    if not isinstance(parsed, dict):
+        return f"{cfg}: expected a JSON object, got {type(parsed).__name__}"
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            return None
+        return f"{folder}: no adapter_model.safetensors (the adapter's weights)"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:  # reads the header, which also checks the file's length
+            f.keys()
+    except Exception as exc:  # safetensors raises its own error types
+        return f"{weights}: unreadable, truncated or corrupt ({exc})"
+    return None

@@ -14,6 +14,7 @@ def _user_errors() -> tuple:
     from .data import DataError
     from .distributed import DistributedError
     from .environment import EnvError
+    from .evaluate import EvalError
     from .export import ExportError
     from .model import ModelLoadError
     from .rewards import RewardError
@@ -21,8 +22,8 @@ def _user_errors() -> tuple:
     from .memory import MemoryModelError
     from .train import TrainingError
 
-    return (RecipeError, DataError, EngineError, EnvError, ExportError, ModelLoadError, RewardError, TrainingError,
-            MemoryModelError, DistributedError)
+    return (RecipeError, DataError, EngineError, EnvError, EvalError, ExportError, ModelLoadError, RewardError,
+            TrainingError, MemoryModelError, DistributedError)
 
 
 def _run(fn, errors: tuple = ()):
@@ -95,6 +96,11 @@ def train(recipe, resume_dir, overrides, nproc):
 
     if not recipe and not resume_dir:
         raise click.UsageError("give a RECIPE, or --resume RUN_DIR")
+    if recipe and resume_dir:  # the resumed run reads RUN_DIR/recipe.yaml: RECIPE would be silently ignored
+        raise click.UsageError("give a RECIPE or --resume RUN_DIR, not both: a resumed run keeps its own "
+                               "RUN_DIR/recipe.yaml (change a field with --set KEY=VALUE)")
+    if resume_dir and not (Path(resume_dir) / "recipe.yaml").is_file():
+        raise click.BadParameter(f"{resume_dir} is not a run directory (no recipe.yaml in it)", param_hint="--resume")
     if nproc > 1:
         args = ([recipe] if recipe else []) + (["--resume", resume_dir] if resume_dir else [])
         _launch(nproc, ["train", *args] + [f"--set={o}" for o in overrides])
@@ -225,7 +231,8 @@ def report(run_dir, out_dir):
     from .report import ReportError, render
 
     res = _run(lambda: render(run_dir, out_dir), errors=(ReportError,))
-    click.echo(f"wrote {res['report']} and {len(res['images'])} plots")
+    click.echo(f"wrote {res['report']} and {len(res['images'])} plots"
+               + (f" ({res['skipped']} unreadable line(s) of metrics.jsonl skipped)" if res["skipped"] else ""))
 
 
 if __name__ == "__main__":

@@ -193,10 +193,20 @@ class PromptSet:
         cfg = self.cfg
         # the answer is required only when a reward reads it (Rewards.reads_answer): TRL-style data has none
         for name in (cfg.prompt_field, cfg.answer_field) if self.require_answer else (cfg.prompt_field,):
-            if name not in row or row[name] is None:
+            if name not in row:
                 raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
+            if row[name] is None:  # present, so "missing" would contradict the list of fields the row has
+                raise DataError(f"field {name!r} is null (the row has it, with no value)")
+        prompt = row[cfg.prompt_field]
+        # a mapping would be rendered as its Python repr; a blank string as a prompt with no question in it
+        if isinstance(prompt, dict):
+            raise DataError(f"the prompt field {cfg.prompt_field!r} holds a mapping (keys: "
+                            f"{', '.join(sorted(map(str, prompt)))[:80]}); expected text, or a list of chat messages "
+                            "[{role, content}, ...]")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise DataError(f"the prompt field {cfg.prompt_field!r} is empty")
         chat = None
-        if is_chat(row[cfg.prompt_field]):   # a conversational row: the messages as they are
+        if is_chat(prompt):   # a conversational row: the messages as they are
             chat = chat_messages(row[cfg.prompt_field], cfg)
             text = _chat_text(tokenizer, chat, f"the prompt field {cfg.prompt_field!r} holds chat messages, which")
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -211,6 +221,9 @@ class PromptSet:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
                 ids = [tokenizer.bos_token_id] + ids
+        if not ids:  # nothing to condition on: generation would fail on an empty row
+            raise DataError("the prompt renders to no tokens (an empty text, or a tokenizer that has none of its "
+                            "characters: check that model.name_or_path holds the model's tokenizer files)")
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
         return Example(row, text, ids, chat)

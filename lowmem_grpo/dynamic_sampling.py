@@ -47,7 +47,9 @@ class Rollouts:
         total = r.total[at]
         return Rollouts([self.examples[g] for g in groups], completions, [self.texts[i] for i in idx],
                         RewardResult(total, {k: v[at] for k, v in r.per_function.items()},
-                                     {k: n for k, n in r.errors.items()}, int(torch.isnan(total).sum())))
+                                     {k: n for k, n in r.errors.items()}, int(torch.isnan(total).sum()),
+                                     {k: list(v) for k, v in r.metrics.items()},
+                                     {k: [v[i] for i in idx] for k, v in r.extra.items()}))
 
     @staticmethod
     def cat(parts: list["Rollouts"], group_size: int) -> "Rollouts":
@@ -63,7 +65,15 @@ class Rollouts:
         for p in parts:
             for k, n in p.result.errors.items():
                 errors[k] = errors.get(k, 0) + n
-        return Rollouts(examples, completions, texts, RewardResult(total, per_fn, errors, int(torch.isnan(total).sum())))
+        metrics: dict = {}
+        for p in parts:
+            for k, v in p.result.metrics.items():
+                metrics.setdefault(k, []).extend(v)
+        n = [len(p.texts) for p in parts]
+        extra = {k: [x for p, m in zip(parts, n) for x in p.result.extra.get(k, [None] * m)]
+                 for k in dict.fromkeys(k for p in parts for k in p.result.extra)}
+        return Rollouts(examples, completions, texts,
+                        RewardResult(total, per_fn, errors, int(torch.isnan(total).sum()), metrics, extra))
 
 
 def fill_with_contrast(draws: list[Rollouts], wanted: int, group_size: int) -> tuple[Rollouts, dict]:

@@ -33,6 +33,10 @@ from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
 from .rollout.turns import environment_rewards, prompt_messages, prompt_text
 
 
+class EvalError(Exception):
+    """A `lowmem-grpo eval` option that cannot be used (e.g. an --out that cannot be written)."""
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """1 - C(n-c, k) / C(n, k), computed as 1 - prod_{i=n-c+1..n} (1 - k/i): no large binomials, no
     cancellation. n samples, c correct, 1 <= k <= n."""
@@ -58,18 +62,19 @@ def _generate(engine, rollout: Optional[Callable], examples: list, params: Sampl
     return rollout(examples, params) if rollout is not None else engine.generate([e.prompt_ids for e in examples], params)
 
 
-def _score(rewards, texts: list, completions: list, at: list):
-    """The RewardResult of completions[j], sampled for example at[j]."""
+def _score(rewards, texts: list, completions: list, at: list, step: int = 0):
+    """The RewardResult of completions[j], sampled for example at[j]; `step`: the training steps done (a
+    TRL-shaped reward's trainer_state.global_step)."""
     return rewards(texts, [prompt_text(c, e) for c, e in zip(completions, at)], [e.row for e in at],
-                   completion_ids=[c.token_ids for c in completions],
+                   completion_ids=[c.token_ids for c in completions], step=step,
                    prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, at)],
                    environment=environment_rewards(completions))
 
 
 def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = EVAL_BATCH,
            records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
-           rollout: Optional[Callable] = None, first_index: int = 0) -> dict:
-    """Greedy completions, one per prompt: accuracy (correct / counted), mean_reward (total reward summed
+           rollout: Optional[Callable] = None, first_index: int = 0, step: int = 0) -> dict:
+    """Greedy completions, one per prompt (scored as after `step` training steps): accuracy (correct / counted), mean_reward (total reward summed
     with skips as 0, over all prompts), n (prompts counted), correct and prompts (all of them, skipped ones
     too). `records` gets one dict per prompt, numbered from `first_index` (a process's share starts there).
     `rollout(examples, params)`: how completions are made, when not engine.generate (an environment)."""
@@ -78,7 +83,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         chunk = examples[i: i + batch_size]
         completions = _generate(engine, rollout, chunk, SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = _score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
+        result = _score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], step)
         judged = solved(result)
         correct += int(judged.correct.sum())
         counted += judged.counted
@@ -196,16 +201,36 @@ def resolve_adapter(path: str) -> tuple[Path, Optional[Path]]:
                          "(with adapter/), or an adapter folder (with adapter_config.json)")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
+    from .checkpoint import adapter_problem
     from .model import ModelLoadError, load_base_model, load_policy, load_tokenizer
 
     if model_dir:
         if not (Path(model_dir) / "config.json").is_file():
             raise ModelLoadError(f"--model {model_dir}: not a model folder (no config.json); "
                                  "give a merged/standalone model, e.g. EXPORT/merged")
+        # without them transformers builds an empty tokenizer: every prompt would be no tokens at all
+        if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelLoadError(f"--model {model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
+                                 "copy them from the base model's folder")
         cfg = recipe.model.model_copy(update={"name_or_path": str(model_dir)})
         return load_base_model(cfg), load_tokenizer(cfg)
-    return load_policy(recipe.model, recipe.lora, adapter_path=str(adapter) if adapter else None)
+    if adapter is None:
+        return load_policy(recipe.model, recipe.lora)
+    problem = adapter_problem(adapter)
+    if problem:
+        raise ModelLoadError(f"--adapter: {problem}")
+    try:
+        return load_policy(recipe.model, recipe.lora, adapter_path=str(adapter))
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # peft: a size mismatch or missing target modules, an adapter of another base model
+        first = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]  # torch: a header, then what
+        raise ModelLoadError(f"--adapter {adapter}: does not load onto model.name_or_path={recipe.model.name_or_path!r} "
+                             f"(was it trained on another base model?): {type(exc).__name__}: {first}") from None
 
 
 def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Optional[str] = None,
@@ -223,6 +248,11 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     adapter_dir, run_dir = resolve_adapter(adapter) if adapter else (None, None)
     if out_dir is None:
         out_dir = (run_dir / "eval" / f"{adapter_dir.parent.name}-{split}") if run_dir else Path(f"eval-{name}")
+    if world.main:  # now, not after the whole eval: an --out that cannot be written fails before any work
+        try:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EvalError(f"--out {out_dir}: cannot create the folder ({exc})") from None
     rewards, g = Rewards.from_recipe(recipe), recipe.generation   # (before the model: a bad reward fails fast)
     model, tok = _load(recipe, adapter_dir, model_dir)
     pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer)

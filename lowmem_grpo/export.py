@@ -40,10 +40,20 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
         raise ExportError(f"{run_dir}: not a run directory (no recipe.yaml)")
     recipe = load_recipe(recipe_path)
     adapter = find_adapter(run_dir, step)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / "adapter").exists():
-        shutil.rmtree(out_dir / "adapter")
-    shutil.copytree(adapter, out_dir / "adapter")
+    problem = ckpt.adapter_problem(adapter)
+    if problem:
+        raise ExportError(f"checkpoint {adapter.parent.name} cannot be exported: {problem}")
+    src, dst = adapter.resolve(), (out_dir / "adapter").resolve()
+    if src == dst or dst in src.parents or src in dst.parents:  # the rmtree below would delete the checkpoint itself
+        raise ExportError(f"--out {out_dir}: its adapter/ would overwrite the checkpoint being exported ({adapter}); "
+                          "choose a folder outside it")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if (out_dir / "adapter").exists():
+            shutil.rmtree(out_dir / "adapter")
+        shutil.copytree(adapter, out_dir / "adapter")
+    except OSError as exc:
+        raise ExportError(f"--out {out_dir}: cannot write the adapter there ({exc})") from None
     log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {out_dir / 'adapter'}")
     report = {"adapter": str(out_dir / "adapter"), "checkpoint": adapter.parent.name}
     if merged:
@@ -56,10 +66,18 @@ def merge_adapter(model_cfg, adapter: Path, out: Path, dtype: str = "float32", t
                   probe_data=None) -> dict:
     from peft import PeftModel
 
+    if out.exists() and not out.is_dir():  # transformers' save_pretrained only logs this, and writes nothing
+        raise ExportError(f"{out}: exists and is not a folder; the merged model is written there as a folder "
+                          "(remove it, or choose another --out)")
     cfg = model_cfg.model_copy(update={"compute_dtype": dtype})
     tokenizer = load_tokenizer(cfg)
     base = load_base_model(cfg, quantized=False)
-    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    try:
+        model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    except Exception as exc:  # a size mismatch or missing target modules: an adapter of another base model
+        first = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]  # torch: a header, then what
+        raise ExportError(f"the adapter {adapter} does not load onto model.name_or_path={model_cfg.name_or_path!r} "
+                          f"(was it trained on another base model?): {type(exc).__name__}: {first}") from None
     probes = _probe_ids(tokenizer, model.config.vocab_size, probe_data)
     with torch.no_grad():
         before = torch.cat([model(input_ids=p).logits.float().flatten() for p in probes])

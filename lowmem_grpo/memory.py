@@ -145,9 +145,13 @@ def parse_size(text: str) -> int:
     else:
         m = 1
     try:
-        return int(float(t) * m)
-    except ValueError:
-        raise MemoryModelError(f"cannot read a memory size from {text!r}; write e.g. 8GiB or 512MiB") from None
+        size = int(float(t) * m)
+    except (ValueError, OverflowError):   # OverflowError: 'inf', '1e400' (float reads them, int cannot)
+        size = 0
+    if size <= 0:
+        raise MemoryModelError(f"cannot read a memory size from {text!r}: expected a positive size, e.g. 8GiB or "
+                               "512MiB") from None
+    return size
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -53,14 +53,27 @@ def _jsonable(v):
 
 
 def read_metrics(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl ([] without one); see read_metrics_file."""
     path = Path(run_dir) / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+    return read_metrics_file(path)[0] if path.exists() else []
+
+
+def read_metrics_file(path: Path) -> tuple[list[dict], int]:
+    """(rows, lines skipped) of a metrics.jsonl: a row is a JSON object with an integer step. A line cut by a crash
+    (or still being written), or anything else, is skipped and counted rather than failing the reader."""
+    rows, skipped = [], 0
+    for line in Path(path).read_bytes().decode("utf-8", "replace").splitlines():
+        if not line.strip():
             continue
-    return rows
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
 
 
 def summary_line(row: dict) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -28,9 +29,22 @@ class ModelLoadError(Exception):
     pass
 
 
+def _not_a_folder(name: str) -> Optional[str]:
+    """Why `name` names neither a local folder nor a hub id, when it is written as a path that does not exist
+    (transformers would only say that it is not a valid repo id)."""
+    if Path(name).expanduser().is_dir():
+        return None
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists():
+        return (f"model.name_or_path={name!r}: no such model folder (a hub model is written as namespace/name, "
+                "e.g. Qwen/Qwen2.5-1.5B-Instruct)")
+    return None
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
+    if problem := _not_a_folder(cfg.name_or_path):
+        raise ModelLoadError(problem)
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -57,6 +71,8 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
             bnb_4bit_use_double_quant=cfg.double_quant,
         )
         kwargs["device_map"] = {"": device or default_device()}
+    if problem := _not_a_folder(cfg.name_or_path):
+        raise ModelLoadError(problem)
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     except (OSError, ValueError) as exc:

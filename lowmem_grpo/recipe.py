@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 
 class _Section(BaseModel):
-    # extra="forbid": a misspelt key is an error, not a silently ignored default.
-    model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=())
+    # extra="forbid": a misspelt key is an error, not a silently ignored default. allow_inf_nan=False: YAML's
+    # .nan / .inf would pass every bound check (a NaN compares false) and make NaN rewards or losses.
+    model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -55,12 +56,19 @@ class LoraConfig(_Section):
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Module names to adapt, or 'all-linear' for every linear layer but the LM head.")
 
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value):
+        if isinstance(value, list) and not value:  # peft refuses an empty list only once the model is loaded
+            raise ValueError("is an empty list; name at least one module (e.g. [q_proj, v_proj]) or write 'all-linear'")
+        return value
+
 
 class DataConfig(_Section):
     train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file, or a Hugging Face dataset split as hf:NAME[:CONFIG]@SPLIT (e.g. hf:openai/gsm8k:main@train; needs the data extra).")
     eval_path: str = Field("", description="Held-out prompts for evaluation (a file or hf:NAME[:CONFIG]@SPLIT); empty: eval_fraction's split of the training rows, or no evaluation.")
-    prompt_field: str = Field("prompt", description="Row field holding the question/prompt text, or a list of chat messages ({role, content}: TRL's conversational format), which the tokenizer's chat template renders as they are.")
-    answer_field: str = Field("answer", description="Row field holding the reference answer; the rewards that read it (math, exact) take it from here alone, and rows need it only when such a reward is on.")
+    prompt_field: str = Field("prompt", min_length=1, description="Row field holding the question/prompt text, or a list of chat messages ({role, content}: TRL's conversational format), which the tokenizer's chat template renders as they are.")
+    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference answer; the rewards that read it (math, exact) take it from here alone, and rows need it only when such a reward is on.")
     template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
     chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template (rows whose prompt is a list of messages always use it).")
     system_prompt: str = Field("", description="System message used with chat_template, and put first in a message-list prompt that has none.")
@@ -68,6 +76,14 @@ class DataConfig(_Section):
     max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are an error, or skipped with on_bad_row=skip.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Without eval_path: hold out this share of the training source's distinct prompts (all their rows) as the held-out set, never trained on; 0: no split.")
     split_seed: int = Field(0, ge=0, description="Seed of the eval_fraction split (separate from seed, so runs with different seeds share one held-out set).")
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, template: str) -> str:
+        problem = _template_problem(template)
+        if problem:
+            raise ValueError(problem)
+        return template
 
     @model_validator(mode="after")
     def _sources(self) -> "DataConfig":
@@ -87,6 +103,28 @@ class DataConfig(_Section):
         if problems:
             raise FieldProblems(problems)
         return self
+
+
+def _template_problem(template: str) -> Optional[str]:
+    """data.template's syntax, checked here so that `validate` reports it rather than every row at train time."""
+    import string
+
+    try:
+        parts = [(name, conversion) for _, name, _, conversion in string.Formatter().parse(template) if name is not None]
+        fields = [name for name, _ in parts]
+        bad = [c for _, c in parts if c not in (None, "r", "s", "a")]  # parse() accepts any; format() would not
+        if bad:
+            raise ValueError(f"unknown conversion '!{bad[0]}' (allowed: !r, !s, !a)")
+    except ValueError as exc:
+        return (f"is not a valid format string ({exc}); row fields go in braces, e.g. 'Q: {{question}}\\nA:', "
+                "and a literal brace is doubled ({{ or }})")
+    if not fields:  # every row would render to the same prompt: training on it is silently meaningless
+        return (f"names no row field ({template!r}), so every prompt would be the same text; "
+                "put {prompt} or another row field in braces")
+    positional = [f for f in fields if not f or f.split(".")[0].split("[")[0].isdigit()]
+    if positional:
+        return f"has a positional field {{{positional[0]}}}; fields are filled by name: {{prompt}} or another row field"
+    return None
 
 
 class RewardSpec(_Section):
@@ -264,6 +302,12 @@ class AlgorithmConfig(_Section):
         4, ge=1, le=64, description="dynamic_sampling: at most this many extra draws of prompts_per_step prompts per step; "
         "a step that still lacks groups trains on those it found.")
 
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_boolean(cls, value):
+        # TRL's GRPOConfig also takes true (= group) and false (= none): its users' recipes keep working
+        return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
+
     @model_validator(mode="after")
     def _combinations(self) -> "AlgorithmConfig":
         problems = []
@@ -338,6 +382,13 @@ class OptimizerConfig(_Section):
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
 
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas):
+        if not all(0 <= b < 1 for b in betas):  # torch.optim.AdamW would raise this only when the run starts
+            raise ValueError(f"each beta must be >= 0 and < 1, got {list(betas)}")
+        return betas
+
 
 class TrainConfig(_Section):
     steps: int = Field(100, ge=1, description="Optimizer steps per mu (i.e. batches of rollouts) to run.")
@@ -373,7 +424,7 @@ class TrainConfig(_Section):
 
 
 class OutputConfig(_Section):
-    dir: str = Field("runs/run", description="Run directory: metrics.jsonl, checkpoints/, recipe.yaml.")
+    dir: str = Field("runs/run", min_length=1, description="Run directory: metrics.jsonl, checkpoints/, recipe.yaml.")
     save_every: int = Field(50, ge=1, description="Write a checkpoint every N steps (and at the end).")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept on disk; older ones are deleted after a new one is complete.")
     log_every: int = Field(1, ge=1, description="Print a summary line every N steps.")
@@ -400,7 +451,8 @@ class Recipe(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batch sizes and loop length.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where the run writes.")
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="Multi-turn rollouts (an environment).")
-    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+    # le: numpy's seed (vLLM seeds it) takes 32 bits, torch.manual_seed 64; a larger one fails only at start-up
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="Seed for data order, sampling and initialisation.")
 
     @model_validator(mode="after")
     def _across_sections(self) -> "Recipe":
@@ -485,6 +537,8 @@ def _problems_from(exc: ValidationError, data: dict) -> list[tuple[str, str]]:
                          if (f"{key}.{field}" if key else field, m) not in problems]
             continue
         msg = err["msg"]
+        if err["type"] == "value_error":  # a field validator's own sentence, without pydantic's prefix
+            msg = msg.removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             section = ".".join(loc[:-1])
             msg = f"unknown key (known keys{' in ' + section if section else ''}: {', '.join(_known_keys(loc[:-1]))})"
@@ -535,9 +589,14 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
     """Read and validate a recipe file. `overrides` are 'a.b=value' strings (value parsed as YAML)."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(str(path), [("<file>", "not found")])
+        raise RecipeError(str(path), [("<file>", "is a directory, not a recipe file" if path.is_dir() else "not found")])
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as exc:
+        raise RecipeError(str(path), [("<file>", f"not UTF-8 text (byte {exc.start}: {exc.reason}); save the recipe "
+                                                 "as UTF-8")]) from None
+    except OSError as exc:
+        raise RecipeError(str(path), [("<file>", f"cannot be read ({exc.strerror or exc})")]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
@@ -548,6 +607,28 @@ def load_recipe(path: str | Path, overrides: Optional[list[str]] = None) -> Reci
             apply_override(data, item, str(path))
     recipe = recipe_from_dict(data, str(path))
     return _resolve_paths(recipe, path.parent)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error: YAML keeps the last one, so a second
+    `train:` section would silently drop every setting of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' merges, and may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+                seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first}); YAML would keep only the last one",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 def apply_override(data: dict, item: str, source: str = "<override>") -> None:

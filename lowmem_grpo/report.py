@@ -12,7 +12,7 @@ from typing import Optional
 
 import yaml
 
-from .metrics import read_metrics
+from .metrics import read_metrics_file
 
 FIGSIZE = (6.4, 3.6)  # inches; at DPI this is the PNG's size in pixels (no tight bbox, so it is exact)
 DPI = 80
@@ -22,11 +22,22 @@ class ReportError(Exception):
     pass
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _histogram(v) -> Optional[list]:
+    """A step's success_rate/hist as counts (two bins or more, none negative, some prompts), else None."""
+    if isinstance(v, list) and len(v) >= 2 and all(_number(x) and x >= 0 for x in v) and sum(v) > 0:
+        return v
+    return None
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        if _number(v):
             xs.append(r["step"])
             ys.append(float(v))
     return xs, ys
@@ -48,10 +59,12 @@ def _plot_lines(plt, rows, panels, title: str, path: Path) -> Optional[Path]:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=FIGSIZE, dpi=DPI, squeeze=False)
     for ax, keys in zip(axes[0], panels):
+        plotted = False
         for key, label in keys:
             xs, ys = _series(rows, key)
             if not xs:
                 continue
+            plotted = True
             if len(xs) > 40:  # raw faint, trend bold
                 line, = ax.plot(xs, ys, alpha=0.25, linewidth=0.8)
                 ax.plot(xs, _smooth(ys), color=line.get_color(), linewidth=1.5, label=label)
@@ -59,7 +72,8 @@ def _plot_lines(plt, rows, panels, title: str, path: Path) -> Optional[Path]:
                 ax.plot(xs, ys, marker="." if len(xs) < 15 else None, linewidth=1.2, label=label)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if plotted:  # (an empty panel has no labels: matplotlib warns)
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -70,8 +84,8 @@ def _plot_lines(plt, rows, panels, title: str, path: Path) -> Optional[Path]:
 def _plot_success_hist(plt, rows, path: Path) -> Optional[Path]:
     """Per-prompt success rate over time: each column a step, each row a bin 0, 1/G, ..., 1; colour = the
     fraction of the step's prompts in that bin. Mass at 0 and 1 gives no gradient (zero-std groups)."""
-    hist = [(r["step"], r["success_rate/hist"]) for r in rows
-            if isinstance(r.get("success_rate/hist"), list) and sum(r["success_rate/hist"]) > 0]
+    hist = [(r["step"], _histogram(r.get("success_rate/hist"))) for r in rows]
+    hist = [(step, h) for step, h in hist if h is not None]
     if not hist:
         return None
     import numpy as np
@@ -105,10 +119,12 @@ def render(run_dir, out_dir=None) -> dict:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ReportError(f"{run_dir}: no metrics.jsonl (not a run directory, or the run has not finished a step)")
-    rows = read_metrics(run_dir)
+    rows, skipped = read_metrics_file(run_dir / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r or "reward/mean" in r]
     if not steps:
-        raise ReportError(f"{run_dir / 'metrics.jsonl'}: no step rows to plot")
+        raise ReportError(f"{run_dir / 'metrics.jsonl'}: no step rows to plot"
+                          + (f" ({skipped} line(s) are not metrics rows: a JSON object with an integer step)"
+                             if skipped else ""))
     try:
         import matplotlib
 
@@ -117,10 +133,13 @@ def render(run_dir, out_dir=None) -> dict:
     except ImportError:
         raise ReportError("report needs matplotlib: pip install 'lowmem-grpo[plots]'") from None
     out = Path(out_dir) if out_dir else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ReportError(f"--out {out}: cannot create the folder ({exc})") from None
     fn_keys = sorted({k for r in steps for k in r if k.startswith("reward/") and k.count("/") == 1
                       and k not in ("reward/mean", "reward/std", "reward/skipped")})
-    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    evals = [r for r in rows if _number(r.get("eval/accuracy"))]
     figures = [
         ("reward.png", "Reward", [[("reward/mean", "total")] + [(k, k.split("/", 1)[1]) for k in fn_keys]]),
         ("success.png", "Success rate (train batches) and held-out accuracy",
@@ -144,15 +163,23 @@ def render(run_dir, out_dir=None) -> dict:
             images.append(name)
         if name == "success.png" and _plot_success_hist(plt, steps, out / "success_hist.png"):
             images.append("success_hist.png")
-    (out / "report.md").write_text(_markdown(run_dir, rows, steps, evals, images))
-    return {"report": out / "report.md", "images": [out / i for i in images]}
+    (out / "report.md").write_text(_markdown(run_dir, rows, steps, evals, images, skipped))
+    return {"report": out / "report.md", "images": [out / i for i in images], "skipped": skipped}
 
 
-def _markdown(run_dir: Path, rows, steps, evals, images) -> str:
-    recipe = {}
-    if (run_dir / "recipe.yaml").is_file():
-        recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
-    g = lambda sec, key: (recipe.get(sec) or {}).get(key, "?")
+def _recipe(run_dir: Path) -> dict:
+    """RUN/recipe.yaml as a mapping for the header, or {} (the header then shows '?'): the report reads metrics,
+    and a damaged recipe should not stop it."""
+    try:
+        recipe = yaml.safe_load((run_dir / "recipe.yaml").read_bytes().decode("utf-8", "replace"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return recipe if isinstance(recipe, dict) else {}
+
+
+def _markdown(run_dir: Path, rows, steps, evals, images, bad_lines: int = 0) -> str:
+    recipe = _recipe(run_dir)
+    g = lambda sec, key: (recipe.get(sec) if isinstance(recipe.get(sec), dict) else {}).get(key, "?")
     last = steps[-1]
     k = max(1, len(steps) // 10)  # "final" figures: the mean of the last tenth, less noisy than one step
     tail = lambda key: (lambda xs: sum(xs) / len(xs) if xs else None)(_series(steps[-k:], key)[1])
@@ -176,6 +203,9 @@ def _markdown(run_dir: Path, rows, steps, evals, images) -> str:
              f"| mean step time | {_fmt(sum(times) / len(times)) + ' s' if times else '-'} |",
              f"| total step time | {_fmt(sum(times) / 60) + ' min' if times else '-'} |",
              f"| peak memory | {f'{max(mem):.0f} MiB' if mem else '-'} |", ""]
+    if bad_lines:
+        lines += [f"({bad_lines} line(s) of metrics.jsonl skipped: not a JSON object with an integer step, e.g. a line "
+                  "cut by a crash.)", ""]
     if evals:
         lines += ["## Held-out accuracy", "", "| step | accuracy | mean reward | prompts |", "|---|---|---|---|"]
         lines += [f"| {r['step']} | {_fmt(r['eval/accuracy'], pct=True)} | {_fmt(r.get('eval/mean_reward'))} | "

@@ -29,6 +29,7 @@ import numpy as np
 from . import hub
 
 _CHUNK = 8 << 20       # bytes read at a time when indexing a file
+_BOM = b"\xef\xbb\xbf"   # UTF-8 byte order mark, which Windows editors and Excel put first
 
 
 class DataError(Exception):
@@ -125,10 +126,32 @@ class _JsonlSource(_File):
     def __init__(self, path: Path, label: str, limit: Optional[int] = None):
         super().__init__(path, label)
         self._starts, self._ends = self._index(limit)
+        self._not_json_lines()
+
+    def _not_json_lines(self) -> None:
+        """A file-level error for a JSON document in place of JSON Lines (a .json export as one array, or one
+        object pretty-printed over lines): otherwise every line would be a bad row, or worse, a few would parse."""
+        if not len(self):
+            return
+        first = self.read(int(self._starts[0]), int(self._ends[0]))
+        try:
+            self._parse(first)
+        except Unreadable:
+            head = first.strip()
+            try:  # an array of rows on one line; a list of plain values is only a bad row
+                rows_on_one_line = any(isinstance(r, dict) for r in json.loads(head)) if head[:1] == b"[" else False
+            except (ValueError, TypeError):
+                rows_on_one_line = False
+            if head in (b"[", b"{") or rows_on_one_line:
+                what = "an object spread over several lines" if head == b"{" else "an array"
+                raise DataError(f"{self.path}: holds one JSON document ({what}), not JSON Lines; expected one JSON "
+                                'object per line, e.g. {"prompt": "...", "answer": "..."}') from None
 
     def _index(self, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
         starts, ends, maybe = [], [], []
-        pos = line_start = rows = 0
+        # a leading BOM is not part of the first row (json.loads refuses it)
+        pos = line_start = len(_BOM) if _pread(self._fd, len(_BOM), 0) == _BOM else 0
+        rows = 0
         while pos < self.size:
             chunk = _pread(self._fd, _CHUNK, pos)
             if not chunk:
@@ -214,7 +237,8 @@ class _CsvSource(_File):
         def decoded(f):
             for raw in _lines(f.read):
                 pos[0] += len(raw)
-                yield raw.decode("utf-8")
+                # a leading BOM would otherwise become part of the first column's name
+                yield raw.decode("utf-8-sig" if pos[0] == len(raw) else "utf-8")
 
         with open(path, "rb") as f:
             reader = csv.reader(decoded(f))
@@ -329,20 +353,40 @@ def open_source(path: str, limit: Optional[int] = None):
             raise DataError(f"{path}: {exc}") from None
     else:
         p = Path(path)
+        if p.is_dir():
+            raise DataError(f"{path}: is a directory; give a .jsonl, .csv or .parquet file (a folder of such files: "
+                            f"hf:{path}@train)")
         if not p.is_file():
             raise DataError(f"{path}: file not found")
         suffix = p.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            return _JsonlSource(p, path, limit)
-        if suffix == ".csv":
-            return _CsvSource(p, path, limit)
+        try:
+            if suffix in (".jsonl", ".json"):
+                return _JsonlSource(p, path, limit)
+            if suffix == ".csv":
+                return _CsvSource(p, path, limit)
+        except OSError as exc:  # e.g. no permission to read it
+            raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
         if suffix != ".parquet":
             raise DataError(f"{path}: unknown file type {suffix!r}; allowed: .jsonl, .csv, .parquet")
+        if _parquet_rows(p, path) == 0:  # datasets' own error for it names no cause
+            raise DataError(f"{path}: no usable rows (the Parquet table is empty)")
         try:
             src = _ArrowSource(path, hub.load_file("parquet", p))
         except ValueError as exc:
             raise DataError(f"{path}: {exc}") from None
     return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
+
+
+def _parquet_rows(path: Path, label: str) -> int:
+    """The row count in a Parquet file's footer: a corrupt or truncated file fails here, in one line (datasets
+    would also log pyarrow's complaint before raising its own)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ...
+        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        raise DataError(f"{label}: cannot read it as parquet: {type(exc).__name__}: {first}") from None
 
 
 def read_rows(path: str) -> list[dict]:

@@ -151,6 +151,8 @@ class Trainer:
         start_ckpt = ckpt.latest(self.run_dir) if resume else None
         if resume and start_ckpt is None:
             raise TrainingError(f"{self.run_dir}: no complete checkpoint to resume from")
+        if start_ckpt is not None and (problem := ckpt.adapter_problem(start_ckpt / "adapter")):
+            raise TrainingError(_damaged(start_ckpt, problem))
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                  adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
         self.model.train()
@@ -196,7 +198,10 @@ class Trainer:
         self.optimizer_steps = 0  # taken by this process: whether a failed step has moved the weights yet
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
         if start_ckpt is not None:
-            saved = ckpt.load_trainer_state(start_ckpt)
+            try:
+                saved = ckpt.load_trainer_state(start_ckpt)
+            except Exception as exc:  # torch.load of a cut file: EOFError, RuntimeError, UnpicklingError, ...
+                raise TrainingError(_damaged(start_ckpt, f"trainer_state.pt: {type(exc).__name__}: {exc}")) from None
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
             self.step = saved["step"]
@@ -300,8 +305,8 @@ class Trainer:
         extra = {"dead_band": a.sign_dead_band} if a.advantage == "sign" else {}
         if a.reward_aggregation == "normalize_then_sum" and len(result.per_function) > 1:
             return normalize_then_sum_advantages([v.view(-1, g) for v in result.per_function.values()],
-                                                 self.rewards.weights,
-                                                 a.advantage, a.scale_rewards, **extra)
+                                                 self.rewards.weights, a.advantage, a.scale_rewards,
+                                                 scored=~torch.isnan(result.total.view(-1, g)), **extra)
         return group_advantages(result.total.view(-1, g), a.advantage, scale=a.scale_rewards, **extra)
 
     def pack(self, examples, completions, advantages: torch.Tensor, keep: list[int]) -> list[MicroBatch]:
@@ -570,7 +575,7 @@ class Trainer:
         examples = distributed.shard(self.eval_set.examples[: self.recipe.train.eval_max_prompts], self.world)
         batch = self.waves.eval if self.waves is not None and self.waves.split("eval") else EVAL_BATCH
         mine = greedy_eval(self.engine, self.tokenizer, self.rewards, examples, self.recipe.generation.max_new_tokens,
-                           batch_size=batch, rollout=self.generator(self.eval_set))
+                           batch_size=batch, rollout=self.generator(self.eval_set), step=self.step)
         return combine_greedy(distributed.gather(mine, self.world))
 
     def _write_eval(self, result: Optional[dict]) -> None:
@@ -715,6 +720,12 @@ class Trainer:
             self.engine.close()
         finally:
             self.metrics.close()
+
+
+def _damaged(checkpoint: Path, problem: str) -> str:
+    """The error for a checkpoint that cannot be read (written whole, so damaged since: a copy cut short, a disk)."""
+    return (f"cannot resume from {checkpoint}: {problem}. Move that folder out of {checkpoint.parent} to resume from "
+            "the checkpoint before it.")
 
 
 def _first_sentences(exc: BaseException) -> str:

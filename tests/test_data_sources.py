@@ -155,3 +155,91 @@ def test_trainer_holds_out_the_split_and_eval_uses_it(tiny_model_dir, tiny_data,
     assert out["final_eval"]["n"] == min(len(held), 100)
     # `lowmem-grpo eval --split test` reads the same held-out prompts
     assert [e.prompt_text for e in prompt_set(trainer.recipe.data, trainer.tokenizer, "test").examples] == held
+
+
+GOOD = {"prompt": "1+1=", "answer": "2"}
+
+
+def _open(path, **cfg):
+    return PromptSet(str(path), DataConfig(train_path=str(path), **cfg), tiny.build_tokenizer())
+
+
+def test_files_a_careless_user_makes(tmp_path):
+    """Byte order marks are read past; a JSON document or a folder in place of a JSONL file, and an empty or corrupt
+    Parquet file, are one error naming the file and what is expected."""
+    line = (json.dumps(GOOD) + "\r\n").encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + line * 2)   # as Windows editors save it
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbfprompt,answer\r\n1+1=,2\r\n")  # as Excel saves it
+    for name in ("bom.jsonl", "bom.csv"):
+        assert [e.row for e in _open(tmp_path / name).examples][0] == GOOD, name
+    (tmp_path / "array.json").write_text(json.dumps([GOOD] * 3, indent=2))
+    (tmp_path / "line.json").write_text(json.dumps([GOOD] * 3))
+    (tmp_path / "pretty.jsonl").write_text(json.dumps(GOOD, indent=2))
+    for name, what in (("array.json", "an array"), ("line.json", "an array"),
+                       ("pretty.jsonl", "an object spread over several lines")):
+        for skip in ("error", "skip"):  # not a bad row to skip: the whole file is in another format
+            with pytest.raises(DataError, match=rf"{name}: holds one JSON document \({what}\), not JSON Lines; "
+                                                r"expected one JSON object per line"):
+                _open(tmp_path / name, on_bad_row=skip)
+    tiny.write_jsonl([[1, 2], GOOD], tmp_path / "list.jsonl")  # a first row of plain values: only a bad row
+    assert len(_open(tmp_path / "list.jsonl", on_bad_row="skip")) == 1
+    with pytest.raises(DataError, match=rf"{tmp_path}: is a directory; give a .jsonl, .csv or .parquet file"):
+        _open(tmp_path)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    with pytest.raises(DataError, match=r"empty.parquet: no usable rows \(the Parquet table is empty\)"):
+        _open(tmp_path / "empty.parquet")
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1" + b"\0" * 20)
+    with pytest.raises(DataError, match=r"cut.parquet: cannot read it as parquet: ArrowInvalid"):
+        _open(tmp_path / "cut.parquet")
+
+
+class _NoTokens:
+    """A tokenizer that knows none of the text's characters (what transformers builds from a model folder
+    without tokenizer files)."""
+    bos_token_id, chat_template = None, None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": []}
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "1+1=", "answer": None}, r"field 'answer' is null \(the row has it, with no value\)"),
+    ({"prompt": {"role": "user", "content": "1+1="}, "answer": "2"},
+     r"the prompt field 'prompt' holds a mapping \(keys: content, role\); expected text, or a list of chat messages"),
+    ({"prompt": "  ", "answer": "2"}, "the prompt field 'prompt' is empty"),
+])
+def test_rows_that_would_be_garbage_are_bad_rows(tmp_path, row, message):
+    f = tmp_path / "d.jsonl"
+    tiny.write_jsonl([GOOD, row], f)
+    with pytest.raises(DataError, match=rf"d.jsonl: row 2: {message}"):
+        _open(f)
+    ps = _open(f, on_bad_row="skip")
+    assert len(ps) == 1 and len(ps.skipped) == 1
+
+
+def test_a_prompt_of_no_tokens_is_a_bad_row(tmp_path):
+    f = tmp_path / "d.jsonl"
+    tiny.write_jsonl([GOOD], f)
+    with pytest.raises(DataError, match=r"row 1: the prompt renders to no tokens .*tokenizer files"):
+        PromptSet(str(f), DataConfig(train_path=str(f)), _NoTokens())
+
+
+def test_a_file_that_cannot_be_opened(tmp_path, monkeypatch):
+    """(Permissions cannot be taken away from root, who runs the tests: the refusal is simulated.)"""
+    from lowmem_grpo import sources
+
+    f = tmp_path / "d.jsonl"
+    tiny.write_jsonl([GOOD], f)
+
+    def refuse(path, flags, *a):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(sources.os, "open", refuse)
+    for name in ("d.jsonl", "d.csv"):
+        (tmp_path / name).write_text(f.read_text())
+        with pytest.raises(DataError, match=rf"{name}: cannot be read \(Permission denied\)"):
+            _open(tmp_path / name)

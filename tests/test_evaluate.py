@@ -196,3 +196,78 @@ def test_eval_decodes_in_the_wave_its_budget_holds(tiny_model_dir, tiny_data, tm
     assert greedy[0] == greedy[1] and len(greedy[0]) == 7
     assert [(r["prompt_index"], r["sample"]) for r in tight if r["mode"] == "sample"] == \
         [(i, j) for i in range(7) for j in range(4)]
+
+
+def _fake_run(tiny_model_dir, tiny_data, run, **lora):
+    """A run directory with one checkpoint holding a fresh adapter of the tiny model (no training needed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.model import attach_lora
+    from lowmem_grpo.recipe import LoraConfig
+
+    d = recipe_dict(tiny_model_dir, tiny_data, run)
+    d["model"]["load_in_4bit"] = False
+    ckpt = run / "checkpoints" / "step-000001"
+    ckpt.mkdir(parents=True)
+    write_recipe(run / "recipe.yaml", d)
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(**{"r": 4, "alpha": 8, **lora}),
+                        gradient_checkpointing=False)
+    model.save_pretrained(ckpt / "adapter")
+    torch.save({"step": 1}, ckpt / "trainer_state.pt")
+    return ckpt / "adapter"
+
+
+@pytest.mark.slow(15)
+def test_damaged_checkpoints_and_folders_are_named_errors(tiny_model_dir, tiny_data, tmp_path):
+    """export and eval on a truncated or corrupt adapter, one of another base model, an --out that cannot be
+    written or that is the checkpoint itself, a model folder without its tokenizer: one line each, exit 2."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    def cli(*args):
+        res = CliRunner().invoke(main, [str(a) for a in args])
+        assert res.exit_code == 2 and isinstance(res.exception, SystemExit), (args, res.output, res.exception)
+        return res.output
+
+    recipe = tmp_path / "run.yaml"
+    for name, damage, says in (
+            ("cut", lambda a: (a / "adapter_model.safetensors").write_bytes(
+                (a / "adapter_model.safetensors").read_bytes()[:-8]), "unreadable, truncated or corrupt"),
+            ("cfg", lambda a: (a / "adapter_config.json").write_text("{not json"), "not a readable JSON file"),
+            ("gone", lambda a: (a / "adapter_model.safetensors").unlink(), "no adapter_model.safetensors")):
+        run = tmp_path / name
+        damage(_fake_run(tiny_model_dir, tiny_data, run))
+        shutil.copy(run / "recipe.yaml", recipe)
+        out = cli("export", run, "--out", tmp_path / "exp", "--adapter-only")
+        assert "checkpoint step-000001 cannot be exported" in out and says in out, out
+        out = cli("eval", recipe, "--adapter", run, "--split", "train")
+        assert f"--adapter: {run}" in out and says in out, out
+    run = tmp_path / "run"
+    adapter = _fake_run(tiny_model_dir, tiny_data, run, target_modules=["q_proj"], r=2)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))  # not the shape of its weights
+    out = cli("export", run, "--out", tmp_path / "exp")
+    assert "does not load onto model.name_or_path" in out and "size mismatch" in out, out
+    out = cli("eval", recipe, "--adapter", run, "--split", "train", "--set", "model.load_in_4bit=false")
+    assert "does not load onto model.name_or_path" in out and "size mismatch" in out, out
+    # an --out inside the checkpoint: export would delete the adapter it is about to copy
+    out = cli("export", run, "--out", adapter.parent, "--adapter-only")
+    assert "would overwrite the checkpoint being exported" in out and (adapter / "adapter_config.json").is_file()
+    (tmp_path / "afile").write_text("x")
+    assert "cannot write the adapter there" in cli("export", run, "--out", tmp_path / "afile" / "sub", "--adapter-only")
+    good = tmp_path / "good"
+    _fake_run(tiny_model_dir, tiny_data, good)
+    (tmp_path / "exp2").mkdir()
+    (tmp_path / "exp2" / "merged").write_text("x")  # a file where the merged model's folder goes
+    assert "merged: exists and is not a folder" in cli("export", good, "--out", tmp_path / "exp2")
+    assert "--out" in cli("eval", recipe, "--split", "train", "--out", tmp_path / "afile" / "sub")
+    bare = tmp_path / "bare"  # a model folder without tokenizer files: transformers would build an empty tokenizer
+    bare.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, bare / f.name)
+    assert "no tokenizer files" in cli("eval", recipe, "--model", bare, "--split", "train")

@@ -437,6 +437,28 @@ def test_normalize_then_sum_equals_hand_formula(scale):
     assert (adv[2] != 0).all()  # one function without contrast, the other with: that one decides
 
 
+def test_normalize_then_sum_leaves_a_not_applicable_score_out_of_that_function_alone():
+    """A scored completion one function returned NaN for (a TRL-shaped None: "does not apply") is out of that
+    function's group statistics and adds 0 to the sum; the other functions still score it (TRL's
+    multi_objective_aggregation="normalize_then_sum"). An unscored completion gets 0 and is in no statistic."""
+    a = [[1.0, 0.0, 1.0, 0.0, 1.0]]
+    b = [[NAN, 1.0, 0.0, 0.0, NAN]]
+    scored = torch.tensor([[True, True, True, True, False]])   # the last: every function skipped it, say
+    adv = normalize_then_sum_advantages([torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)],
+                                        [1.0, 1.0], scored=scored)
+    # by hand, over the scored completions 0-3: a's group advantage on all four, b's on 1-3 (0 on completion 0)
+    a1 = _hand_group_adv(a[0][:4], [True] * 4, divide=True)
+    b1 = _hand_group_adv(b[0][:4], [False, True, True, True], divide=True)
+    s = [x + y for x, y in zip(a1, b1)]
+    sd = _hand_std(s)
+    _close(adv.view(-1), [x / (sd + STD_EPS) for x in s] + [0.0])
+    assert adv[0, 0] > 0 and adv[0, 4] == 0   # completion 0 keeps a's credit; the unscored one has none
+    # without `scored`, a completion any function left out is skipped for all (the lowmem-convention meaning)
+    skipped = normalize_then_sum_advantages([torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)],
+                                            [1.0, 1.0])
+    assert skipped[0, 0] == 0 and skipped[0, 4] == 0
+
+
 def test_normalize_then_sum_needs_one_weight_per_function():
     with pytest.raises(ValueError, match="one weight per reward function"):
         normalize_then_sum_advantages([torch.zeros(1, 2)], [1.0, 2.0])

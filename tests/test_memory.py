@@ -136,9 +136,10 @@ def test_parse_size(text, expected):
     assert mm.parse_size(text) == expected
 
 
-def test_parse_size_rejects_garbage():
-    with pytest.raises(mm.MemoryModelError, match="8GiB"):
-        mm.parse_size("lots")
+@pytest.mark.parametrize("text", ["lots", "inf", "1e400", "-8GiB", "0"])   # float() reads all but the first
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(mm.MemoryModelError, match="positive size, e.g. 8GiB"):
+        mm.parse_size(text)
 
 
 def test_eval_counts_for_a_held_out_file_or_split(tiny_model_dir, tiny_data, tmp_path):

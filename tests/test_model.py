@@ -84,5 +84,9 @@ def test_lm_head_is_plain_and_frozen(tiny_model_dir):
 def test_missing_model_is_a_clear_error(tmp_path):
     from lowmem_grpo.model import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="model.name_or_path"):
+    with pytest.raises(ModelLoadError, match="model.name_or_path.*: no such model folder"):
         load_policy(_cfg(tmp_path / "nope"), LoraConfig())
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for name in ("runs/quickstart/bsae", "./base", str(tmp_path / "weights.bin")):   # paths, not hub ids
+        with pytest.raises(ModelLoadError, match="no such model folder"):
+            load_policy(_cfg(name), LoraConfig())

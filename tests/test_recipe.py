@@ -87,3 +87,59 @@ def test_every_field_has_a_meaning_and_readme_reference_is_current():
     spec.loader.exec_module(gen)
     assert gen.reference_block() in (ROOT / "README.md").read_text(), \
         "README recipe reference is stale: run python scripts/gen_recipe_reference.py --write"
+
+
+def test_careless_recipe_values_are_named_errors(tmp_path):
+    """Values that pydantic's types let through but a run cannot use: each names its key and what is allowed."""
+    bad = {**MIN, "data": {"train_path": "t.jsonl", "template": "What is it?", "prompt_field": ""},
+           "rewards": {"functions": [{"function": "math", "weight": float("nan")}]},
+           "algorithm": {"epsilon_high": float("inf")},
+           "optimizer": {"betas": [1.5, 0.9]},
+           "lora": {"target_modules": []},
+           "output": {"dir": ""},
+           "seed": 2**70}
+    p = problems(bad)
+    assert set(p) == {"data.template", "data.prompt_field", "rewards.functions.0.weight", "algorithm.epsilon_high",
+                      "optimizer.betas", "lora.target_modules", "output.dir", "seed"}, p
+    assert "every prompt would be the same text" in p["data.template"]
+    assert "finite number" in p["rewards.functions.0.weight"] and "finite number" in p["algorithm.epsilon_high"]
+    assert p["optimizer.betas"] == "each beta must be >= 0 and < 1, got [1.5, 0.9]"  # (without pydantic's prefix)
+    assert "empty list" in p["lora.target_modules"] and "all-linear" in p["lora.target_modules"]
+    assert "allowed: <= 4294967295" in p["seed"]
+    for template, says in (("{prompt", "not a valid format string"), ("{0} and {prompt}", "positional field {0}"),
+                           ("{prompt!x}", "unknown conversion '!x'")):
+        assert says in problems({**MIN, "data": {"train_path": "t.jsonl", "template": template}})["data.template"]
+
+
+def test_unreadable_recipe_files_are_named_errors(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_bytes(b"model:\n  name_or_path: caf\xe9\n")  # Latin-1, not UTF-8
+    with pytest.raises(RecipeError, match=r"<file>: not UTF-8 text \(byte 26"):
+        load_recipe(f)
+    # YAML keeps the last of two equal keys: the first section's settings would vanish without a word
+    f.write_text("train:\n  steps: 5\nmodel:\n  name_or_path: m\ntrain:\n  prompts_per_step: 2\n")
+    with pytest.raises(RecipeError, match=r"line 5, column 1: duplicate key 'train' \(first at line 1\)"):
+        load_recipe(f)
+    f.write_text("model: {name_or_path: m, <<: {x: 1}}\ndata: {train_path: t.jsonl}\n")  # a merge key is no duplicate
+    with pytest.raises(RecipeError, match=r"model.x: unknown key"):
+        load_recipe(f)
+    with pytest.raises(RecipeError, match="<file>: is a directory"):
+        load_recipe(tmp_path)
+
+
+def test_cli_options_a_careless_user_gets_wrong(tmp_path):
+    """In-process (no model is loaded): each a one-line error, exit 2, no traceback."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump(MIN))
+    for memory in ("1e400", "inf", "-8GiB", "0"):  # float() reads these; no card has them
+        res = CliRunner().invoke(main, ["estimate", str(f), "--memory", memory])
+        assert res.exit_code == 2 and f"{memory!r}: expected a positive size" in res.output, res.output
+    (tmp_path / "run").mkdir()
+    res = CliRunner().invoke(main, ["train", str(f), "--resume", str(tmp_path / "run")])  # RECIPE would be ignored
+    assert res.exit_code == 2 and "not both" in res.output and res.exception.__class__ is SystemExit
+    res = CliRunner().invoke(main, ["train", "--resume", str(tmp_path / "run")])
+    assert res.exit_code == 2 and "is not a run directory (no recipe.yaml in it)" in res.output

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
 import sys
+import warnings
 
 from conftest import QUIET, recipe_dict
 from lowmem_grpo.recipe import recipe_from_dict
@@ -53,3 +55,32 @@ def test_report_needs_a_run_with_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
     p = _cli("report", str(tmp_path))
     assert p.returncode == 2 and "no step rows" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_report_on_damaged_metrics_and_recipe(tmp_path):
+    """Lines that are not metrics rows (a crash's cut line, stray JSON, non-UTF-8 bytes, a row without its step) are
+    skipped and counted; malformed values are left out of the plots; a broken recipe.yaml only blanks the header."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 0.1 * s, "reward/mean": 0.5, "success_rate": 0.25, "time/step_s": 1.0,  # no memory
+             "success_rate/hist": [3, 1] if s != 2 else [3]} for s in (1, 2, 3)]   # a one-bin histogram
+    rows[2]["success_rate/hist"] = ["a", 1]
+    lines = [json.dumps(r) for r in rows] + ["[1, 2]", "5", "null", '{"loss": 1.0}', '{"step": 4, "eval/accuracy": "high"}']
+    (run / "metrics.jsonl").write_bytes("\n".join(lines).encode() + b'\n{"step": 5, "loss": \xff}\n{"step": 6, "lo')
+    (run / "recipe.yaml").write_text("model: [\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0 and res.exception is None, res.output
+    assert not [w for w in caught if "No artists with labels" in str(w.message)]  # the empty memory panel: no legend
+    assert "(6 unreadable line(s) of metrics.jsonl skipped)" in res.output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "6 line(s) of metrics.jsonl skipped" in md and "Model `?`" in md and "Held-out accuracy" not in md
+    assert (tmp_path / "rep" / "success_hist.png").is_file()   # from the one well-formed histogram
+    (tmp_path / "afile").write_text("x")
+    res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "afile" / "sub")])
+    assert res.exit_code == 2 and "--out" in res.output and "cannot create the folder" in res.output

@@ -1,6 +1,7 @@
 """End-to-end training on the tiny model: metrics, checkpoints, resume determinism, export, CLI."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from conftest import QUIET, recipe_dict, straight_and_resumed, write_recipe
 from lowmem_grpo import checkpoint as ckpt
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import load_recipe, recipe_from_dict
-from lowmem_grpo.train import Trainer
+from lowmem_grpo.train import Trainer, TrainingError
 
 
 
@@ -59,7 +60,16 @@ def test_half_written_checkpoint_is_never_picked(tiny_model_dir, tiny_data, tmp_
     root = tmp_path / "run" / "checkpoints"
     (root / ".tmp-step-000009").mkdir()          # a save interrupted before its rename
     (root / "step-000010").mkdir()               # a folder with no trainer state
+    shutil.copytree(root / "step-000002", root / "step-000002-old")   # a user's copy: not a step number
     assert ckpt.latest(tmp_path / "run").name == "step-000002"
+    # a checkpoint damaged after it was written (a copy cut short): one error naming the file, no traceback
+    for name in ("trainer_state.pt", "adapter/adapter_model.safetensors"):
+        shutil.rmtree(root / "step-000002")
+        shutil.copytree(root / "step-000002-old", root / "step-000002")
+        data = (root / "step-000002" / name).read_bytes()
+        (root / "step-000002" / name).write_bytes(data[: len(data) // 2])
+        with pytest.raises(TrainingError, match=f"cannot resume from .*step-000002: .*{name.split('/')[-1]}"):
+            Trainer(r, resume=True, **QUIET)
 
 
 def test_export_merged_equals_base_plus_adapter(tiny_model_dir, tiny_data, tmp_path):

@@ -6,7 +6,11 @@ The formulas themselves are checked against hand evaluations in tests/test_loss_
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +221,74 @@ def test_defaults_leave_the_loss_unchanged(tiny_model_dir, tiny_data, tmp_path, 
     Trainer(recipe_from_dict(d), **QUIET).fit()
     assert calls and all(c["level"] == "token" and c["delta"] is None and c["pg_weight"] is None
                          and c["entropy"] is None and c["entropy_coef"] == 0 for c in calls)
+
+
+# ----------------------------------------------------------------------------------------------------
+# README "Coming from TRL" against the installed TRL's GRPOConfig (read from its source: importing trl is slow)
+
+def _class_defaults(path: Path, name: str) -> dict:
+    """{field: default} of the dataclass `name` in the file `path`: each annotated class attribute, its
+    field(default=...) as a Python literal (the source text when it is not one; '(none)' without a default)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            out = {}
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                    default = "(none)"
+                    value = st.value
+                    if isinstance(value, ast.Call):
+                        value = next((kw.value for kw in value.keywords if kw.arg == "default"), None)
+                    if value is not None:
+                        try:
+                            default = ast.literal_eval(value)
+                        except ValueError:
+                            default = ast.unparse(value)
+                    out[st.target.id] = default
+            return out
+    raise AssertionError(f"no class {name} in {path}")
+
+
+def _trl_configs() -> tuple[dict, dict]:
+    """({GRPO-specific GRPOConfig field: default}, {every field GRPOConfig has: its default}) of the installed
+    TRL; GRPO-specific: not a transformers TrainingArguments field."""
+    trl, transformers = (importlib.util.find_spec(n) for n in ("trl", "transformers"))
+    if trl is None:
+        pytest.skip("trl is not installed (the test extra)")
+    trl_dir, tf_dir = Path(trl.origin).parent / "trainer", Path(transformers.origin).parent
+    training_args = _class_defaults(tf_dir / "training_args.py", "TrainingArguments")
+    base = _class_defaults(trl_dir / "base_config.py", "_BaseConfig")
+    grpo = _class_defaults(trl_dir / "grpo_config.py", "GRPOConfig")
+    return ({k: v for k, v in grpo.items() if k not in training_args}, {**training_args, **base, **grpo})
+
+
+def _trl_section() -> str:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    return text.split("### Coming from TRL", 1)[1].split("\n## ", 1)[0]
+
+
+def test_every_grpo_config_field_is_in_the_readmes_trl_section():
+    """Each GRPO setting a TRL user knows is mapped to a recipe key in the table, or named as not here (yet)."""
+    specific, _ = _trl_configs()
+    named = set(re.findall(r"`(\w+)", _trl_section()))
+    assert len(specific) > 50
+    assert not sorted(set(specific) - named), sorted(set(specific) - named)
+
+
+def test_the_trl_defaults_the_readme_states_are_trls():
+    """The section's list of TRL defaults that are not ours ("`name: value`") holds TRL's actual defaults."""
+    _, every = _trl_configs()
+    section = _trl_section()
+    assert "TRL defaults that are not ours" in section
+    listed = section.split("TRL defaults that are not ours", 1)[1].split("\n\n", 1)[0]
+    claims = re.findall(r"`(\w+): ([^`]+)`", listed)
+    claims = [(k, v) for k, v in claims if k in every]   # (`algorithm.kl_target: ref` is ours)
+    assert len(claims) >= 8, claims
+    wrong = [(k, v, every[k]) for k, v in claims if str(every[k]) != v]
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("value, meant", [(True, "group"), (False, "none"), ("batch", "batch")])
+def test_trls_boolean_scale_rewards_is_read_as_trl_means_it(value, meant):
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    assert AlgorithmConfig(scale_rewards=value).scale_rewards == meant

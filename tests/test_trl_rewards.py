@@ -5,8 +5,11 @@ chat-format datasets (the prompt field a list of messages) are rendered with the
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -20,6 +23,7 @@ from lowmem_grpo.data import DataError, PromptSet, split_rows
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import DataConfig, RecipeError, RewardsConfig, recipe_from_dict
 from lowmem_grpo.rewards import RewardError, Rewards, TrainerState, calling_convention, resolve
+from lowmem_grpo.rewards.conventions import TRL_NOT_PASSED, TRL_PASSED
 
 # Role markers in characters the tiny tokenizer has: a system message as *text*, any other as (text), then
 # '=' opens the assistant's turn.
@@ -73,7 +77,8 @@ def test_trl_documented_rewards_train_on_chat_data(chat_model_dir, tmp_path, mon
     tiny.write_jsonl(chat_rows(4, seed=2), test)
     d = recipe_dict(chat_model_dir, (train, test), tmp_path / "run", train={"steps": 2, "eval_max_prompts": 2},
                     rewards={"functions": [{"function": "trl_style_rewards:accuracy_reward"},
-                                           {"function": "trl_style_rewards:format_reward", "weight": 0.5}]})
+                                           {"function": "trl_style_rewards:format_reward", "weight": 0.5},
+                                           {"function": "trl_style_rewards:logs_metric", "weight": 0.0}]})
     Trainer(recipe_from_dict(d), **QUIET).fit()
 
     steps = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
@@ -81,6 +86,7 @@ def test_trl_documented_rewards_train_on_chat_data(chat_model_dir, tmp_path, mon
     for row in steps:
         assert row["reward/accuracy_reward"] is not None and row["reward/format_reward"] is not None
         assert row["reward/skipped"] == 0       # every completion scored: the model always has a solution
+        assert isinstance(row["reward_metric/mean_length"], float)   # TRL's log_metric, in the step's row
     tok = tiny.build_tokenizer()
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     train_calls = [c for c in calls if len(c["completions"]) == 2 * 4]   # prompts_per_step x num_generations
@@ -100,6 +106,7 @@ def test_trl_documented_rewards_train_on_chat_data(chat_model_dir, tmp_path, mon
                [comp[0]["content"] for comp in c["completions"]]
     evals = [c for c in calls if c not in train_calls]     # evaluation (greedy, before and after) gets chat prompts too
     assert evals and all(isinstance(p, list) for c in evals for p in c["prompts"])
+    assert [c["global_step"] for c in evals] == [0, 2]   # evaluation before step 1 and after step 2, as TRL's
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -110,6 +117,8 @@ def test_trl_documented_rewards_train_on_chat_data(chat_model_dir, tmp_path, mon
     ("trl_style_rewards:format_reward", "trl"),       # (completions, **kwargs)
     ("trl_style_rewards:strict_keywords", "trl"),     # (completions, prompts, scale): no **kwargs
     ("trl_style_rewards:slow_half", "trl"),           # async def
+    ("trl_style_rewards:length_penalty", "trl"),      # a callable instance without __name__: (completion_ids, **kw)
+    ("trl_style_rewards:async_judge", "trl"),         # an instance with an async __call__
     ("user_rewards:digit_count", "lowmem"),           # (completions, *, prompts, rows, ...)
     ("user_rewards:has_digit", "trl"),                # (completions, **_): either way for a text dataset
     ("trl_style_rewards:slow_one", "lowmem"),         # async def with rows
@@ -170,6 +179,65 @@ def test_recipe_kwargs_reach_a_trl_function_and_are_checked():
         rewards({"function": "trl_style_rewards:strict_keywords", "kwargs": {"scael": 3.0}})
     with pytest.raises(RewardError, match=r"kwargs\.completion_ids: .*passed by the trainer"):
         rewards({"function": "trl_style_rewards:format_reward", "kwargs": {"completion_ids": []}})
+
+
+def test_every_argument_trls_trainer_passes_is_passed_or_documented_as_not():
+    """The keyword arguments the installed TRL's GRPOTrainer gives reward functions (read from its source) are
+    passed here (TRL_PASSED) or named in TRL_NOT_PASSED, and the README's TRL section names those."""
+    spec = importlib.util.find_spec("trl")
+    if spec is None:
+        pytest.skip("trl is not installed (the test extra)")
+    source = (Path(spec.origin).parent / "trainer" / "grpo_trainer.py").read_text(encoding="utf-8")
+    assert "prompts=prompts, completions=completions, completion_ids=completion_ids_list, **reward_kwargs" in source
+    passed = {"prompts", "completions", "completion_ids"} | set(re.findall(r'^\s*reward_kwargs\["(\w+)"\]\s*=', source, re.M))
+    assert "trainer_state" in passed
+    assert not passed - set(TRL_PASSED) - set(TRL_NOT_PASSED), sorted(passed - set(TRL_PASSED) - set(TRL_NOT_PASSED))
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("#### Reward functions written for TRL", 1)[1].split("\n## ", 1)[0]
+    assert not [n for n in TRL_NOT_PASSED if f"`{n}`" not in section]
+
+
+@pytest.mark.parametrize("function,argument", [
+    ("trl_style_rewards:reads_environments", "environments"),
+])
+def test_an_argument_trl_passes_and_this_trainer_does_not_is_named_at_load(tmp_path, function, argument):
+    """TRL 1.16 also passes log_metric=, log_extra= (and environments= with an environment_factory): a function
+    that requires one fails when the run starts (and in validate), naming it, not at its first batch as a
+    'missing dataset column'."""
+    why = (rf"reward '{function}' requires `{argument}` \(.*\), which TRL's GRPOTrainer passes and lowmem-grpo "
+           rf"does not: give the parameter a default \({argument}=None\)")
+    with pytest.raises(RewardError, match=rf"rewards\.functions\.0\.function: {why}"):
+        rewards(function)
+    with pytest.raises(RewardError, match=why):
+        rewards({"function": function, "convention": "trl"})
+    res = _validate(tmp_path, {"function": function})
+    assert res.exit_code == 2 and f"rewards.functions.0.function: reward '{function}' requires `{argument}`" in res.output
+
+
+def test_log_metric_log_extra_and_max_steps_reach_trl_functions():
+    r = Rewards(RewardsConfig.model_validate({"functions": [{"function": "trl_style_rewards:logs_metric"},
+                                                            {"function": "trl_style_rewards:logs_extra"},
+                                                            {"function": "trl_style_rewards:logs_metric_if_given"},
+                                                            {"function": "trl_style_rewards:curriculum"}]}),
+                answer_field="answer", max_steps=10)
+    res = r(["ab", "abcd"], ["p", "q"], [{"prompt": "p"}] * 2, step=4)
+    assert res.metrics == {"mean_length": [3.0], "calls": [1.0]} and res.extra == {"length": [2, 4]}
+    assert res.per_function["curriculum"].tolist() == [0.4, 0.4]        # global_step / max_steps
+    with pytest.raises(RewardError, match=r"log_extra\('length', \.\.\.\) was given 3 values for 2 completions"):
+        rewards("trl_style_rewards:logs_extra_wrong")(["ab", "abcd"], ["p", "q"], [{"prompt": "p"}] * 2)
+
+
+def test_the_chat_hint_is_given_only_for_a_text_vs_messages_error():
+    with pytest.raises(RewardError) as info:
+        rewards("trl_style_rewards:curriculum")(["a"], ["(1)="], [{"prompt": user("1")}], prompt_messages=[user("1")])
+    assert "ZeroDivisionError" in str(info.value) and "on chat prompts" not in str(info.value)
+
+
+def test_callable_instances_are_named_by_their_attribute_and_awaited():
+    r = rewards("trl_style_rewards:length_penalty", "trl_style_rewards:async_judge")
+    res = r(["a", "bcd"], ["p", "q"], [{"prompt": "p"}] * 2, completion_ids=[[1], [1, 2, 3]])
+    assert list(res.per_function) == ["length_penalty", "async_judge"]
+    assert res.per_function["length_penalty"].tolist() == [0.0, -1.0] and res.total.tolist() == [0.5, -0.5]
 
 
 def test_a_function_without_var_kwargs_gets_only_what_it_names():
@@ -361,3 +429,23 @@ def test_validate_reports_a_misfit_and_the_detected_conventions(tmp_path):
 def test_trainer_state_and_resolve():
     assert TrainerState(global_step=3).global_step == 3
     assert calling_convention("f", resolve("trl_style_rewards:format_reward")) == ("trl", [])
+
+
+def test_normalize_then_sum_gives_a_completion_a_trl_function_left_out_the_others_credit():
+    """With algorithm.reward_aggregation: normalize_then_sum, a TRL-shaped None is 'does not apply' there too:
+    the trainer scores the completion with the other functions (TRL's multi_objective_aggregation)."""
+    from types import SimpleNamespace
+
+    from lowmem_grpo.train import Trainer
+
+    r = Rewards(RewardsConfig.model_validate({"functions": [{"function": "trl_style_rewards:text_length"},
+                                                            {"function": "trl_style_rewards:half_applies"}]}),
+                answer_field="answer")
+    texts = ["123", "x", "1", "xyz"]      # text_length: 3, 1, 1, 3; half_applies: 1.0, None, 1.0, None
+    result = r(texts, ["1+1="] * 4, [{"prompt": "1+1="}] * 4)
+    recipe = recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+                               "generation": {"num_generations": 4},
+                               "algorithm": {"reward_aggregation": "normalize_then_sum"}})
+    adv = Trainer.advantages(SimpleNamespace(recipe=recipe, rewards=r), result).view(-1)
+    assert result.skipped == 0
+    assert adv[0] > 0 and adv[3] > 0 and adv[1] < 0 and adv[2] < 0   # 1 and 3 keep their length's credit

@@ -17,7 +17,11 @@ def _record(name, **got):
             f.write(json.dumps({"function": name, **got}, default=repr) + "\n")
 
 
+_LOGGERS = ("log_metric", "log_extra")   # TRL's logging callables, passed with the columns
+
+
 def _describe(prompts, completions, completion_ids, trainer_state, kwargs):
+    kwargs = {k: v for k, v in kwargs.items() if k not in _LOGGERS}
     return dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                 global_step=getattr(trainer_state, "global_step", None), columns=sorted(kwargs),
                 column_lengths={k: len(v) for k, v in kwargs.items() if isinstance(v, list)})
@@ -120,3 +124,58 @@ def text_accuracy(prompts, completions, completion_ids, trainer_state, **kwargs)
     _record("text_accuracy", solution=kwargs.get("solution"),
             **_describe(prompts, completions, completion_ids, trainer_state, kwargs))
     return [float(c.strip() == str(s)) for c, s in zip(completions, kwargs["solution"])]
+
+
+def logs_metric(completions, log_metric, **kwargs):
+    """TRL 1.16's reward-side metric logging, required."""
+    log_metric("mean_length", sum(len(c) for c in completions) / len(completions))
+    return [0.0] * len(completions)
+
+
+def logs_extra(completions, log_extra, **kwargs):
+    """TRL 1.16's extra completions-table column, required."""
+    log_extra("length", [len(c) for c in completions])
+    return [0.0] * len(completions)
+
+
+def reads_environments(completions, environments, **kwargs):
+    """TRL's environment_factory instances, one per completion."""
+    return [float(env.reward) for env in environments]
+
+
+def logs_metric_if_given(completions, log_metric=None, **kwargs):
+    """Uses log_metric only when the trainer passes it."""
+    if log_metric is not None:
+        log_metric("calls", 1.0)
+    return [1.0] * len(completions)
+
+
+class LengthPenalty:
+    """A callable instance without __name__, as TRL's reward factories return (get_soft_overlong_punishment):
+    reads completion_ids only. -1 past `limit` tokens, else 0."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __call__(self, completion_ids, **kwargs):
+        return [-1.0 if len(ids) > self.limit else 0.0 for ids in completion_ids]
+
+
+class AsyncJudge:
+    async def __call__(self, prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [0.5] * len(completions)
+
+
+length_penalty = LengthPenalty(limit=2)   # named in a recipe as 'trl_style_rewards:length_penalty'
+async_judge = AsyncJudge()
+
+
+def logs_extra_wrong(completions, log_extra, **kwargs):
+    log_extra("length", [0] * (len(completions) + 1))
+    return [0.0] * len(completions)
+
+
+def curriculum(completions, trainer_state, **kwargs):
+    """A curriculum weight: the fraction of the run done (TrainerState.global_step / max_steps)."""
+    return [trainer_state.global_step / trainer_state.max_steps] * len(completions)

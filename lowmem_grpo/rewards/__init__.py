@@ -93,13 +93,16 @@ class RewardResult:
     per_function: dict[str, torch.Tensor]  # name -> [n] (NaN = skipped, or not applicable for a TRL-shaped function)
     errors: dict[str, int] = field(default_factory=dict)  # name -> completions scored 0 after an error
     skipped: int = 0
+    metrics: dict[str, list] = field(default_factory=dict)  # TRL's log_metric(name, value): name -> the values logged
+    extra: dict[str, list] = field(default_factory=dict)    # TRL's log_extra(column, values): one value per completion
 
 
 @dataclass(frozen=True)
 class TrainerState:
     """`trainer_state=` of a TRL-shaped function: the part of transformers' TrainerState a reward reads."""
 
-    global_step: int = 0   # optimizer steps done before this batch (0 during the first)
+    global_step: int = 0   # steps (batches) done before this batch (0 during the first)
+    max_steps: int = 0     # train.steps: the run's steps (0 when not given)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,11 +183,13 @@ class Rewards:
     (they get it as prompts=). Rewards.from_recipe passes all three."""
 
     def __init__(self, cfg: RewardsConfig, *, answer_field: str, max_new_tokens: Optional[int] = None,
-                 prompt_field: str = "prompt", environment_weight: Optional[float] = None):
+                 prompt_field: str = "prompt", environment_weight: Optional[float] = None,
+                 max_steps: Optional[int] = None):
         if not isinstance(answer_field, str) or not answer_field:
             raise RewardError(f"answer_field must be a non-empty row field name (data.answer_field), got {answer_field!r}")
         self.cfg = cfg
         self.answer_field, self.max_new_tokens, self.prompt_field = answer_field, max_new_tokens, prompt_field
+        self.max_steps = max_steps or 0          # trainer_state.max_steps of TRL-shaped functions
         # environment.reward_weight when the recipe names an environment (docs/algorithm.md §20), else None
         self.environment_weight = environment_weight
         self.functions = []                      # (label, fn, weight, kwargs it is always called with)
@@ -217,7 +222,8 @@ class Rewards:
         env = getattr(recipe, "environment", None)
         return cls(recipe.rewards, answer_field=recipe.data.answer_field,
                    max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field,
-                   environment_weight=env.reward_weight if env is not None and env.name else None)
+                   environment_weight=env.reward_weight if env is not None and env.name else None,
+                   max_steps=recipe.train.steps)
 
     def _load(self, label: str, spec, fn: Callable, max_new_tokens: Optional[int]) -> tuple[dict, str, list]:
         """(the kwargs it is called with, its convention, (key, message) problems) of one recipe entry."""
@@ -292,7 +298,9 @@ class Rewards:
 
         n = len(completions)
         any_trl = any(self._is_trl(name) for name, *_ in self.functions)
-        trl_args = self._trl_arguments(completions, prompts, rows, completion_ids, step, prompt_messages) if any_trl else {}
+        logged: tuple[dict, dict] = ({}, {})        # what TRL-shaped functions log: (metrics, extra columns)
+        trl_args = (self._trl_arguments(completions, prompts, rows, completion_ids, step, prompt_messages, logged)
+                    if any_trl else {})
         calls = [self._call(name, fn, kwargs, trl_args, completions, prompts, rows, completion_ids)
                  for name, fn, _, kwargs in self.functions]
         outputs = _outputs(calls)
@@ -329,7 +337,12 @@ class Rewards:
         if any_trl and not any_lowmem:
             total[~trl_scored] = float("nan")         # every function returned None: no reward at all
         skipped = int(torch.isnan(total).sum())
-        return RewardResult(total, per_fn, errors, skipped)
+        metrics, extra = logged
+        for column, values in extra.items():
+            if len(values) != n:
+                raise RewardError(f"log_extra({column!r}, ...) was given {len(values)} values for {n} completions: "
+                                  "one per completion")
+        return RewardResult(total, per_fn, errors, skipped, metrics, extra)
 
     def _add_environment(self, rewards: Optional[list], n: int, total, per_fn: dict):
         """docs/algorithm.md §20: the environment's rewards as one more column, "environment", added to `total`
@@ -375,17 +388,29 @@ class Rewards:
     def _is_trl(self, name: str) -> bool:
         return self.conventions.get(name) == "trl"   # (a function put in .functions by hand is lowmem-grpo's)
 
-    def _trl_arguments(self, completions, prompts, rows, completion_ids, step, prompt_messages) -> dict:
+    def _trl_arguments(self, completions, prompts, rows, completion_ids, step, prompt_messages,
+                       logged: tuple[dict, dict] = ({}, {})) -> dict:
         """TRL's keyword arguments for a batch: prompts, completions (chat messages where the row's prompt was
-        a message list), completion_ids, trainer_state, and one list per dataset column."""
+        a message list), completion_ids, trainer_state, log_metric and log_extra (which fill `logged`: (metrics,
+        extra columns)), and one list per dataset column."""
         def chat(i: int) -> bool:
             return prompt_messages is not None and prompt_messages[i] is not None
+
+        metrics, extra = logged
+
+        def log_metric(name: str, value: float) -> None:
+            metrics.setdefault(str(name), []).append(float(value))
+
+        def log_extra(column: str, values: list) -> None:
+            extra.setdefault(str(column), []).extend(values)
 
         args = {
             "prompts": [prompt_messages[i] if chat(i) else p for i, p in enumerate(prompts)],
             "completions": [[{"role": "assistant", "content": c}] if chat(i) else c for i, c in enumerate(completions)],
             "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
-            "trainer_state": TrainerState(global_step=step),
+            "trainer_state": TrainerState(global_step=step, max_steps=self.max_steps),
+            "log_metric": log_metric,
+            "log_extra": log_extra,
         }
         for column in self._columns(rows):
             args[column] = [row.get(column) if isinstance(row, dict) else None for row in rows]
@@ -412,7 +437,7 @@ class Rewards:
         if isinstance(exc, KeyError) and exc.args and exc.args[0] == "rows":
             return (f" (it has no `rows` parameter, so it was called TRL's way, without rows=; for prompts= and rows= "
                     f"set convention: lowmem in rewards.functions.{self._index[name]})")
-        if chat:
+        if chat and isinstance(exc, (AttributeError, TypeError)) and ("'list'" in str(exc) or "'dict'" in str(exc)):
             return (" (it has no `rows` parameter, so it was called TRL's way: on chat prompts its completions are "
                     "[{'role': 'assistant', 'content': text}] lists; for text set convention: lowmem in "
                     f"rewards.functions.{self._index[name]})")

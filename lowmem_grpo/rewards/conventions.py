@@ -14,7 +14,7 @@ its answer, tests, ...) is `rows[i]`. It returns one score per completion; None 
 group's advantage, whatever the other functions say.
 
 TRL's: every argument by keyword: prompts=, completions=, completion_ids= (each completion's token ids),
-trainer_state= (TrainerState: .global_step), and every dataset column but the prompt field, each a keyword
+trainer_state= (TrainerState: .global_step, .max_steps), log_metric=, log_extra=, and every dataset column but the prompt field, each a keyword
 holding one value per completion (solution=[...]). For a row whose prompt is a list of chat messages,
 prompts[i] is that list (as given to the chat template: with data.system_prompt when it was added) and
 completions[i] is [{"role": "assistant", "content": text}]; else both are text (the prompt as the model saw
@@ -30,6 +30,12 @@ without `rows`, like f(completions, **kwargs), is called TRL's way: for a text d
 text completions and prompts, but no rows=, so one that reads kwargs["rows"] needs `convention: lowmem`. A
 function of either convention may be `async def`: the coroutines of one batch are awaited together,
 concurrently, on an event loop.
+
+TRL's way also passes log_metric(name, value) (a scalar, averaged over the step's calls: the metrics row's
+reward_metric/<name>) and log_extra(column, values) (one value per completion: a column of the sample table).
+TRL (1.16) passes environments= as well, with an environment_factory, which is not passed here (TRL_NOT_PASSED):
+a TRL-shaped function that requires it is an error naming it when the run starts (and in `lowmem-grpo
+validate`); one that gives it a default runs without it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,11 @@ import inspect
 from typing import Callable, Optional
 
 _PASSED = ("prompts", "rows")   # keyword arguments every lowmem-grpo-convention reward receives from the trainer
-TRL_PASSED = ("prompts", "completions", "completion_ids", "trainer_state")   # TRL's own keywords (plus columns)
+TRL_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")  # (+ columns)
+# What TRL's GRPOTrainer (1.16) passes to reward functions as well, and this trainer does not (yet): name -> what it is
+TRL_NOT_PASSED = {
+    "environments": "the environment_factory's instances, one per completion",
+}
 CONVENTIONS = ("auto", "lowmem", "trl")
 _LOWMEM_NEEDS = "a parameter named `rows`: f(completions, *, prompts, rows, **kwargs)"
 _TRL_NEEDS = ("`completions` accepted by keyword, every other required parameter too (prompts, completion_ids, "
@@ -100,6 +110,14 @@ def _trl_misfit(params) -> list[str]:
     return why
 
 
+def _not_passed_problems(name: str, params) -> list[tuple[str, str]]:
+    """("function", message) for each argument the function requires that TRL passes and this trainer does not."""
+    return [("function", f"reward {name!r} requires `{n}` ({TRL_NOT_PASSED[n]}), which TRL's GRPOTrainer passes and "
+                         f"lowmem-grpo does not: give the parameter a default ({n}=None) and skip its use without it")
+            for n, p in params.items()
+            if n in TRL_NOT_PASSED and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def trl_signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str, str]]:
     """(key, message) for what keeps a function from being called TRL's way: it must take completions= and
     every argument by keyword, and each recipe kwarg (none of TRL's own names). [] when it cannot be inspected."""
@@ -110,7 +128,7 @@ def trl_signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[
     if why:
         return [("function", f"reward {name!r}{_signature(fn)} cannot be called TRL's way (convention: trl), which "
                              f"needs {_TRL_NEEDS}: {'; '.join(why)}")]
-    return _kwarg_problems(name, params, kwargs, TRL_PASSED)
+    return _not_passed_problems(name, params) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
 
 
 def _signature(fn: Callable) -> str:
@@ -138,7 +156,7 @@ def calling_convention(name: str, fn: Callable, convention: str = "auto",
         return "lowmem", [("function", f"reward {name!r}{_signature(fn)} fits neither calling convention: "
                                        f"lowmem-grpo's needs {_LOWMEM_NEEDS}; TRL's needs {_TRL_NEEDS}; but "
                                        f"{'; '.join(why)}")]
-    return "trl", _kwarg_problems(name, params, kwargs, TRL_PASSED)
+    return "trl", _not_passed_problems(name, params) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
 
 
 def _required_columns(fn: Callable) -> list[str]:
