@@ -208,13 +208,14 @@ class PromptSet:
         chat = None
         if is_chat(prompt):   # a conversational row: the messages as they are
             chat = chat_messages(row[cfg.prompt_field], cfg)
-            text = _chat_text(tokenizer, chat, f"the prompt field {cfg.prompt_field!r} holds chat messages, which")
+            text = _chat_text(tokenizer, chat, f"the prompt field {cfg.prompt_field!r} holds chat messages, which",
+                              cfg.chat_template_kwargs)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif cfg.chat_template:
             text = fill_template(row, cfg)
             messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
             messages.append({"role": "user", "content": text})
-            text = _chat_text(tokenizer, messages, "data.chat_template is true, which")
+            text = _chat_text(tokenizer, messages, "data.chat_template is true, which", cfg.chat_template_kwargs)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             text = fill_template(row, cfg)
@@ -266,14 +267,15 @@ def chat_messages(value, cfg: DataConfig) -> list[dict]:
     return messages
 
 
-def _chat_text(tokenizer, messages: list[dict], what: str) -> str:
-    """The messages through the tokenizer's chat template, with the assistant's turn opened; `what` starts
-    the error ("... which") when the tokenizer has no template or it fails."""
+def _chat_text(tokenizer, messages: list[dict], what: str, extra: Optional[dict] = None) -> str:
+    """The messages through the tokenizer's chat template, with the assistant's turn opened and `extra`
+    (data.chat_template_kwargs) as template variables; `what` starts the error ("... which") when the
+    tokenizer has no template or it fails."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{what} needs the tokenizer's chat template, and this tokenizer has none "
                         "(tokenizer.chat_template is not set): use a chat (instruct) model's tokenizer")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(extra or {}))
     except Exception as exc:  # a template that raises on these messages (e.g. it refuses a role order)
         raise DataError(f"{what} needs the tokenizer's chat template, which failed on them: "
                         f"{type(exc).__name__}: {exc}") from None

@@ -72,10 +72,19 @@ class DataConfig(_Section):
     template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
     chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template (rows whose prompt is a list of messages always use it).")
     system_prompt: str = Field("", description="System message used with chat_template, and put first in a message-list prompt that has none.")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra variables for the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3 (TRL's chat_template_kwargs); {}: none.")
     on_bad_row: Literal["error", "skip"] = Field("error", description="A row missing a field: stop with an error naming it, or skip and count it.")
     max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this (in tokens) are an error, or skipped with on_bad_row=skip.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Without eval_path: hold out this share of the training source's distinct prompts (all their rows) as the held-out set, never trained on; 0: no split.")
     split_seed: int = Field(0, ge=0, description="Seed of the eval_fraction split (separate from seed, so runs with different seeds share one held-out set).")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_keys(cls, extra: dict) -> dict:
+        taken = sorted(set(extra) & {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict"})
+        if taken:  # the trainer sets these itself
+            raise ValueError(f"sets {', '.join(taken)}, which the trainer passes to apply_chat_template itself")
+        return extra
 
     @field_validator("template")
     @classmethod

@@ -363,6 +363,23 @@ def test_system_prompt_is_prepended_unless_the_row_has_one(tmp_path, chat_tok):
     assert second.prompt_text == "*0*(2+2)=" and [m["role"] for m in second.messages] == ["system", "user"]
 
 
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    """data.chat_template_kwargs are the template's variables (TRL's chat_template_kwargs: Qwen3's enable_thinking)."""
+    tok = tiny.build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}({{ m['content'] }}){% endfor %}"
+                         "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}**"
+                         "{% endif %}={% endif %}")
+    rows = [{"prompt": user("1+2")}]
+    assert _set(tmp_path, rows, tok).examples[0].prompt_text == "(1+2)="
+    assert _set(tmp_path, rows, tok, chat_template_kwargs={"enable_thinking": False}).examples[0].prompt_text == "(1+2)**="
+    text_rows = [{"prompt": "1+2"}]   # data.chat_template: true wraps text prompts the same way
+    assert _set(tmp_path, text_rows, tok, chat_template=True,
+                chat_template_kwargs={"enable_thinking": False}).examples[0].prompt_text == "(1+2)**="
+    with pytest.raises(RecipeError, match="data.chat_template_kwargs: sets add_generation_prompt"):
+        recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl",
+                                                                   "chat_template_kwargs": {"add_generation_prompt": False}}})
+
+
 @pytest.mark.parametrize("prompt,why", [
     ([{"role": "bot", "content": "1"}], r"message prompt\[0\] has role 'bot'; allowed: system, user, assistant, tool"),
     ([{"role": "user", "content": 5}], r"message prompt\[0\] \(user\) has content int 5, expected text"),
