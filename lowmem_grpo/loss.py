@@ -47,16 +47,19 @@ def k3_kl(logp: torch.Tensor, logp_other: torch.Tensor) -> torch.Tensor:
 KL_ESTIMATORS = {"k1": k1_kl, "k2": k2_kl, "k3": k3_kl}
 
 
-def kl_terms(logp, logp_ref, logp_old, *, target: str, beta: float, beta_mirror: float, estimator: str = "k3"):
+def kl_terms(logp, logp_ref, logp_old, *, target: str, beta: float, beta_mirror: float, estimator: str = "k3",
+             ref_weight: Optional[torch.Tensor] = None):
     """(penalty, kl_ref, kl_mirror) per token, docs/algorithm.md §4: beta * KL to the reference and/or
     beta_mirror * KL to the policy that sampled the batch. A term that is off (its target not chosen, or its
-    beta 0) is None; penalty is None when both are."""
+    beta 0) is None; penalty is None when both are. ref_weight (with its gradient) multiplies the reference
+    term in the penalty (§4.4: the importance ratio); kl_ref stays the plain estimate."""
     if target not in ("ref", "mirror", "both", "none"):
         raise ValueError(f"unknown kl target {target!r}")
     est = KL_ESTIMATORS[estimator]
     kl_ref = est(logp, logp_ref) if target in ("ref", "both") and beta > 0 else None
     kl_mirror = est(logp, logp_old) if target in ("mirror", "both") and beta_mirror > 0 else None
-    parts = [b * kl for b, kl in ((beta, kl_ref), (beta_mirror, kl_mirror)) if kl is not None]
+    weighted_ref = kl_ref * ref_weight if kl_ref is not None and ref_weight is not None else kl_ref
+    parts = [b * kl for b, kl in ((beta, weighted_ref), (beta_mirror, kl_mirror)) if kl is not None]
     return (sum(parts) if parts else None), kl_ref, kl_mirror
 
 
@@ -228,16 +231,19 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
                     kl_estimator: str = "k3", level: str = "token", seq_index: Optional[torch.Tensor] = None,
                     delta: Optional[float] = None, cispo_max_weight: float = 5.0,
                     pg_weight: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
-                    entropy_coef: float = 0.0) -> TokenLoss:
+                    entropy_coef: float = 0.0, kl_ratio_weight: bool = False) -> TokenLoss:
     """-(pg * pg_weight) + KL penalty - entropy_coef * entropy per token (docs/algorithm.md §1, with the
     variants of §4, §6, §13, §14 and §16). pg_weight (detached) scales the policy term only: the sampler
-    correction of §15 times the token mask of §16. The defaults are GRPO exactly as before these options."""
+    correction of §15 times the token mask of §16. kl_ratio_weight: the reference KL times the importance
+    ratio r (the token's, or its sequence's), with r's gradient (§4.4). The defaults are GRPO exactly as
+    before these options."""
     loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
                       delta=delta, cispo_max_weight=cispo_max_weight)
     if pg_weight is not None:
         loss = loss * pg_weight.detach().to(loss.dtype)
+    ref_weight = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index)) if kl_ratio_weight else None
     penalty, kl_ref, kl_mirror = kl_terms(logp, logp_ref, logp_old, target=kl_target, beta=beta,
-                                          beta_mirror=beta_mirror, estimator=kl_estimator)
+                                          beta_mirror=beta_mirror, estimator=kl_estimator, ref_weight=ref_weight)
     if penalty is not None:
         loss = loss + penalty
     if entropy is not None and entropy_coef != 0:

@@ -257,6 +257,10 @@ class AlgorithmConfig(_Section):
         "ref", description="KL penalty (docs/algorithm.md §4): to the reference (adapters off), to the policy that sampled the batch (mirror; needs mu > 1), both, or none (no reference pass).")
     beta: float = Field(0.04, ge=0, description="Weight of the KL to the reference; must be > 0 when kl_target is ref or both.")
     beta_mirror: float = Field(0.04, ge=0, description="Weight of the KL to the sampling policy; used when kl_target is mirror or both, where it must be > 0.")
+    kl_ratio_weight: bool = Field(
+        False, description="Multiply the KL to the reference by the importance ratio, with its gradient, so that the "
+        "k3 term's gradient is beta * r * (lp - lp_ref), the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's "
+        "use_bias_correction_kl, on by default there; docs/algorithm.md §4.4). Changes the gradient even at mu: 1.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Per-token KL estimator (Schulman 2020; docs/algorithm.md §4): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
     clip: Literal["ratio", "target", "cispo"] = Field(
@@ -329,6 +333,8 @@ class AlgorithmConfig(_Section):
                                      "for no KL to the reference set kl_target: none"))
         if self.kl_target in ("mirror", "both") and self.beta_mirror == 0:
             problems.append(("beta_mirror", f"must be > 0 with kl_target {self.kl_target!r}"))
+        if self.kl_ratio_weight and self.kl_target not in ("ref", "both"):
+            problems.append(("kl_ratio_weight", f"weights the KL to the reference, and kl_target {self.kl_target!r} has none"))
         if self.clip == "target":
             if self.mu == 1:
                 problems.append(("clip", f"'target' never binds: {one}, short of every target; set mu > 1"))

@@ -401,7 +401,8 @@ class Trainer:
                                  kl_estimator=a.kl_estimator, level=a.importance_sampling_level,
                                  seq_index=mb.seq_ids.to(logp.device), delta=a.delta,
                                  cispo_max_weight=a.cispo_max_weight, pg_weight=pg_weight,
-                                 entropy=entropy if coef > 0 else None, entropy_coef=coef)
+                                 entropy=entropy if coef > 0 else None, entropy_coef=coef,
+                                 kl_ratio_weight=a.kl_ratio_weight)
             loss = aggregate(tl.loss, mb.weights.to(logp.device))
             loss.backward()
             parts.append(diag.TokenStats(loss.item(), entropy.detach(), tl.clipped_low, tl.clipped_high, adv,

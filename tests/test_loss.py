@@ -210,3 +210,51 @@ def test_family_loss_equals_hand_formula(clip, kl_target, est):
         dn[k] -= h
         fd = (hand_family_objective(up, *args) - hand_family_objective(dn, *args)) / (2 * h)
         assert abs(grad[k].item() - fd) < 1e-7, (k, grad[k].item(), fd)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_ratio_weighted_reference_kl_equals_hand_formula(level):
+    """algorithm.kl_ratio_weight (docs/algorithm.md §4.4): the penalty is beta * r * k3(lp, lp_ref), r with its
+    gradient. At the token level the gradient is beta * r * (lp - lp_ref) (DeepSeek-V3.2's unbiased reverse-KL
+    gradient); at the sequence level r is exp of the sequence's mean log-ratio, so a token's penalty also moves
+    with the other tokens of its sequence. Advantages 0: only the KL term is left."""
+    g = torch.Generator().manual_seed(3)
+    seq = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    n = seq.numel()
+    lp = (torch.randn(n, generator=g, dtype=torch.float64) - 1.5).requires_grad_()
+    lp_old = lp.detach() + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    lp_ref = lp.detach() + 0.4 * torch.randn(n, generator=g, dtype=torch.float64)
+    beta = 0.07
+    tl = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64), beta=beta, level=level,
+                         seq_index=seq, kl_ratio_weight=True)
+
+    def hand(x: list) -> list:
+        out = []
+        for i in range(n):
+            if level == "token":
+                log_r = x[i] - lp_old[i].item()
+            else:
+                mine = [j for j in range(n) if seq[j] == seq[i]]
+                log_r = sum(x[j] - lp_old[j].item() for j in mine) / len(mine)
+            d = lp_ref[i].item() - x[i]
+            out.append(beta * math.exp(log_r) * (math.exp(d) - d - 1))
+        return out
+
+    base = lp.detach().tolist()
+    assert max(abs(a - b) for a, b in zip(tl.loss.tolist(), hand(base))) < 1e-12
+    (grad,) = torch.autograd.grad(tl.loss.sum(), lp)
+    if level == "token":   # the closed form
+        want = [beta * math.exp(base[i] - lp_old[i].item()) * (base[i] - lp_ref[i].item()) for i in range(n)]
+    else:                  # central differences of the hand formula
+        want = []
+        for k in range(n):
+            up, dn = list(base), list(base)
+            up[k] += 1e-6
+            dn[k] -= 1e-6
+            want.append((sum(hand(up)) - sum(hand(dn))) / 2e-6)
+    assert max(abs(a - b) for a, b in zip(grad.tolist(), want)) < 1e-8
+    # the logged estimate stays the plain k3; off, the penalty is beta * k3 as before
+    d = lp_ref - lp.detach()
+    assert torch.allclose(tl.kl_ref.detach(), torch.exp(d) - d - 1)
+    off = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64), beta=beta, level=level, seq_index=seq)
+    assert torch.allclose(off.loss.detach(), beta * (torch.exp(d) - d - 1))

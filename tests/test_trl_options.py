@@ -47,6 +47,7 @@ OPTIONS = {
     "top_entropy_mu2": ({"top_entropy_quantile": 0.5, "mu": 2}, ["entropy/threshold", "entropy/kept_fraction"]),
     "entropy_bonus": ({"entropy_coef": 0.01}, ["entropy/coef"]),
     "entropy_target": ({"entropy_coef": 0.01, "entropy_target": 5.0, "entropy_coef_lr": 0.1}, ["entropy/coef"]),
+    "kl_ratio_weight": ({"kl_ratio_weight": True, "kl_target": "ref"}, ["kl/ref"]),
     "scale_batch": ({"scale_rewards": "batch"}, []),
     "scale_none": ({"scale_rewards": "none"}, []),
     "normalize_then_sum": ({"reward_aggregation": "normalize_then_sum"}, []),
@@ -58,7 +59,7 @@ OPTIONS = {
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 def test_each_new_option_trains_with_its_metrics(tiny_model_dir, tiny_data, tmp_path, name):
     algorithm, keys = OPTIONS[name]
-    d = _recipe(tiny_model_dir, tiny_data, tmp_path / "run", algorithm={**algorithm, "kl_target": "none"},
+    d = _recipe(tiny_model_dir, tiny_data, tmp_path / "run", algorithm={"kl_target": "none", **algorithm},
                 generation={"num_generations": 4, "max_new_tokens": 6})
     Trainer(recipe_from_dict(d), **QUIET).fit()
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
@@ -186,6 +187,7 @@ def test_dynamic_sampling_resumes_to_the_same_metrics(tiny_model_dir, tiny_data,
 
 @pytest.mark.parametrize("algorithm, field", [
     ({"scale_rewards": "batch", "advantage": "rloo"}, "algorithm.scale_rewards"),
+    ({"kl_ratio_weight": True, "kl_target": "none"}, "algorithm.kl_ratio_weight"),
     ({"importance_sampling_level": "sequence", "clip": "target", "mu": 2}, "algorithm.importance_sampling_level"),
     ({"importance_sampling_level": "sequence", "epsilon_high": 0.28}, "algorithm.epsilon_high"),
     ({"sequence_epsilon_low": 1e-3}, "algorithm.sequence_epsilon_low"),
