@@ -142,3 +142,35 @@ def test_wave_plans_take_the_fewest_calls_made_even():
                     assert max(e for _, _, e in plan) - min(e for _, _, e in plan) <= 1
                 checked += 1
     assert checked > 1000
+
+
+def test_min_p_cuts_as_recipes_ask_and_the_models_own_setting_does_not(model_tok):
+    """generation.min_p: at 1.0 only the most likely token survives (the draws equal top_k = 1's, each log-prob 0);
+    a min_p in the model's own generation config is switched off like its temperature and top-k, so the
+    recipe's settings alone decide the draws and the recorded log-probs."""
+    model, tok = model_tok
+    engine = HFEngine(model, tok)
+    torch.manual_seed(0)
+    top1 = engine.generate(_ids(tok), SamplingParams(n=2, max_new_tokens=6, top_k=1))
+    torch.manual_seed(0)
+    minp = engine.generate(_ids(tok), SamplingParams(n=2, max_new_tokens=6, min_p=1.0))
+    assert _view(minp) == _view(top1) and all(abs(lp) < 1e-5 for c in minp for lp in c.logprobs)
+    params = SamplingParams(n=3, max_new_tokens=6, temperature=1.5)
+    torch.manual_seed(5)
+    plain = [(c.token_ids, c.logprobs) for c in engine.generate(_ids(tok), params)]
+    greedy = SamplingParams(n=1, max_new_tokens=6, greedy=True)
+    plain_greedy = _view(engine.generate(_ids(tok), greedy))
+    # what a model's generation_config.json may hold (Qwen2.5-Instruct: repetition_penalty 1.05-1.1)
+    own = dict(min_p=1.0, repetition_penalty=3.0, no_repeat_ngram_size=1, min_new_tokens=6, typical_p=0.2,
+               epsilon_cutoff=0.5, suppress_tokens=[tok.eos_token_id])
+    saved = {k: getattr(model.generation_config, k) for k in own}
+    try:
+        for k, v in own.items():
+            setattr(model.generation_config, k, v)
+        torch.manual_seed(5)
+        assert [(c.token_ids, c.logprobs) for c in engine.generate(_ids(tok), params)] == plain
+        assert _view(engine.generate(_ids(tok), greedy)) == plain_greedy
+    finally:
+        for k, v in saved.items():
+            setattr(model.generation_config, k, v)
+    assert len({tuple(t) for t, _ in plain}) > len(PROMPTS)   # sampled: a min_p of 1 would have made them argmax

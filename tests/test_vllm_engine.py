@@ -229,6 +229,17 @@ def test_sampling_groups_and_logprobs_match_the_trainer(dense):
     assert diff < 1e-4, diff
 
 
+def test_min_p_reaches_vllm(dense):
+    """generation.min_p goes to vLLM's sampler: at 1.0 only the most likely token survives, so every sample is
+    the greedy completion."""
+    _, tok, engine = dense
+    prompts = _prompts(tok)
+    greedy = vllm_greedy(engine, prompts, max_new_tokens=8)
+    torch.manual_seed(0)
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, min_p=1.0))
+    assert [c.token_ids for c in out] == [g for g in greedy for _ in range(2)]
+
+
 def test_sampling_follows_torch_seed(dense):
     """Sampling draws from torch's global RNG: same seed, same samples (what resume determinism needs)."""
     _, tok, engine = dense

@@ -1,11 +1,13 @@
 """Rollouts through transformers `generate` on the trainer's own model (adapters on, eval mode).
 
 Sampling also reports the sampler's log-prob of every token it drew (Completion.logprobs), as the vLLM engine
-does: the distribution it was drawn from after temperature, top-k and top-p, which the trainer compares
+does: the distribution it was drawn from after temperature, top-k, top-p and min-p, which the trainer compares
 with its own log-probs (docs/algorithm.md §15). transformers applies a caller's logits processors before
 its own warpers, so the warpers are passed here, in transformers' order, followed by the recorder, and
-generate's own are switched off (temperature 1, top_k 0, top_p 1): the same draws, one more log_softmax a
-token.
+generate's own are switched off (temperature 1, top_k 0, top_p 1, min_p None, whatever the model's generation
+config says): the same draws, one more log_softmax a token. So is every other logits processor a model's
+generation_config.json may ask for (_NEUTRAL: Qwen2.5-Instruct's repetition_penalty 1.05-1.1, for one),
+greedy or sampled: the rollout distribution is the recipe's alone, the one the trainer's log-probs score.
 
 SamplingParams.stop (an environment's turn markers, docs/algorithm.md §20) adds one stopping criterion that
 decodes each row's last few tokens per step; a row ends with the token that completes a stop string. Without
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                          MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..model import eval_mode
 from .base import Completion, SamplingParams, wave_plan
@@ -92,6 +94,16 @@ def _cut(tokens: list, eos: int, stopped: Optional[tuple[int, str]]) -> tuple[li
     return (tokens, True, None) if end is None else (tokens[:end], False, None)
 
 
+# generate's processors that read the model's generation_config (transformers 5.x, _get_logits_processor), set
+# to values that switch each off: a keyword argument to generate outranks the model's file.
+_NEUTRAL = dict(repetition_penalty=None, encoder_repetition_penalty=None, no_repeat_ngram_size=None,
+                encoder_no_repeat_ngram_size=None, bad_words_ids=None, min_length=0, min_new_tokens=None,
+                sequence_bias=None, forced_bos_token_id=None, forced_eos_token_id=None, suppress_tokens=None,
+                begin_suppress_tokens=None, exponential_decay_length_penalty=None, typical_p=None,
+                epsilon_cutoff=None, eta_cutoff=None, top_h=None, guidance_scale=None, watermarking_config=None,
+                renormalize_logits=False, remove_invalid_values=False)
+
+
 def _warpers(params: SamplingParams) -> list:
     """transformers' sampling warpers for these params, in the order generate builds them."""
     out = []
@@ -101,6 +113,8 @@ def _warpers(params: SamplingParams) -> list:
         out.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
     if params.top_p < 1.0:
         out.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    if params.min_p > 0:
+        out.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
     return out
 
 
@@ -133,7 +147,7 @@ class HFEngine:
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                      num_return_sequences=params.n, use_cache=True)
+                      num_return_sequences=params.n, use_cache=True, **_NEUTRAL)
         recorder, stops = None, None
         if params.stop:
             stops = _StopStrings(tok, tuple(params.stop), width)
@@ -142,7 +156,7 @@ class HFEngine:
             kwargs.update(do_sample=False)
         else:
             recorder = _SampledLogprobs()
-            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+            kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                           logits_processor=LogitsProcessorList([*_warpers(params), recorder]))
         with eval_mode(self.model):
             # generate's output repeats each prompt n times in a row: prompt i -> rows [i*n, (i+1)*n).

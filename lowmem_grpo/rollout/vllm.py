@@ -718,7 +718,7 @@ def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[
     if params.greedy:
         kwargs.update(temperature=0.0)
     else:
-        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0)
+        kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or 0, min_p=params.min_p)
     return [{"prompt_token_ids": list(p)} for p in prompts], vllm.SamplingParams(**kwargs)
 
 
