@@ -187,6 +187,7 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (log-probs in the loss use the same one; docs/algorithm.md §11).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling cut; 0 disables it.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Divides the positive logits (multiplies the negative ones) of every token already in the prompt or the completion, before temperature, as transformers and vLLM define it; 1 disables it. The trainer's log-probs do not apply it (as TRL's do not): algorithm.sampler_correction can weigh the difference.")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling cut, after temperature: tokens below min_p x the most likely token's probability are dropped (Unsloth's GRPO notebooks use 0.1); 0 disables it.")
     kv_cache_memory_bytes: int = Field(
         1 << 30, ge=1 << 20, description="engine=vllm: bytes of KV cache, allocated once at start-up (vLLM would "

@@ -174,3 +174,37 @@ def test_min_p_cuts_as_recipes_ask_and_the_models_own_setting_does_not(model_tok
         for k, v in saved.items():
             setattr(model.generation_config, k, v)
     assert len({tuple(t) for t, _ in plain}) > len(PROMPTS)   # sampled: a min_p of 1 would have made them argmax
+
+
+def _penalised_log_probs(model, seq: list, penalty: float) -> torch.Tensor:
+    """The next token's log-probs after `seq` with transformers' repetition penalty, written out: a token already
+    in `seq` has its logit divided by the penalty when positive, multiplied when negative."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0, -1].double()
+    for t in set(seq):
+        logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
+    return torch.log_softmax(logits, -1)
+
+
+def test_repetition_penalty_is_the_recipes_and_reaches_the_recorded_log_probs(model_tok):
+    """generation.repetition_penalty, as transformers defines it (every token of the prompt and the completion so
+    far): greedy decoding follows the penalised logits, and a sample's recorded log-probs are the penalised
+    distribution's (what algorithm.sampler_correction compares with the trainer's)."""
+    model, tok = model_tok
+    engine = HFEngine(model, tok)
+    ids, penalty = _ids(tok), 2.0
+    greedy = engine.generate(ids, SamplingParams(n=1, max_new_tokens=6, greedy=True, repetition_penalty=penalty))
+    plain = engine.generate(ids, SamplingParams(n=1, max_new_tokens=6, greedy=True))
+    assert _view(greedy) != _view(plain)
+    for c in greedy:
+        seq = list(ids[c.prompt_index])
+        for t in c.token_ids:
+            assert t == int(_penalised_log_probs(model, seq, penalty).argmax())
+            seq.append(t)
+    torch.manual_seed(1)
+    sampled = engine.generate(ids[:2], SamplingParams(n=2, max_new_tokens=6, repetition_penalty=penalty))
+    for c in sampled:
+        seq = list(ids[c.prompt_index])
+        for t, lp in zip(c.token_ids, c.logprobs):
+            assert abs(lp - _penalised_log_probs(model, seq, penalty)[t].item()) < 1e-4
+            seq.append(t)

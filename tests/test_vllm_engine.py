@@ -240,6 +240,19 @@ def test_min_p_reaches_vllm(dense):
     assert [c.token_ids for c in out] == [g for g in greedy for _ in range(2)]
 
 
+def test_repetition_penalty_is_the_transformers_engines(dense):
+    """generation.repetition_penalty means the same in both engines: vLLM's greedy tokens equal the transformers
+    engine's (whose penalty skips the batch's left padding), and differ from unpenalised greedy."""
+    from lowmem_grpo.rollout.hf import HFEngine
+
+    model, tok, engine = dense
+    prompts = _prompts(tok)
+    params = SamplingParams(n=1, max_new_tokens=8, greedy=True, repetition_penalty=1.8)
+    ours = [c.token_ids for c in engine.generate(prompts, params)]
+    assert ours == [c.token_ids for c in HFEngine(model, tok).generate(prompts, params)]
+    assert ours != vllm_greedy(engine, prompts, max_new_tokens=8)
+
+
 def test_sampling_follows_torch_seed(dense):
     """Sampling draws from torch's global RNG: same seed, same samples (what resume determinism needs)."""
     _, tok, engine = dense

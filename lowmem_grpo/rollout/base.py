@@ -53,6 +53,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0   # (applies to greedy decoding too, as in transformers and vLLM)
     greedy: bool = False
     stop: tuple[str, ...] = ()   # strings that end a completion besides EOS (an environment's turn ends, §20)
 
@@ -60,7 +61,8 @@ class SamplingParams:
     def from_generation(cls, g, n: Optional[int] = None) -> "SamplingParams":
         """The recipe's sampling settings (a GenerationConfig); n defaults to its num_generations."""
         return cls(n=g.num_generations if n is None else n, max_new_tokens=g.max_new_tokens,
-                   temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p)
+                   temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, min_p=g.min_p,
+                   repetition_penalty=g.repetition_penalty)
 
 
 @dataclass(frozen=True)

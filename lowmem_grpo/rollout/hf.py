@@ -1,13 +1,15 @@
 """Rollouts through transformers `generate` on the trainer's own model (adapters on, eval mode).
 
 Sampling also reports the sampler's log-prob of every token it drew (Completion.logprobs), as the vLLM engine
-does: the distribution it was drawn from after temperature, top-k, top-p and min-p, which the trainer compares
+does: the distribution it was drawn from after the repetition penalty, temperature, top-k, top-p and min-p,
+which the trainer compares
 with its own log-probs (docs/algorithm.md §15). transformers applies a caller's logits processors before
 its own warpers, so the warpers are passed here, in transformers' order, followed by the recorder, and
 generate's own are switched off (temperature 1, top_k 0, top_p 1, min_p None, whatever the model's generation
 config says): the same draws, one more log_softmax a token. So is every other logits processor a model's
 generation_config.json may ask for (_NEUTRAL: Qwen2.5-Instruct's repetition_penalty 1.05-1.1, for one),
-greedy or sampled: the rollout distribution is the recipe's alone, the one the trainer's log-probs score.
+greedy or sampled: the rollout distribution is the recipe's alone (generation.repetition_penalty is passed as
+a processor of ours).
 
 SamplingParams.stop (an environment's turn markers, docs/algorithm.md §20) adds one stopping criterion that
 decodes each row's last few tokens per step; a row ends with the token that completes a stop string. Without
@@ -54,6 +56,23 @@ class _SampledLogprobs(LogitsProcessor):
             self._gather(sequences[:, -1])
             self._last = None
         return torch.stack(self.steps, dim=1).tolist() if self.steps else [[] for _ in range(sequences.shape[0])]
+
+
+class _RepetitionPenalty(LogitsProcessor):
+    """transformers' (and vLLM's) repetition penalty over each row's own tokens: a token already in the row's
+    prompt or completion has its logit divided by `penalty` when positive, multiplied when negative. Unlike
+    transformers' RepetitionPenaltyLogitsProcessor it skips the row's left padding (`pad_counts`), which would
+    penalise the pad token: Qwen's pad is one of its EOS tokens."""
+
+    def __init__(self, penalty: float, pad_counts: list[int]):
+        self.penalty, self.pad_counts = penalty, pad_counts
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        pads = torch.tensor(self.pad_counts, device=input_ids.device)
+        real = (torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] >= pads[:, None]).long()
+        seen = torch.zeros(scores.shape, dtype=torch.long, device=scores.device).scatter_add_(1, input_ids, real) > 0
+        penalised = torch.where(scores > 0, scores / self.penalty, scores * self.penalty)
+        return torch.where(seen, penalised, scores)
 
 
 def first_stop(text: str, stop: tuple) -> Optional[str]:
@@ -104,6 +123,12 @@ _NEUTRAL = dict(repetition_penalty=None, encoder_repetition_penalty=None, no_rep
                 renormalize_logits=False, remove_invalid_values=False)
 
 
+def _processors(params: SamplingParams, pad_counts: list[int]) -> list:
+    """The logits processors of these params that greedy decoding applies too (before the warpers, as generate);
+    pad_counts: each row's left padding."""
+    return [_RepetitionPenalty(params.repetition_penalty, pad_counts)] if params.repetition_penalty != 1.0 else []
+
+
 def _warpers(params: SamplingParams) -> list:
     """transformers' sampling warpers for these params, in the order generate builds them."""
     out = []
@@ -149,15 +174,17 @@ class HFEngine:
         kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
                       num_return_sequences=params.n, use_cache=True, **_NEUTRAL)
         recorder, stops = None, None
+        pad_counts = [width - len(p) for p in prompts for _ in range(params.n)]   # rows: prompt i at [i*n, (i+1)*n)
         if params.stop:
             stops = _StopStrings(tok, tuple(params.stop), width)
             kwargs.update(stopping_criteria=StoppingCriteriaList([stops]))
         if params.greedy:
-            kwargs.update(do_sample=False)
+            kwargs.update(do_sample=False, logits_processor=LogitsProcessorList(_processors(params, pad_counts)))
         else:
             recorder = _SampledLogprobs()
+            processors = [*_processors(params, pad_counts), *_warpers(params), recorder]
             kwargs.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                          logits_processor=LogitsProcessorList([*_warpers(params), recorder]))
+                          logits_processor=LogitsProcessorList(processors))
         with eval_mode(self.model):
             # generate's output repeats each prompt n times in a row: prompt i -> rows [i*n, (i+1)*n).
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)

@@ -715,6 +715,7 @@ def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[
     if params.stop:
         kwargs.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True,
                       skip_special_tokens=False)
+    kwargs.update(repetition_penalty=params.repetition_penalty)
     if params.greedy:
         kwargs.update(temperature=0.0)
     else:
