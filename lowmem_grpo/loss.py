@@ -286,6 +286,17 @@ def sampler_correction_weights(logp_at_rollout: torch.Tensor, logp_sampler: torc
         return torch.where(masked, torch.zeros_like(ratio), ratio), masked
 
 
+def off_policy_sequence_mask(logp: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
+                             seq_index: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (docs/algorithm.md §15), per token, detached: 0 on every token of
+    a completion with A < 0 whose mean of lp_sampler - lp over its tokens (a forward-KL estimate from the
+    sampler to the policy now) is above `threshold`, else 1. A wrong answer the policy has moved far from is
+    not pushed down further."""
+    with torch.no_grad():
+        kl = sequence_mean((logp_sampler - logp).detach().to(torch.float64), seq_index)
+        return ((advantages >= 0) | (kl <= threshold)).to(logp.dtype)
+
+
 # -- Token selection and the entropy bonus (docs/algorithm.md §16) -----------------------------------------
 
 

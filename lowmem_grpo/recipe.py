@@ -298,6 +298,10 @@ class AlgorithmConfig(_Section):
         "sampler_correction_max (truncate) or dropped outside [sampler_correction_min, sampler_correction_max] (mask).")
     sampler_correction_min: float = Field(0.0, ge=0, description="sampler_correction *_mask: tokens (sequences) whose ratio is below this are dropped.")
     sampler_correction_max: float = Field(3.0, gt=0, description="sampler_correction: the truncation cap (truncate), or the ratio above which tokens (sequences) are dropped (mask).")
+    off_policy_mask_threshold: Optional[float] = Field(
+        None, ge=0, description="DeepSeek-V3.2's off-policy sequence mask (docs/algorithm.md §15; TRL's "
+        "off_policy_mask_threshold): a completion with A < 0 whose mean log(pi_sampler / pi) over its tokens is above "
+        "this gets no policy gradient (pi_sampler: the engine's log-probs, or the old policy's); null: off.")
     mask_truncated_completions: bool = Field(
         False, description="Leave completions cut at max_new_tokens out of the update (they keep their place in their "
         "group's advantage statistics; DAPO; docs/algorithm.md §16).")

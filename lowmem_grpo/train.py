@@ -45,8 +45,8 @@ from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
 from .evaluate import combine_greedy
 from .evaluate import greedy as greedy_eval
-from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, sampler_correction_weights,
-                   top_entropy_mask)
+from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, off_policy_sequence_mask,
+                   sampler_correction_weights, top_entropy_mask)
 from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, decode_waves, device_budget, estimate, fmt,
                      host_memory_problem, out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os,
                      workload_from_recipe)
@@ -365,11 +365,17 @@ class Trainer:
         a = self.recipe.algorithm
         return self.state.entropy_coef if self.state.entropy_coef is not None else a.entropy_coef
 
-    def policy_weights(self, mb: MicroBatch, logp_old: torch.Tensor):
-        """The per-token multiplier of the policy term (§15, §16): the top-entropy mask times the
-        sampler-mismatch weight; None when neither is on. And that weight's figures for the row."""
+    def policy_weights(self, mb: MicroBatch, logp: torch.Tensor, logp_old: torch.Tensor):
+        """The per-token multiplier of the policy term (§15, §16): the top-entropy mask times the off-policy
+        sequence mask times the sampler-mismatch weight; None when none is on. And that weight's figures for
+        the row."""
         a = self.recipe.algorithm
         weight = mb.pg_mask.to(logp_old.device, logp_old.dtype) if mb.pg_mask is not None else None
+        if a.off_policy_mask_threshold is not None:   # against the engine's log-probs where it reported them
+            sampler = mb.logp_sampler.to(logp.device) if mb.logp_sampler is not None else logp_old
+            keep = off_policy_sequence_mask(logp, sampler, mb.advantages.to(logp.device), mb.seq_ids.to(logp.device),
+                                            a.off_policy_mask_threshold)
+            weight = keep if weight is None else weight * keep
         if a.sampler_correction == "none":
             return weight, None
         w, masked = sampler_correction_weights(logp_old, mb.logp_sampler.to(logp_old.device), mb.seq_ids.to(logp_old.device),
@@ -393,7 +399,7 @@ class Trainer:
                 mb.logp_start = logp.detach().cpu()
             logp_old = mb.logp_old if mb.logp_old is not None else logp.detach()  # mu = 1: ratio == 1
             adv = mb.advantages.to(logp.device)
-            pg_weight, correction = self.policy_weights(mb, logp_old)
+            pg_weight, correction = self.policy_weights(mb, logp, logp_old)
             if correction is not None:
                 sampler.append(correction)
             tl = grpo_token_loss(logp, logp_old, mb.logp_ref, adv, beta=a.beta, eps_low=eps_low, eps_high=eps_high,

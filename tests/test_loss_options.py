@@ -508,3 +508,48 @@ def test_invalid_option_combinations(kwargs, words):
     x = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(ValueError, match=words):
         grpo_token_loss(x, x, x, x, beta=0.0, **kwargs)
+
+
+def test_off_policy_sequence_mask_equals_hand_formula():
+    """DeepSeek-V3.2's mask (TRL's off_policy_mask_threshold): a completion is dropped when A < 0 and the mean of
+    lp_sampler - lp over its tokens is above the threshold; kept otherwise, whatever its KL when A >= 0."""
+    from lowmem_grpo.loss import off_policy_sequence_mask
+
+    seq = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3])
+    lp = torch.tensor([-1.0, -2.0, -0.5, -0.5, -3.0, -1.0, -1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    lp_sampler = torch.tensor([-0.8, -1.6, -0.5, -0.4, -2.9, -0.2, -0.2, -1.0], dtype=torch.float64)
+    adv = torch.tensor([-1.0, -1.0, -0.5, -0.5, -0.5, 2.0, 2.0, -0.1], dtype=torch.float64)
+    threshold = 0.25
+    got = off_policy_sequence_mask(lp, lp_sampler, adv, seq, threshold)
+    want = []
+    for i in range(len(seq)):
+        mine = [j for j in range(len(seq)) if seq[j] == seq[i]]
+        kl = sum(lp_sampler[j].item() - lp[j].item() for j in mine) / len(mine)
+        want.append(1.0 if adv[i].item() >= 0 or kl <= threshold else 0.0)
+    # seq 0: A < 0, KL 0.3 -> dropped; seq 1: KL 0.067 -> kept; seq 2: KL 0.8 but A > 0 -> kept; seq 3: KL 1.0 -> dropped
+    assert got.tolist() == want == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert not got.requires_grad
+
+
+def test_the_trainer_masks_against_the_engines_log_probs_or_the_old_policys():
+    """Trainer.policy_weights puts the off-policy mask in the policy term's weight: against the sampler's
+    log-probs where the engine reported them, else against the old policy's."""
+    from types import SimpleNamespace
+
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    recipe = recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+                               "algorithm": {"off_policy_mask_threshold": 0.1, "mu": 2}})
+    me = SimpleNamespace(recipe=recipe)
+    logp = torch.tensor([-1.0, -1.0, -2.0, -2.0])
+    far = torch.tensor([-0.5, -0.5, -2.0, -2.0])       # sequence 0 moved 0.5 nats away, sequence 1 not at all
+    mb = SimpleNamespace(pg_mask=None, logp_sampler=far, advantages=torch.tensor([-1.0, -1.0, -1.0, -1.0]),
+                         seq_ids=torch.tensor([0, 0, 1, 1]))
+    weight, _ = Trainer.policy_weights(me, mb, logp, logp.clone())
+    assert weight.tolist() == [0.0, 0.0, 1.0, 1.0]
+    mb.logp_sampler = None                               # no engine log-probs: the old policy's (here: no drift)
+    weight, _ = Trainer.policy_weights(me, mb, logp, logp.clone())
+    assert weight.tolist() == [1.0, 1.0, 1.0, 1.0]
+    weight, _ = Trainer.policy_weights(me, mb, logp, far)
+    assert weight.tolist() == [0.0, 0.0, 1.0, 1.0]

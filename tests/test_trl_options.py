@@ -48,6 +48,7 @@ OPTIONS = {
     "entropy_bonus": ({"entropy_coef": 0.01}, ["entropy/coef"]),
     "entropy_target": ({"entropy_coef": 0.01, "entropy_target": 5.0, "entropy_coef_lr": 0.1}, ["entropy/coef"]),
     "kl_ratio_weight": ({"kl_ratio_weight": True, "kl_target": "ref"}, ["kl/ref"]),
+    "off_policy_mask": ({"off_policy_mask_threshold": 0.0, "mu": 2}, []),
     "scale_batch": ({"scale_rewards": "batch"}, []),
     "scale_none": ({"scale_rewards": "none"}, []),
     "normalize_then_sum": ({"reward_aggregation": "normalize_then_sum"}, []),
