@@ -105,7 +105,7 @@ def clip_bounds(clip: str, logp_old: torch.Tensor, eps_low: float, eps_high: flo
     raise ValueError(f"unknown clip {clip!r}")
 
 
-CLIPS = ("ratio", "target", "cispo")
+CLIPS = ("ratio", "target", "cispo", "sapo")
 LEVELS = ("token", "sequence")
 
 
@@ -125,11 +125,14 @@ def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
 
 def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: float, *, level: str = "token",
               seq_index: Optional[torch.Tensor] = None, delta: Optional[float] = None,
-              cispo_max_weight: float = 5.0) -> torch.Tensor:
+              cispo_max_weight: float = 5.0, sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> torch.Tensor:
     """The per-token policy-gradient objective (to maximise) of docs/algorithm.md §6, §13, §14."""
     check_surrogate_options(clip, level, seq_index, delta)
     if clip == "cispo":
         return cispo_surrogate(logp, policy_log_ratio(logp, logp_old, level, seq_index), advantages, cispo_max_weight)
+    if clip == "sapo":
+        return sapo_surrogate(torch.exp(policy_log_ratio(logp, logp_old, level, seq_index)), advantages,
+                              *sapo_temperatures)
     if clip == "target":
         return target_clip_surrogate(logp, logp_old, advantages)
     if level == "token" and delta is None:  # today's path, op for op
@@ -199,6 +202,14 @@ def cispo_surrogate(logp, log_ratio, advantages, max_weight: float) -> torch.Ten
     return cispo_weight(log_ratio, max_weight) * advantages * logp
 
 
+def sapo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
+    """SAPO (Qwen 2025): a soft gate in place of the clip, (4 / tau) sigmoid(tau (r - 1)) A per token, tau = tau_pos
+    for A > 0, tau_neg otherwise. Its gradient, 4 sigma (1 - sigma) r A d lp, is the plain one at r = 1 and fades
+    smoothly as r leaves 1 rather than stopping at a bound (docs/algorithm.md §14)."""
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+
+
 @dataclass
 class TokenLoss:
     loss: torch.Tensor                # [n] per-token loss (-objective); aggregate with aggregation_weights
@@ -222,6 +233,8 @@ def clip_flags(clip: str, log_ratio: torch.Tensor, logp_old: torch.Tensor, advan
         ratio = torch.exp(log_ratio)
         if clip == "cispo":
             return torch.zeros_like(ratio, dtype=torch.bool), (ratio > cispo_max_weight) & (advantages != 0)
+        if clip == "sapo":   # a soft gate: nothing is ever clipped outright
+            return torch.zeros_like(ratio, dtype=torch.bool), torch.zeros_like(ratio, dtype=torch.bool)
         low, high = clip_bounds(clip, logp_old, eps_low, eps_high)
         return (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0)
 
@@ -231,14 +244,15 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
                     kl_estimator: str = "k3", level: str = "token", seq_index: Optional[torch.Tensor] = None,
                     delta: Optional[float] = None, cispo_max_weight: float = 5.0,
                     pg_weight: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
-                    entropy_coef: float = 0.0, kl_ratio_weight: bool = False) -> TokenLoss:
+                    entropy_coef: float = 0.0, kl_ratio_weight: bool = False,
+                    sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> TokenLoss:
     """-(pg * pg_weight) + KL penalty - entropy_coef * entropy per token (docs/algorithm.md §1, with the
     variants of §4, §6, §13, §14 and §16). pg_weight (detached) scales the policy term only: the sampler
     correction of §15 times the token mask of §16. kl_ratio_weight: the reference KL times the importance
     ratio r (the token's, or its sequence's), with r's gradient (§4.4). The defaults are GRPO exactly as
     before these options."""
     loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
-                      delta=delta, cispo_max_weight=cispo_max_weight)
+                      delta=delta, cispo_max_weight=cispo_max_weight, sapo_temperatures=sapo_temperatures)
     if pg_weight is not None:
         loss = loss * pg_weight.detach().to(loss.dtype)
     ref_weight = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index)) if kl_ratio_weight else None

@@ -265,8 +265,8 @@ class AlgorithmConfig(_Section):
         "use_bias_correction_kl, on by default there; docs/algorithm.md §4.4). Changes the gradient even at mu: 1.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Per-token KL estimator (Schulman 2020; docs/algorithm.md §4): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
-    clip: Literal["ratio", "target", "cispo"] = Field(
-        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), or cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient.")
+    clip: Literal["ratio", "target", "cispo", "sapo"] = Field(
+        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient, or sapo: a soft sigmoid gate of the ratio in place of the clip (sapo_temperature_pos/neg).")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
     aggregation: Literal["sequence_mean", "token_mean", "constant", "sum"] = Field(
@@ -288,6 +288,8 @@ class AlgorithmConfig(_Section):
         "clipped per sequence with sequence_epsilon_low/high (docs/algorithm.md §13).")
     sequence_epsilon_low: float = Field(3e-4, gt=0, lt=1, description="importance_sampling_level: sequence: lower clip bound 1 - this (the GSPO paper's 3e-4).")
     sequence_epsilon_high: float = Field(4e-4, gt=0, description="importance_sampling_level: sequence: upper clip bound 1 + this (the GSPO paper's 4e-4).")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="clip: sapo (docs/algorithm.md §14): the gate's temperature for A > 0 (TRL's default).")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="clip: sapo: the gate's temperature for A <= 0; higher fades a negative token's gradient faster as its ratio leaves 1 (TRL's default).")
     cispo_max_weight: float = Field(5.0, gt=1, description="clip: cispo (docs/algorithm.md §14): the detached importance weight is capped at this (ScaleRL's 5.0).")
     delta: Optional[float] = Field(
         None, description="clip: ratio: two-sided clip (docs/algorithm.md §14): the unclipped ratio term is capped at delta, "
@@ -364,7 +366,7 @@ class AlgorithmConfig(_Section):
             problems.append(("scale_rewards", f"applies to advantage mean_std only (got advantage {self.advantage!r})"))
         if self.importance_sampling_level == "sequence":
             if self.clip == "target":
-                problems.append(("importance_sampling_level", "'sequence' with clip: target is not defined; use clip ratio or cispo"))
+                problems.append(("importance_sampling_level", "'sequence' with clip: target is not defined; use clip ratio, cispo or sapo"))
             for name in ("epsilon_low", "epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, f"is the token-level clip bound; at importance_sampling_level sequence set "
@@ -373,12 +375,16 @@ class AlgorithmConfig(_Section):
             for name in ("sequence_epsilon_low", "sequence_epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, "is used only with importance_sampling_level: sequence"))
-        if self.clip == "cispo":
+        if self.clip in ("cispo", "sapo"):
             for name in ("epsilon_low", "epsilon_high"):
                 if getattr(self, name) != default[name].default:
-                    problems.append((name, "is a bound of the ratio clip; clip: cispo caps its weight at cispo_max_weight"))
-        elif self.cispo_max_weight != default["cispo_max_weight"].default:
+                    problems.append((name, f"is a bound of the ratio clip, which clip: {self.clip} does not use"))
+        if self.clip != "cispo" and self.cispo_max_weight != default["cispo_max_weight"].default:
             problems.append(("cispo_max_weight", "is used only with clip: cispo"))
+        if self.clip != "sapo":
+            for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+                if getattr(self, name) != default[name].default:
+                    problems.append((name, "is used only with clip: sapo"))
         if self.delta is not None:
             if self.clip != "ratio":
                 problems.append(("delta", f"caps the ratio clip's unclipped term; clip is {self.clip!r}"))

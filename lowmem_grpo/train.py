@@ -408,7 +408,8 @@ class Trainer:
                                  seq_index=mb.seq_ids.to(logp.device), delta=a.delta,
                                  cispo_max_weight=a.cispo_max_weight, pg_weight=pg_weight,
                                  entropy=entropy if coef > 0 else None, entropy_coef=coef,
-                                 kl_ratio_weight=a.kl_ratio_weight)
+                                 kl_ratio_weight=a.kl_ratio_weight,
+                                 sapo_temperatures=(a.sapo_temperature_pos, a.sapo_temperature_neg))
             loss = aggregate(tl.loss, mb.weights.to(logp.device))
             loss.backward()
             parts.append(diag.TokenStats(loss.item(), entropy.detach(), tl.clipped_low, tl.clipped_high, adv,
