@@ -121,3 +121,19 @@ def test_entropy_gradient_float32_and_frozen_head():
     assert not ent_log.requires_grad
     with pytest.raises(ValueError, match="entropy_grad needs return_entropy"):
         selective_log_softmax(h, w, t, entropy_grad=True)
+
+
+def test_bf16_inputs_get_fp32_logits_not_bf16_ones():
+    """A bf16 model's hidden states and head: the kernel's tiles are fp32 (TRL's cast_lm_head_to_fp32, always on
+    here). Its log-probs equal an fp64 evaluation of the same bf16 values to fp32 precision, where rounding the
+    logits to bf16 first, as a plain bf16 matmul does, is off by orders of magnitude more."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(64, 128, generator=g) * 2).to(torch.bfloat16)
+    w = (torch.randn(3000, 128, generator=g) * 0.5).to(torch.bfloat16)
+    t = torch.randint(0, 3000, (64,), generator=g)
+    exact = reference_log_probs(h.double(), w.double(), t)
+    ours = selective_log_softmax(h, w, t, chunk_rows=16, chunk_vocab=1000)
+    assert ours.dtype == torch.float32
+    bf16_logits = torch.log_softmax((h @ w.T).float(), -1).gather(1, t[:, None]).squeeze(1).double()
+    err_ours, err_bf16 = (ours.double() - exact).abs().max().item(), (bf16_logits - exact).abs().max().item()
+    assert err_ours < 1e-4 and err_bf16 > 50 * err_ours, (err_ours, err_bf16)
