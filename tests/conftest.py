@@ -95,6 +95,17 @@ def write_recipe(path: Path, d: dict) -> Path:
 QUIET = dict(log=lambda *a: None)
 
 
+def central_differences(f, x: list, h: float = 1e-6) -> list:
+    """d sum(f(x)) / d x_k for every k, by central differences: the gradient a hand-written formula implies."""
+    out = []
+    for k in range(len(x)):
+        up, dn = list(x), list(x)
+        up[k] += h
+        dn[k] -= h
+        out.append((sum(f(up)) - sum(f(dn))) / (2 * h))
+    return out
+
+
 def losses_by_step(run_dir) -> dict:
     from lowmem_grpo.metrics import read_metrics
 

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from conftest import central_differences
 from lowmem_grpo.advantages import STD_EPS, group_advantages, normalize_then_sum_advantages
 from lowmem_grpo.loss import (adapt_entropy_coef, aggregate, cispo_surrogate, entropy_threshold, grpo_token_loss,
                               k3_kl, kl_terms, ratio_clip_surrogate, sampler_correction_weights, sequence_log_ratio,
@@ -584,12 +585,7 @@ def test_sapo_surrogate_equals_hand_formula(level):
     base = lp.detach().tolist()
     assert max(abs(a - b) for a, b in zip(tl.loss.tolist(), hand(base))) < 1e-12
     (grad,) = torch.autograd.grad(tl.loss.sum(), lp)
-    fd = []
-    for k in range(n):
-        up, dn = list(base), list(base)
-        up[k] += 1e-6
-        dn[k] -= 1e-6
-        fd.append((sum(hand(up)) - sum(hand(dn))) / 2e-6)
+    fd = central_differences(hand, base)
     assert max(abs(a - b) for a, b in zip(grad.tolist(), fd)) < 1e-8
     assert not tl.clipped_low.any() and not tl.clipped_high.any()
     on_policy = lp.detach().clone().requires_grad_()
