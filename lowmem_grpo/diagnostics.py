@@ -99,7 +99,7 @@ def rollout_stats(result, lengths: torch.Tensor, truncated: torch.Tensor, group_
     row.update(rollout_diagnostics(done.correct.view_as(rewards), done.valid.view_as(rewards), advantages))
     for name, n in result.errors.items():
         row[f"reward_errors/{name}"] = n
-    for name, values in getattr(result, "metrics", {}).items():   # TRL's log_metric: the step's mean
+    for name, values in result.metrics.items():   # TRL's log_metric: the step's mean
         row[f"reward_metric/{name}"] = sum(values) / len(values) if values else None
     return row
 
@@ -136,7 +136,7 @@ def sample_table(prompts: Sequence[str], texts: Sequence[str], result, limit: in
 
     return [{"prompt": prompts[i], "completion": texts[i], "reward": num(result.total[i]),
              **{f"reward/{name}": num(values[i]) for name, values in result.per_function.items()},
-             **{f"extra/{column}": values[i] for column, values in getattr(result, "extra", {}).items()},
+             **{f"extra/{column}": values[i] for column, values in result.extra.items()},
              **({"segments": segments[i]} if segments is not None and segments[i] is not None else {})}
             for i in range(min(limit, len(texts)))]
 

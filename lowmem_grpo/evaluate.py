@@ -205,8 +205,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
-    from .checkpoint import adapter_problem
-    from .model import ModelLoadError, load_base_model, load_policy, load_tokenizer
+    from .model import AdapterLoadError, ModelLoadError, load_base_model, load_policy, load_tokenizer
 
     if model_dir:
         if not (Path(model_dir) / "config.json").is_file():
@@ -218,19 +217,10 @@ def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
                                  "copy them from the base model's folder")
         cfg = recipe.model.model_copy(update={"name_or_path": str(model_dir)})
         return load_base_model(cfg), load_tokenizer(cfg)
-    if adapter is None:
-        return load_policy(recipe.model, recipe.lora)
-    problem = adapter_problem(adapter)
-    if problem:
-        raise ModelLoadError(f"--adapter: {problem}")
     try:
-        return load_policy(recipe.model, recipe.lora, adapter_path=str(adapter))
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # peft: a size mismatch or missing target modules, an adapter of another base model
-        first = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]  # torch: a header, then what
-        raise ModelLoadError(f"--adapter {adapter}: does not load onto model.name_or_path={recipe.model.name_or_path!r} "
-                             f"(was it trained on another base model?): {type(exc).__name__}: {first}") from None
+        return load_policy(recipe.model, recipe.lora, adapter_path=str(adapter) if adapter else None)
+    except AdapterLoadError as exc:
+        raise ModelLoadError(f"--adapter: {exc}") from None
 
 
 def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Optional[str] = None,

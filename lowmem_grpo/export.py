@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from . import checkpoint as ckpt
-from .model import DTYPES, load_base_model, load_tokenizer
+from .model import DTYPES, load_adapter, load_base_model, load_tokenizer
 from .recipe import load_recipe
 
 
@@ -64,20 +64,13 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
 
 def merge_adapter(model_cfg, adapter: Path, out: Path, dtype: str = "float32", tolerance: float = 1e-5,
                   probe_data=None) -> dict:
-    from peft import PeftModel
-
     if out.exists() and not out.is_dir():  # transformers' save_pretrained only logs this, and writes nothing
         raise ExportError(f"{out}: exists and is not a folder; the merged model is written there as a folder "
                           "(remove it, or choose another --out)")
     cfg = model_cfg.model_copy(update={"compute_dtype": dtype})
     tokenizer = load_tokenizer(cfg)
     base = load_base_model(cfg, quantized=False)
-    try:
-        model = PeftModel.from_pretrained(base, str(adapter)).eval()
-    except Exception as exc:  # a size mismatch or missing target modules: an adapter of another base model
-        first = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]  # torch: a header, then what
-        raise ExportError(f"the adapter {adapter} does not load onto model.name_or_path={model_cfg.name_or_path!r} "
-                          f"(was it trained on another base model?): {type(exc).__name__}: {first}") from None
+    model = load_adapter(base, str(adapter), model_cfg.name_or_path, is_trainable=False).eval()
     probes = _probe_ids(tokenizer, model.config.vocab_size, probe_data)
     with torch.no_grad():
         before = torch.cat([model(input_ids=p).logits.float().flatten() for p in probes])

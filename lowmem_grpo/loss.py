@@ -205,7 +205,7 @@ def cispo_surrogate(logp, log_ratio, advantages, max_weight: float) -> torch.Ten
 def sapo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
     """SAPO (Qwen 2025): a soft gate in place of the clip, (4 / tau) sigmoid(tau (r - 1)) A per token, tau = tau_pos
     for A > 0, tau_neg otherwise. Its gradient, 4 sigma (1 - sigma) r A d lp, is the plain one at r = 1 and fades
-    smoothly as r leaves 1 rather than stopping at a bound (docs/algorithm.md §14)."""
+    smoothly as r leaves 1 rather than stopping at a bound (docs/algorithm.md §14.1)."""
     tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
 
@@ -302,7 +302,7 @@ def sampler_correction_weights(logp_at_rollout: torch.Tensor, logp_sampler: torc
 
 def off_policy_sequence_mask(logp: torch.Tensor, logp_sampler: torch.Tensor, advantages: torch.Tensor,
                              seq_index: torch.Tensor, threshold: float) -> torch.Tensor:
-    """DeepSeek-V3.2's off-policy sequence mask (docs/algorithm.md §15), per token, detached: 0 on every token of
+    """DeepSeek-V3.2's off-policy sequence mask (docs/algorithm.md §15.1), per token, detached: 0 on every token of
     a completion with A < 0 whose mean of lp_sampler - lp over its tokens (a forward-KL estimate from the
     sampler to the policy now) is above `threshold`, else 1. A wrong answer the policy has moved far from is
     not pushed down further."""

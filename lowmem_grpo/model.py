@@ -29,6 +29,10 @@ class ModelLoadError(Exception):
     pass
 
 
+class AdapterLoadError(ModelLoadError):
+    """A saved adapter that cannot be loaded: a damaged folder, or one made for another base model."""
+
+
 def _not_a_folder(name: str) -> Optional[str]:
     """Why `name` names neither a local folder nor a hub id, when it is written as a path that does not exist
     (transformers would only say that it is not a valid repo id)."""
@@ -123,6 +127,23 @@ def attach_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = True):
     return get_peft_model(model, peft_cfg)
 
 
+def load_adapter(base, adapter_path: str, model_name: str, is_trainable: bool = True):
+    """PeftModel.from_pretrained(base, adapter_path), with an adapter it cannot load as one line (AdapterLoadError)
+    rather than peft's traceback: a damaged folder is found before the load (checkpoint.adapter_problem)."""
+    from peft import PeftModel
+
+    from .checkpoint import adapter_problem
+
+    if problem := adapter_problem(Path(adapter_path)):
+        raise AdapterLoadError(problem)
+    try:
+        return PeftModel.from_pretrained(base, adapter_path, is_trainable=is_trainable)
+    except Exception as exc:  # a size mismatch or missing target modules: an adapter of another base model
+        first = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]  # torch: a header, then what
+        raise AdapterLoadError(f"{adapter_path} does not load onto model.name_or_path={model_name!r} (was it trained "
+                               f"on another base model?): {type(exc).__name__}: {first}") from None
+
+
 def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
     """(peft model, tokenizer): the policy and, with adapters disabled, the reference."""
     if getattr(model_cfg, "backend", "transformers") == "unsloth":
@@ -130,11 +151,9 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Opti
     tokenizer = load_tokenizer(model_cfg)
     base = load_base_model(model_cfg)
     if adapter_path:
-        from peft import PeftModel
-
         if model_cfg.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
+        model = load_adapter(base, adapter_path, model_cfg.name_or_path)
     else:
         model = attach_lora(base, lora_cfg, model_cfg.gradient_checkpointing)
     return model, tokenizer
@@ -161,9 +180,7 @@ def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_pa
         model_name=model_cfg.name_or_path, load_in_4bit=model_cfg.load_in_4bit, dtype=DTYPES[model_cfg.compute_dtype],
         trust_remote_code=model_cfg.trust_remote_code)
     if adapter_path:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+        model = load_adapter(model, adapter_path, model_cfg.name_or_path)
     else:
         targets = LORA_LINEAR_NAMES if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
         model = FastLanguageModel.get_peft_model(

@@ -389,7 +389,7 @@ class Rewards:
         return self.conventions.get(name) == "trl"   # (a function put in .functions by hand is lowmem-grpo's)
 
     def _trl_arguments(self, completions, prompts, rows, completion_ids, step, prompt_messages,
-                       logged: tuple[dict, dict] = ({}, {})) -> dict:
+                       logged: tuple[dict, dict]) -> dict:
         """TRL's keyword arguments for a batch: prompts, completions (chat messages where the row's prompt was
         a message list), completion_ids, trainer_state, log_metric and log_extra (which fill `logged`: (metrics,
         extra columns)), and one list per dataset column."""

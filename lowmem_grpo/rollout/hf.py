@@ -65,14 +65,16 @@ class _RepetitionPenalty(LogitsProcessor):
     penalise the pad token: Qwen's pad is one of its EOS tokens."""
 
     def __init__(self, penalty: float, pad_counts: list[int]):
-        self.penalty, self.pad_counts = penalty, pad_counts
+        self.penalty, self.pad_counts, self._pads = penalty, pad_counts, None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        pads = torch.tensor(self.pad_counts, device=input_ids.device)
-        real = (torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] >= pads[:, None]).long()
-        seen = torch.zeros(scores.shape, dtype=torch.long, device=scores.device).scatter_add_(1, input_ids, real) > 0
-        penalised = torch.where(scores > 0, scores / self.penalty, scores * self.penalty)
-        return torch.where(seen, penalised, scores)
+        if self._pads is None:
+            self._pads = torch.tensor(self.pad_counts, device=input_ids.device)[:, None]
+        real = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :] >= self._pads
+        # [rows, tokens], never [rows, vocab]: a pad position stands for the row's last token (real, and seen)
+        ids = torch.where(real, input_ids, input_ids[:, -1:])
+        seen = scores.gather(1, ids)
+        return scores.scatter(1, ids, torch.where(seen > 0, seen / self.penalty, seen * self.penalty))
 
 
 def first_stop(text: str, stop: tuple) -> Optional[str]:
