@@ -225,4 +225,4 @@ def completion_logprobs(model, mb: MicroBatch, temperature: float, chunk_rows: i
     head = lm_head_params(model)
     return selective_log_softmax(h, head.weight, mb.targets.to(device), bias=head.bias, temperature=temperature,
                                  chunk_rows=chunk_rows, chunk_vocab=chunk_vocab, return_entropy=return_entropy,
-                                 entropy_grad=entropy_grad)
+                                 entropy_grad=entropy_grad, scale=head.scale, softcap=head.softcap)

@@ -21,6 +21,13 @@ import torch
 PREFIX = "step-"
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """path's content replaced whole or not at all (a crash mid-write leaves the old file)."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():

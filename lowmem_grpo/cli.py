@@ -3,6 +3,7 @@ message and exit 2; they never reach the user as a traceback."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,11 @@ def _launch(nproc: int, argv: list[str]) -> None:
 @click.version_option(package_name="lowmem-grpo")
 def main():
     """GRPO on one GPU: a 4-bit base + LoRA, verifiable rewards."""
+    # What a recipe names as 'module:attr' (reward functions, environments) is imported from the working
+    # directory too, as under `python -m lowmem_grpo` and torchrun (--nproc). Last on the path, so that a
+    # file there never shadows an installed package.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
 
 
 @main.command()

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
+import numbers
 import operator
 import random
 from array import array
@@ -197,6 +199,8 @@ class PromptSet:
                 raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
             if row[name] is None:  # present, so "missing" would contradict the list of fields the row has
                 raise DataError(f"field {name!r} is null (the row has it, with no value)")
+        if self.require_answer:
+            answer_problem(row[cfg.answer_field], cfg.answer_field)
         prompt = row[cfg.prompt_field]
         # a mapping would be rendered as its Python repr; a blank string as a prompt with no question in it
         if isinstance(prompt, dict):
@@ -228,6 +232,24 @@ class PromptSet:
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
         return Example(row, text, ids, chat)
+
+
+def answer_problem(value, field: str) -> None:
+    """A reference answer is text or a number. The rewards that read it (math, exact) compare its text, so a
+    list or mapping would be judged as its Python repr, and NaN or infinity as the words 'nan' or 'inf'."""
+    if isinstance(value, bool):
+        raise DataError(f"the answer field {field!r} holds the boolean {value}; write it as text "
+                        f"({json.dumps(str(value).lower())}) or a number")
+    if not isinstance(value, (str, numbers.Real)):
+        raise DataError(f"the answer field {field!r} holds {type(value).__name__} {_short(value)}; expected text "
+                        "or a number (one reference answer per row)")
+    if not isinstance(value, str) and not math.isfinite(float(value)):
+        raise DataError(f"the answer field {field!r} is {value} (not a finite number)")
+
+
+def _short(value, n: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
+import typing
 from math import isfinite
 from typing import Any, Optional
 
@@ -46,6 +48,11 @@ class EnvError(Exception):
 
 class EnvOutputError(Exception):
     """What one environment call returned or raised; it ends that completion's episode and is counted."""
+
+
+# What user code may raise and we report as its error: SystemExit too (sys.exit() in an environment would
+# otherwise end the trainer, or, on a step thread, end that thread silently and read as a hang).
+USER_ERRORS = (Exception, SystemExit)
 
 
 class Environment:
@@ -93,7 +100,7 @@ def stop_strings(name: str, cls: type, kwargs: Optional[dict] = None) -> tuple[s
     if callable(getattr(cls, "stop_for", None)):
         try:
             stop = cls.stop_for(**(kwargs or {}))
-        except Exception as exc:  # user code: reported as the environment's, not raised raw
+        except USER_ERRORS as exc:  # user code: reported as the environment's, not raised raw
             raise EnvError(f"environment {name!r}: stop_for raised {type(exc).__name__}: {exc}") from None
     if isinstance(stop, str):
         stop = (stop,)
@@ -113,6 +120,49 @@ def kwargs_problem(name: str, cls: type, kwargs: dict) -> Optional[str]:
     return None
 
 
+# Annotations whose values a recipe can hold and validate can check; anything else (unannotated, Any, a class,
+# a Literal, a Union of other things) is left to the constructor. bool is no int or float here (YAML's `yes`).
+_SIMPLE = {int: "int", float: "float", str: "str", bool: "bool", list: "list", dict: "dict", type(None): "null"}
+
+
+def _accepts(kind: type, value) -> bool:
+    if kind is float:   # a whole number in YAML is an int
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is list:
+        return isinstance(value, (list, tuple))
+    return isinstance(value, kind)
+
+
+def _simple_kinds(annotation) -> Optional[tuple]:
+    """The simple types an annotation allows (Optional/Union of them, list[...]/dict[...] as list/dict), or None
+    when it is anything else (left unchecked)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        kinds = [_simple_kinds(a) for a in typing.get_args(annotation)]
+        return None if any(k is None for k in kinds) else tuple(k for ks in kinds for k in ks)
+    kind = origin if origin in (list, dict) else annotation
+    return (kind,) if kind in _SIMPLE else None
+
+
+def kwargs_type_problems(name: str, cls: type, kwargs: dict) -> list[tuple[str, str]]:
+    """(recipe key, message) for each kwarg whose value is not of its parameter's simple annotated type
+    (int, float, str, bool, list, dict, Optional of those); other annotations are not checked."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:   # a name the annotations use cannot be resolved, or no __init__ to read: nothing to check
+        return []
+    problems = []
+    for key, value in kwargs.items():
+        kinds = _simple_kinds(hints[key]) if key in hints else None
+        if kinds is not None and not any(_accepts(kind, value) for kind in kinds):
+            allowed = " or ".join(dict.fromkeys(_SIMPLE[k] for k in kinds))
+            problems.append((f"environment.kwargs.{key}", f"environment {name!r} takes {key} as {allowed}, got "
+                                                          f"{_short(value)} ({type(value).__name__})"))
+    return problems
+
+
 def environment_problems(cfg) -> list[tuple[str, str]]:
     """(recipe key, message) for each reason the recipe's environment (an EnvironmentConfig) cannot be used;
     [] when it can, or when there is none. Imports the user's module: `lowmem-grpo validate` calls it."""
@@ -125,6 +175,9 @@ def environment_problems(cfg) -> list[tuple[str, str]]:
     problem = kwargs_problem(cfg.name, cls, dict(cfg.kwargs))
     if problem:
         return [("environment.kwargs", problem)]
+    typed = kwargs_type_problems(cfg.name, cls, dict(cfg.kwargs))
+    if typed:   # (before stop_for and startup, which would fail on the same values less clearly)
+        return typed
     try:
         stop_strings(cfg.name, cls, dict(cfg.kwargs))
     except EnvError as exc:
@@ -140,7 +193,7 @@ def startup_notes(name: str, cls: type, kwargs: dict) -> list[str]:
         return []
     try:
         notes = hook(**kwargs)
-    except Exception as exc:  # user code: reported as the environment's, not raised raw
+    except USER_ERRORS as exc:  # user code: reported as the environment's, not raised raw
         raise EnvError(f"environment {name!r}: startup raised {type(exc).__name__}: {exc}") from None
     return [str(n) for n in notes or []]
 
@@ -161,7 +214,7 @@ class EnvironmentFactory:
         """A new instance; what its constructor raises is an EnvOutputError (counted for that completion)."""
         try:
             return self.cls(**self.kwargs)
-        except Exception as exc:  # user code: counted for the completion, not raised raw
+        except USER_ERRORS as exc:  # user code: counted for the completion, not raised raw
             raise EnvOutputError(f"{self.name}(**kwargs) raised {type(exc).__name__}: {exc}") from None
 
 
@@ -172,7 +225,7 @@ class EnvironmentFactory:
 def _call(env, method: str, arg):
     try:
         return getattr(env, method)(arg)
-    except Exception as exc:  # user code: counted for the completion, not raised raw
+    except USER_ERRORS as exc:  # user code: counted for the completion, not raised raw
         raise EnvOutputError(f"{method}() raised {type(exc).__name__}: {exc}") from None
 
 
@@ -182,7 +235,20 @@ def checked_reset(env, row: dict) -> Optional[str]:
     if out is not None and not isinstance(out, str):
         raise EnvOutputError(f"reset() returned {type(out).__name__} {_short(out)}; allowed: a str (the first user "
                              "message) or None (the dataset prompt)")
+    _check_text(out, "reset() returned a first message")
     return out
+
+
+def _check_text(text: Optional[str], what: str) -> None:
+    """A str the tokenizer can take: a lone surrogate (bytes decoded with surrogateescape) makes it raise a
+    bare TypeError mid-rollout, so it is named here instead."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise EnvOutputError(f"{what} that is not valid text ({exc.reason}: {text[exc.start:exc.end]!r} at "
+                             f"character {exc.start}); allowed: a str that encodes as UTF-8") from None
 
 
 def _is_bool(x) -> bool:
@@ -200,6 +266,7 @@ def checked_step(env, model_text: str) -> tuple[Optional[str], Optional[float], 
     if observation is not None and not isinstance(observation, str):
         raise EnvOutputError(f"step() returned observation {_short(observation)} ({type(observation).__name__}); "
                              "allowed: a str or None")
+    _check_text(observation, "step() returned an observation")
     if reward is not None:
         if _is_bool(reward) or not isinstance(reward, (int, float)) and not hasattr(reward, "__float__"):
             raise EnvOutputError(f"step() returned reward {_short(reward)} ({type(reward).__name__}); allowed: a "
@@ -222,12 +289,23 @@ def checked_counters(env) -> dict:
         return {}
     try:
         out = fn()
-    except Exception as exc:  # user code: counted for the completion, not raised raw
+    except USER_ERRORS as exc:  # user code: counted for the completion, not raised raw
         raise EnvOutputError(f"counters() raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(out, dict) or not all(isinstance(k, str) and k and not _is_bool(v) and isinstance(v, (int, float))
-                                            and isfinite(v) for k, v in out.items()):
+    numbers = {k: _finite(v) for k, v in out.items()} if isinstance(out, dict) else None
+    if numbers is None or not all(isinstance(k, str) and k and v is not None for k, v in numbers.items()):
         raise EnvOutputError(f"counters() returned {_short(out)}; allowed: a dict of names to finite numbers")
-    return {k: float(v) for k, v in out.items()}
+    return numbers
+
+
+def _finite(x) -> Optional[float]:
+    """x as a float when it is a finite real number (numpy's integers too: they are no int subclass), else None."""
+    if _is_bool(x) or not isinstance(x, (int, float)) and not type(x).__module__ == "numpy":
+        return None
+    try:
+        x = float(x)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return x if isfinite(x) else None
 
 
 def _short(x, n: int = 60) -> str:
@@ -281,9 +359,10 @@ class PythonTool(Environment):
         """Refuse a sandbox weaker than full isolation unless allow_weak_sandbox (as the code rewards do)."""
         from .rewards.sandbox import SandboxLimits, missing_protections, sandbox_summary
 
-        if timeout_s <= 0 or max_output_chars < 1 or memory_mb < 1:
-            raise ValueError(f"timeout_s must be > 0, max_output_chars and memory_mb >= 1 (got {timeout_s}, "
-                             f"{max_output_chars}, {memory_mb})")
+        # (not `timeout_s <= 0`: nan passes that, and inf would fail each call in the sandbox's int(cpu_s))
+        if not (isfinite(timeout_s) and timeout_s > 0) or max_output_chars < 1 or memory_mb < 1:
+            raise ValueError(f"timeout_s must be a finite number > 0, max_output_chars and memory_mb >= 1 (got "
+                             f"{timeout_s}, {max_output_chars}, {memory_mb})")
         cls.stop_for(call_format)
         limits = SandboxLimits.of(memory_mb=memory_mb)
         missing = missing_protections(limits)
@@ -305,17 +384,26 @@ class PythonTool(Environment):
             return None, None, True                     # no tool call: the model is done
         self.calls += 1
         body = text[: -len(self.CLOSE)]
-        start = body.rfind(self.OPEN)
-        if start < 0:
+        if self.OPEN not in body:
             return self._error(f"{self.CLOSE} without {self.OPEN}: nothing was run"), None, False
-        code, problem = self._code(body[start + len(self.OPEN):])
+        # The call starts at the first opening tag, unless what follows it does not parse: then at the last (the
+        # turn mentioned the tag before its call). Not always the last: the code may quote the tag itself.
+        for start in dict.fromkeys((body.find(self.OPEN), body.rfind(self.OPEN))):
+            code, problem = self._parsed(body[start + len(self.OPEN):])
+            if problem is None:
+                return self._run(code), None, False
+        return self._error(problem), None, False
+
+    def _parsed(self, call: str) -> tuple[str, Optional[str]]:
+        """(the code of a call's body, or why it has none or does not parse)."""
+        code, problem = self._code(call)
         if problem:
-            return self._error(problem), None, False
+            return code, problem
         try:
             compile(code, "<python>", "exec")
-        except (SyntaxError, ValueError) as exc:
-            return self._error(f"the code does not parse: {type(exc).__name__}: {exc}"), None, False
-        return self._run(code), None, False
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:   # deep nesting: the last two
+            return code, f"the code does not parse: {type(exc).__name__}: {exc}"
+        return code, None
 
     def _run(self, code: str) -> str:
         from .rewards.sandbox import run_python
@@ -335,7 +423,7 @@ class PythonTool(Environment):
             return _unfenced(call), None
         try:
             parsed = json.loads(call)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:   # deeply nested brackets: RecursionError
             return "", f"the tool call is not JSON: {exc}"
         args = parsed.get("arguments") if isinstance(parsed, dict) else None
         if not isinstance(parsed, dict) or parsed.get("name") != "python" or not isinstance(args, dict) \

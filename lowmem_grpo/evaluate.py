@@ -166,6 +166,9 @@ def pass_at_k_table(per_prompt: Sequence[tuple[int, int]], params: SamplingParam
     return out
 
 
+MAX_K = 1024   # samples a prompt; all are kept in memory and written to samples.jsonl, so the cap bounds both
+
+
 def parse_ks(text: str) -> list[int]:
     """'1,8' -> [1, 8]; ValueError naming what is wrong."""
     try:
@@ -174,6 +177,9 @@ def parse_ks(text: str) -> list[int]:
         raise ValueError(f"--k {text!r}: expected a comma-separated list of positive integers, e.g. 1,8") from None
     if not ks or ks[0] < 1:
         raise ValueError(f"--k {text!r}: expected a comma-separated list of positive integers, e.g. 1,8")
+    if ks[-1] > MAX_K:
+        raise ValueError(f"--k {text!r}: at most {MAX_K} (each prompt is sampled max(k) times, and every completion "
+                         "is kept for samples.jsonl)")
     return ks
 
 
@@ -332,6 +338,7 @@ def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:
     lines = [f"greedy accuracy: {100 * s['accuracy']:.1f}% ({s['correct']}/{s['n']} prompts, "
              f"mean reward {s['mean_reward']:.3f}) on {s['split']}"]
     parts = [f"pass@{k}: " + ("n/a" if s[f"pass@{k}"] is None else f"{100 * s[f'pass@{k}']:.1f}%") for k in ks]
-    lines.append("  ".join(parts) + f"  ({s['samples_per_prompt']} samples per prompt at temperature {s['temperature']})")
+    n = s["samples_per_prompt"]
+    lines.append("  ".join(parts) + f"  ({n} sample{'s' * (n != 1)} per prompt at temperature {s['temperature']})")
     lines.append(f"wrote {s['out']}/samples.jsonl and {s['out']}/summary.json")
     return lines

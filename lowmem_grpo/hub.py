@@ -56,6 +56,10 @@ def parse(source: str) -> HubSpec:
     slash = head.rfind("/")
     colon = head.find(":", slash + 1)
     name, config = (head, None) if colon < 0 else (head[:colon], head[colon + 1:])
+    if "@" in head:   # (the split is after the last '@'; a dataset or config name never holds one)
+        raise HubSpecError(f"{source!r} has more than one '@'; expected {FORM}")
+    if config is not None and ":" in config:
+        raise HubSpecError(f"{source!r} has more than one ':' after the dataset name; expected {FORM}")
     if not name.strip():
         raise HubSpecError(f"{source!r} names no dataset; expected {FORM}")
     if config is not None and not config.strip():

@@ -29,12 +29,12 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from .recipe import LORA_LINEARS
 from .rollout.base import EVAL_BATCH, largest_wave, wave_plan  # EVAL_BATCH: prompts a greedy-eval call decodes
 
 GiB, MiB = 2**30, 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_RUNTIME_BYTES = 530 * MiB   # Python + libraries resident after the first training step (see docstring)
-LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class MemoryModelError(Exception):
@@ -54,6 +54,7 @@ class ModelShape:
     intermediate_size: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2 has q/k/v biases
+    logit_softcap: bool = False   # Gemma's final_logit_softcapping: the log-prob kernel's backward holds one more tile
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -67,6 +68,7 @@ class ModelShape:
                 intermediate_size=config.intermediate_size,
                 tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                 attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
+                logit_softcap=bool(getattr(config, "final_logit_softcapping", None)),
             )
         except AttributeError as exc:
             raise MemoryModelError(f"the memory model knows decoder-only LLaMA-style configs; this one lacks {exc}") from None
@@ -103,6 +105,7 @@ class Workload:
     kv_cache_bytes: Optional[int] = None  # vLLM: the recipe's explicit KV budget
     device: str = "cuda"
     environment: bool = False  # multi-turn rollouts: completion_tokens is environment.max_total_tokens
+    entropy_grad: bool = False  # an entropy bonus (algorithm.entropy_coef or entropy_target): its gradient's tile
 
 
 @dataclass
@@ -236,8 +239,10 @@ def train_phase(s: ModelShape, w: Workload, n_lora: int) -> dict[str, int]:
     n_tok = b * w.completion_tokens
     rows = min(w.chunk_tokens, n_tok)
     # The kernel works in place: forward keeps two fp32 tiles alive (logits and their exp, for the entropy),
-    # backward one. A head stored in a narrower dtype is cast to fp32 one vocabulary chunk at a time.
-    tile = 2 * rows * min(w.chunk_vocab, s.vocab_size) * 4
+    # backward one, plus one for the entropy bonus's gradient and one for a soft-capped head's slope. A head
+    # stored in a narrower dtype is cast to fp32 one vocabulary chunk at a time.
+    tiles = max(2, 1 + int(w.entropy_grad) + int(s.logit_softcap))
+    tile = tiles * rows * min(w.chunk_vocab, s.vocab_size) * 4
     if cb != 4:
         tile += min(w.chunk_vocab, s.vocab_size) * h * 4
     kernel_io = n_tok * h * (4 + 4) + n_tok * 4 * 8  # hidden rows in fp32 + their grad; per-token vectors
@@ -413,7 +418,8 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int
         gradient_checkpointing=r.model.gradient_checkpointing, offload_activations=r.train.offload_activations,
         bf16_autocast=r.model.bf16_autocast,
         eval_prompts=-(-eval_prompts // processes), engine=r.generation.engine,
-        kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device, environment=bool(r.environment.name))
+        kv_cache_bytes=r.generation.kv_cache_memory_bytes, device=device, environment=bool(r.environment.name),
+        entropy_grad=r.algorithm.entropy_coef > 0 or r.algorithm.entropy_target is not None)
 
 
 @dataclass
@@ -612,6 +618,11 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
     if shipped:
         est.notes.insert(0, f"model shape: the shipped copy of {name}'s config.json (lowmem_grpo/model_configs; nothing downloaded)")
+    text = getattr(config, "get_text_config", lambda: config)()
+    experts = max(int(getattr(text, key, 0) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if experts > 1:
+        est.notes.append(f"a mixture of {experts} experts: this model counts each layer's MLP as one dense "
+                         "intermediate_size MLP, so its figures for this model are rough")
     return est, shape, workload
 
 

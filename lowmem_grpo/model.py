@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .internals import bnb_internals, quiet_bitsandbytes_kernels_warning
-from .recipe import LoraConfig, ModelConfig
+from .recipe import LORA_LINEARS, LoraConfig, ModelConfig
 
 # Before bitsandbytes is first imported (by peft, or by transformers loading a 4-bit model), which is when
 # it logs that the optional `kernels` package is absent: a line that reads as an error, and is not one.
@@ -124,7 +124,20 @@ def attach_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = True):
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
         target_modules=cfg.target_modules, task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_cfg)
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as exc:   # peft's NoMatchingPeftModuleError: no module has such a name
+        raise ModelLoadError(f"lora.target_modules={cfg.target_modules}: {str(exc).splitlines()[0]} This model's linear "
+                             f"layers are named {', '.join(linear_names(model))}; or write 'all-linear'") from None
+
+
+def linear_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers (4-bit or not), the LM head aside: what
+    lora.target_modules may name."""
+    head = _base(model).get_output_embeddings()
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(names)
 
 
 def load_adapter(base, adapter_path: str, model_name: str, is_trainable: bool = True):
@@ -159,9 +172,6 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Opti
     return model, tokenizer
 
 
-LORA_LINEAR_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
     """model.backend: unsloth. Unsloth's FastLanguageModel (its kernels, its 4-bit loading) with peft LoRA
     adapters, as (peft model, tokenizer) like load_policy. NVIDIA GPU only: Unsloth refuses to import
@@ -182,7 +192,7 @@ def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_pa
     if adapter_path:
         model = load_adapter(model, adapter_path, model_cfg.name_or_path)
     else:
-        targets = LORA_LINEAR_NAMES if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
+        targets = list(LORA_LINEARS) if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
         model = FastLanguageModel.get_peft_model(
             model, r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
             target_modules=targets, use_gradient_checkpointing="unsloth" if model_cfg.gradient_checkpointing else False)
@@ -218,6 +228,8 @@ def _base(model):
 class LMHead:
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
+    scale: float = 1.0                # the final-logit transform (logit_transform)
+    softcap: Optional[float] = None
 
 
 def lm_head_params(model) -> LMHead:
@@ -225,7 +237,60 @@ def lm_head_params(model) -> LMHead:
     weight = getattr(head, "weight", None)
     if weight is None or weight.dim() != 2:
         raise ModelLoadError("the model's output embedding has no plain 2-D weight; chunked log-probs need one")
-    return LMHead(weight, getattr(head, "bias", None))
+    return LMHead(weight, getattr(head, "bias", None), *logit_transform(_base(model).config))
+
+
+# model_type -> the factor a causal LM multiplies its logits by, as transformers 5.19's modeling code does it.
+# A new architecture that transforms its logits otherwise is caught at start-up by check_logit_head.
+_LOGIT_SCALE = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), lambda c: c.logit_scale),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa", "granitemoe_swa",
+                     "minicpm3"), lambda c: 1.0 / c.logits_scaling),   # (minicpm3 divides the hidden state: the same)
+    "hyperclovax": lambda c: c.logits_scaling,   # the same key as Granite's, multiplied
+    "falcon_h1": lambda c: c.lm_head_multiplier,
+}
+
+
+def logit_transform(config) -> tuple[float, Optional[float]]:
+    """(scale, softcap): what the model's forward does to the LM head's output before anyone samples from it,
+    logits = softcap * tanh(scale * head(h) / softcap) (Gemma 2-4 soft-cap; Cohere and Granite scale). The
+    chunked log-prob kernel must do the same, or the trained policy is not the one sampled."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = _LOGIT_SCALE.get(getattr(text, "model_type", ""), lambda c: 1.0)(text)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return float(scale), (float(softcap) if softcap else None)
+
+
+PROBE_TOKENS = 16
+
+
+def check_logit_head(model) -> float:
+    """Start-up check that the chunked log-probs (decoder + lm_head_params + the kernel) equal log_softmax of
+    the model's own forward logits, on PROBE_TOKENS fixed tokens: an architecture whose forward transforms
+    its logits in a way logit_transform does not know is refused here, instead of training a policy other
+    than the one the engine samples from. Returns the largest difference (nats)."""
+    from .logprobs import selective_log_softmax
+
+    vocab = _base(model).get_output_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    ids = (torch.arange(1, PROBE_TOKENS + 1, device=device) * 7919 % vocab)[None]   # spread over the vocabulary
+    with torch.no_grad(), eval_mode(model):
+        logits = model(input_ids=ids).logits[0, :-1]
+        want = torch.log_softmax(logits.float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        head = lm_head_params(model)
+        got = selective_log_softmax(hidden_states(model, ids)[0, :-1], head.weight, ids[0, 1:], bias=head.bias,
+                                    scale=head.scale, softcap=head.softcap)
+    gap = float((got - want).abs().max())
+    # the model's forward may round its logits to its compute dtype; the kernel's are fp32
+    tolerance = 1e-3 if logits.dtype in (torch.float32, torch.float64) else 0.25
+    if not gap <= tolerance:
+        config = _base(model).config
+        raise ModelLoadError(
+            f"model type {getattr(config, 'model_type', '?')!r}: the chunked log-probs differ from the model's own "
+            f"by up to {gap:.3g} nats (allowed {tolerance}): its forward transforms the LM head's logits in a way "
+            "lowmem-grpo does not know (known: a scale as Cohere and Granite apply, a soft-cap as Gemma's "
+            "final_logit_softcapping), so training would update a policy other than the one sampled")
+    return gap
 
 
 def hidden_states(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -255,10 +320,28 @@ def attention_kind(model) -> str:
     return getattr(_base(model).config, "_attn_implementation", None) or "eager"
 
 
-def takes_shared_prompts(model) -> bool:
-    """Whether a micro-batch may lay out a group's completions behind one copy of their prompt (§12): the
-    attention implementation must take a per-query mask, and positions must come from position ids."""
-    return attention_kind(model) in ("sdpa", "eager")
+def takes_shared_prompts(model, row_width: int) -> bool:
+    """Whether a micro-batch may lay out a group's completions behind one copy of their prompt (§12), in rows
+    of at most `row_width` tokens: the attention implementation must take a per-query mask, and positions must
+    come from position ids. And no layer may keep a narrower sliding window: transformers applies a given
+    per-query mask as it is, window or not, so a completion would see further back than the model does."""
+    window = sliding_window(model)
+    return attention_kind(model) in ("sdpa", "eager") and (window is None or window >= row_width)
+
+
+def sliding_window(model) -> Optional[int]:
+    """The attention window of the model's sliding-window layers (Mistral, Gemma 2 and 3, Phi-3, Qwen2 with
+    use_sliding_window), or None where every layer sees the whole sequence: as transformers 5.19 reads the
+    config (a `layer_types` list names the sliding layers; Qwen's `use_sliding_window` switches it on)."""
+    config = _base(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window or getattr(text, "use_sliding_window", True) is False:
+        return None
+    types = getattr(text, "layer_types", None)
+    if types is not None and not any("sliding" in t for t in types):
+        return None
+    return int(window)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

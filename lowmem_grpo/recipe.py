@@ -49,6 +49,11 @@ class ModelConfig(_Section):
         return self.autocast and self.compute_dtype == "bfloat16"
 
 
+# The linear layers of a Llama-style decoder layer: what 'all-linear' adapts there (the memory model counts
+# these; Unsloth's loader takes names, not 'all-linear').
+LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class LoraConfig(_Section):
     r: int = Field(16, ge=1, le=1024, description="LoRA rank.")
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator: the update is (alpha / r) * B A.")
@@ -68,7 +73,7 @@ class DataConfig(_Section):
     train_path: str = Field("", description="Training prompts: a .jsonl, .csv or .parquet file, or a Hugging Face dataset split as hf:NAME[:CONFIG]@SPLIT (e.g. hf:openai/gsm8k:main@train; needs the data extra).")
     eval_path: str = Field("", description="Held-out prompts for evaluation (a file or hf:NAME[:CONFIG]@SPLIT); empty: eval_fraction's split of the training rows, or no evaluation.")
     prompt_field: str = Field("prompt", min_length=1, description="Row field holding the question/prompt text, or a list of chat messages ({role, content}: TRL's conversational format), which the tokenizer's chat template renders as they are.")
-    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference answer; the rewards that read it (math, exact) take it from here alone, and rows need it only when such a reward is on.")
+    answer_field: str = Field("answer", min_length=1, description="Row field holding the reference answer (text or a finite number); the rewards that read it (math, exact) take it from here alone, and rows need it only when such a reward is on.")
     template: str = Field("{prompt}", description="Python format string applied to each row to make the model input; fields by name.")
     chat_template: bool = Field(False, description="Wrap the templated prompt as a user message with the tokenizer's chat template (rows whose prompt is a list of messages always use it).")
     system_prompt: str = Field("", description="System message used with chat_template, and put first in a message-list prompt that has none.")
@@ -215,8 +220,9 @@ class EnvironmentConfig(_Section):
         "\n{observation}\n", description="How an observation is written into the completion (a Python format string "
         "with the one field {observation}); tokenized without special tokens.")
     step_timeout_s: float = Field(
-        60.0, gt=0, description="A step() that has not returned after this many seconds ends its episode as an "
-        "environment error (counted in env/errors), so that user code cannot hang the run.")
+        60.0, gt=0, description="A step() (or the constructor, reset() or counters()) that has not returned after "
+        "this many seconds ends its episode as an environment error (counted in env/errors), so that user code "
+        "cannot hang the run.")
     reward_weight: float = Field(
         1.0, description="Weight of the environment's summed reward in the total, as a reward function named "
         "'environment' (logged as reward/environment; a completion it gave no reward counts it as not applicable).")
@@ -424,7 +430,8 @@ class TrainConfig(_Section):
     share_prompts: Literal["auto", False] = Field(
         "auto", description="auto: in the update's passes, a micro-batch's completions of one prompt share one copy of "
         "it (a per-query attention mask and position ids; same log-probs, fewer tokens) where that saves a fifth of "
-        "the tokens and rows stay <= 512 wide, with sdpa or eager attention (docs/algorithm.md §12); false: one row "
+        "the tokens and rows stay <= 512 wide, with sdpa or eager attention and no narrower sliding window "
+        "(docs/algorithm.md §12); false: one row "
         "per completion.")
     offload_activations: bool = Field(
         False, description="With gradient checkpointing, keep each decoder layer's checkpointed input in pinned CPU "

@@ -226,8 +226,10 @@ def _lines(read, chunk: int = 1 << 20) -> Iterator[bytes]:
 
 
 class _CsvSource(_File):
-    """A header line, then records; a row is what csv.DictReader makes of its record (all values strings;
-    a short record's missing fields None, a long one's extra values a list under the key None)."""
+    """A header line, then records; a row maps the header's fields to the record's values (all strings; a
+    short record's missing fields None, as csv.DictReader makes them). A record with more values than the
+    header has fields is unreadable: DictReader would file the extras under the key None, which no field
+    names, so a value shifted by an unquoted comma would pass unnoticed."""
 
     def __init__(self, path: Path, label: str, limit: Optional[int] = None):
         super().__init__(path, label)
@@ -244,6 +246,7 @@ class _CsvSource(_File):
             reader = csv.reader(decoded(f))
             try:
                 self._fields = next(reader, None) or []
+                self._check_header(label)
                 prev = pos[0]
                 for record in reader:
                     if record:  # DictReader skips empty records (blank lines)
@@ -258,11 +261,21 @@ class _CsvSource(_File):
                 raise DataError(f"{label}:{reader.line_num + 1}: not valid UTF-8 ({exc.reason})") from None
         self._starts, self._ends = np.frombuffer(starts, dtype=np.int64), np.frombuffer(ends, dtype=np.int64)
 
+    def _check_header(self, label: str) -> None:
+        """A repeated field would keep only its last column's value. (A blank name is allowed once: pandas'
+        to_csv writes its index column so.)"""
+        seen = set()
+        for name in self._fields:
+            if name in seen:
+                raise DataError(f"{label}:1: the header names the field {name!r} twice; field names must be distinct")
+            seen.add(name)
+
     def _parse(self, data: bytes) -> dict:
         record = next(csv.reader(raw.decode("utf-8") for raw in _lines(io.BytesIO(data).read)))
-        row = dict(zip(self._fields, record))
         if len(record) > len(self._fields):
-            row[None] = record[len(self._fields):]
+            raise Unreadable(f"{len(record)} values for the header's {len(self._fields)} fields "
+                             f"({', '.join(self._fields)}): quote a value that holds a comma")
+        row = dict(zip(self._fields, record))
         for name in self._fields[len(record):]:
             row[name] = None
         return row

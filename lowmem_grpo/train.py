@@ -39,7 +39,7 @@ from . import checkpoint as ckpt
 from . import diagnostics as diag
 from . import distributed
 from .advantages import group_advantages, normalize_then_sum_advantages
-from .batch import BatchShare, MicroBatch, completion_logprobs, pack, trained_completions
+from .batch import SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, pack, trained_completions
 from .data import batch_indices, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
@@ -51,7 +51,7 @@ from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, deco
                      host_memory_problem, out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os,
                      workload_from_recipe)
 from .metrics import PhaseTimer, summary_line
-from .model import eval_mode, load_policy, reference_mode, takes_shared_prompts, trainable_parameters
+from .model import check_logit_head, eval_mode, load_policy, reference_mode, takes_shared_prompts, trainable_parameters
 from .progress import Progress
 from .recipe import Recipe, recipe_to_yaml
 from .rewards import Rewards
@@ -155,6 +155,7 @@ class Trainer:
             raise TrainingError(_damaged(start_ckpt, problem))
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                  adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
+        check_logit_head(self.model)   # the kernel's log-probs are the model's own, or a clear refusal
         self.model.train()
         # One policy: every process starts from process 0's adapter weights, then samples with its own stream.
         distributed.broadcast_parameters(trainable_parameters(self.model), self.world)
@@ -174,13 +175,14 @@ class Trainer:
         for note in self.rewards.notes + judging_notes(recipe):  # e.g. the code sandbox's active protections
             self.log(f"[lowmem-grpo] {note}")
         self.sampling = SamplingParams.from_generation(recipe.generation)
-        self.share_prompts = recipe.train.share_prompts == "auto" and takes_shared_prompts(self.model)
+        self.share_prompts = recipe.train.share_prompts == "auto" and takes_shared_prompts(self.model, SHARED_MAX_WIDTH)
         self.memory_budget = device_budget("cuda" if next(self.model.parameters()).is_cuda else "cpu")
         self.waves = self._decode_waves()
         engine_cfg = EngineConfig.from_recipe(recipe, self.waves.max_batch_sequences if self.waves else None)
         self.engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, self.world)),
                                   self.model, self.tokenizer)
         try:
+            self.check_sampler_agreement()
             self._init_loop(start_ckpt)
         except BaseException:
             self.engine.close()
@@ -208,8 +210,11 @@ class Trainer:
             self._restore_rng(ckpt.rng_states(saved))
             self.state = LoopState(**saved["extra"].get("loop", {}))
             self.log(f"[lowmem-grpo] resumed from {start_ckpt} at step {self.step}")
-        elif self.world.main:
-            (self.run_dir / "recipe.yaml").write_text(recipe_to_yaml(r))
+        if self.world.main:   # fresh, or a resume's --set changes: the next plain --resume (and report) keep them
+            path, text = self.run_dir / "recipe.yaml", recipe_to_yaml(r)
+            if start_ckpt is not None and path.is_file() and path.read_text() != text:
+                self.log(f"[lowmem-grpo] {path} now holds this resume's settings")
+            ckpt.write_text_atomic(path, text)
         if not self.world.main:   # process 0 writes the run's metrics and samples (§21)
             self.metrics = Sinks([])
             return
@@ -509,6 +514,43 @@ class Trainer:
                    if every and (self.step + 1) % every == 0 else None)
         return Step(row, samples)
 
+    # -- start-up checks -----------------------------------------------------------------------------
+
+    def check_sampler_agreement(self, tokens: int = 8) -> Optional[float]:
+        """The engine's log-probs of a few tokens it samples from the first training prompt against the
+        trainer's (§11): an engine that runs the architecture otherwise than transformers (vLLM's own model
+        code, on shared modules) would have the update correct a policy other than the one sampled. In float32
+        they agree to ~1e-6, so more than 1e-3 is refused, unless algorithm.sampler_correction is on (then it is
+        reported, as a mean over 0.1 nats is in bf16/fp16, where the kernels differ). The torch RNG is left as
+        it was. Returns the largest difference (or None
+        when the engine reports no log-probs)."""
+        g = self.recipe.generation
+        prompt = self.train_set.examples[0].prompt_ids
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            done = self.engine.generate([prompt], SamplingParams(n=2, max_new_tokens=tokens, temperature=g.temperature))
+        done = [c for c in done if c.token_ids]
+        if not done or any(c.logprobs is None for c in done):
+            return None
+        mb = pack([prompt] * len(done), [c.token_ids for c in done], torch.zeros(len(done)), len(done), "token_mean",
+                  tokens, self.tokenizer.pad_token_id)[0]
+        with torch.no_grad(), eval_mode(self.model):
+            ours = self.logprobs(mb).float().cpu()
+        gap = (ours - torch.tensor([x for c in done for x in c.logprobs], dtype=torch.float32)).abs()
+        where = (f"generation.engine={g.engine}: its log-probs of its own samples differ from the trainer's by "
+                 f"{float(gap.mean()):.3g} nats on average, {float(gap.max()):.3g} at most")
+        exact = self.recipe.model.compute_dtype == "float32" and not self.recipe.model.bf16_autocast
+        if not (float(gap.max()) <= 1e-3 if exact else float(gap.mean()) <= 0.1):
+            if exact and self.recipe.algorithm.sampler_correction == "none":
+                raise TrainingError(f"{where} (allowed 1e-3 in float32): the engine runs this model type "
+                                    f"({getattr(self.model.config, 'model_type', '?')!r}) otherwise than transformers "
+                                    "does, so the update would correct a policy other than the one sampled; use "
+                                    "generation.engine: hf (or weigh the difference knowingly with "
+                                    "algorithm.sampler_correction, docs/algorithm.md §15)")
+            self.log(f"[lowmem-grpo] warning: {where}; watch rollout/logprob_abs_diff"
+                     + ("" if self.recipe.algorithm.sampler_correction != "none" else
+                        ", and consider algorithm.sampler_correction (docs/algorithm.md §15)"))
+        return float(gap.max())
+
     # -- preflight -----------------------------------------------------------------------------------
 
     def preflight(self) -> dict:
@@ -522,12 +564,16 @@ class Trainer:
         cap = self.completion_cap
         mb = pack([longest] * n, [[filler] * cap] * n, torch.ones(n), n, r.algorithm.aggregation,
                   cap, self.tokenizer.pad_token_id)[0]
-        shape, workload = self.memory_model(len(longest))
-        device = workload.device
-        predicted = estimate(shape, workload, self.memory_budget).peak   # at the waves the run decodes in
-        host = host_memory_problem(shape, workload, psutil.virtual_memory().available, self.world.size)
-        if host is not None:  # before the forward pins it: past free RAM the OOM killer would end the run
-            raise TrainingError(f"preflight: {host}")
+        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
+        try:
+            shape, workload = self.memory_model(len(longest))
+        except MemoryModelError as exc:   # an architecture it does not know: the forward/backward still runs
+            shape, unknown = None, str(exc)
+        if shape is not None:
+            predicted = estimate(shape, workload, self.memory_budget).peak   # at the waves the run decodes in
+            host = host_memory_problem(shape, workload, psutil.virtual_memory().available, self.world.size)
+            if host is not None:  # before the forward pins it: past free RAM the OOM killer would end the run
+                raise TrainingError(f"preflight: {host}")
         cuda = [torch.cuda.current_device()] if device == "cuda" else []
         try:
             with torch.random.fork_rng(devices=cuda):
@@ -535,17 +581,19 @@ class Trainer:
                 aggregate(logp, mb.weights.to(logp.device)).backward()
         except (torch.OutOfMemoryError, MemoryError) as exc:
             budget = device_budget(device)
-            advice = advise(shape, workload, budget).lines if budget else []
+            advice = advise(shape, workload, budget).lines if budget and shape is not None else []
+            model_says = (f"{fmt(predicted)} predicted" + (f" of {fmt(budget)}" if budget else "") if shape is not None
+                          else f"n/a ({unknown})")
             raise TrainingError(
                 f"preflight: a micro-batch of {n} x ({len(longest)} prompt + {cap} completion) tokens "
-                f"ran out of memory ({type(exc).__name__}). Memory model: {fmt(predicted)} predicted"
-                + (f" of {fmt(budget)}" if budget else "") + ".\n" + "\n".join(advice)) from None
+                f"ran out of memory ({type(exc).__name__}). Memory model: {model_says}.\n" + "\n".join(advice)) from None
         finally:
             self.optimizer.zero_grad(set_to_none=True)
         peak = peak_memory_mib()
+        model_says = f"whole run: {predicted / 2**20:.0f} MiB" if shape is not None else f"n/a: {unknown}"
         self.log(f"[lowmem-grpo] preflight ok: micro-batch {n} x {len(longest) + cap} tokens, "
-                 f"peak so far {peak:.0f} MiB (memory model, whole run: {predicted / 2**20:.0f} MiB)")
-        return {"peak_mib": peak, "predicted_mib": predicted / 2**20}
+                 f"peak so far {peak:.0f} MiB (memory model, {model_says})")
+        return {"peak_mib": peak, "predicted_mib": predicted / 2**20 if shape is not None else None}
 
     def memory_model(self, prompt_tokens: int) -> tuple[ModelShape, Workload]:
         """The memory model's view of this run: the model's shape, one process's workload at `prompt_tokens`."""
@@ -653,6 +701,10 @@ class Trainer:
 
     def _fit(self) -> dict:
         r = self.recipe
+        if self.step >= r.train.steps:   # a resumed run that had finished: its final eval is in its metrics already
+            self.log(f"[lowmem-grpo] the run is complete: step {self.step} of train.steps={r.train.steps}; to train "
+                     f"further, raise it: {self.resume_command} --set train.steps=N")
+            return {"first_eval": None, "final_eval": None, "stopped": False, "step": self.step}
         if r.train.preflight:
             self.preflight()
         first_eval = None

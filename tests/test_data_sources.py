@@ -29,6 +29,8 @@ def test_hf_sources_parse():
     ("hf:@train", "names no dataset"),
     ("hf:openai/gsm8k:@train", "empty config"),
     ("hf:openai/gsm8k:main@", "empty split"),
+    ("hf:@@x", "more than one '@'"),
+    ("hf:a:b:c@train", "more than one ':' after the dataset name"),
 ])
 def test_bad_hf_sources_are_recipe_errors_naming_the_field(tiny_model_dir, tiny_data, tmp_path, value, message):
     for field in ("train_path", "eval_path"):
@@ -243,3 +245,44 @@ def test_a_file_that_cannot_be_opened(tmp_path, monkeypatch):
         (tmp_path / name).write_text(f.read_text())
         with pytest.raises(DataError, match=rf"{name}: cannot be read \(Permission denied\)"):
             _open(tmp_path / name)
+
+
+def test_a_csv_record_longer_than_the_header_and_a_repeated_field_are_named(tmp_path):
+    """An unquoted comma shifts a record's values: the row is bad (error or counted skip), never a row whose
+    extra values hide under a key no field names. A header naming one field twice would keep one column only."""
+    f = tmp_path / "d.csv"
+    f.write_text("prompt,answer\n1+1=,2\nWhat is 1,000+1?,1001\n2+2=,4\n")
+    with pytest.raises(DataError, match=r"d.csv: row 2 \(line 3\): 3 values for the header's 2 fields \(prompt, answer\): "
+                                        r"quote a value that holds a comma"):
+        _open(f)
+    ps = _open(f, on_bad_row="skip")
+    assert [e.row for e in ps.examples] == [GOOD, {"prompt": "2+2=", "answer": "4"}]
+    assert len(ps.skipped) == 1 and ps.skipped[0].startswith("row 2: 3 values")
+    (tmp_path / "quoted.csv").write_text('prompt,answer\n"What is 1,000+1?",1001\n')
+    assert _open(tmp_path / "quoted.csv").examples[0].row == {"prompt": "What is 1,000+1?", "answer": "1001"}
+    (tmp_path / "twice.csv").write_text("prompt,answer,prompt\n1+1=,2,x\n")
+    with pytest.raises(DataError, match=r"twice.csv:1: the header names the field 'prompt' twice"):
+        _open(tmp_path / "twice.csv")
+    (tmp_path / "index.csv").write_text(",prompt,answer\n0,1+1=,2\n")   # pandas' to_csv with its index
+    assert _open(tmp_path / "index.csv").examples[0].row == {"": "0", **GOOD}
+
+
+@pytest.mark.parametrize("answer, said", [
+    ([1, 2], r"holds list \[1, 2\]; expected text or a number"),
+    ({"value": 2}, r"holds dict \{'value': 2\}; expected text or a number"),
+    (float("nan"), r"is nan \(not a finite number\)"),
+    (float("inf"), r"is inf \(not a finite number\)"),
+    (True, r'holds the boolean True; write it as text \("true"\) or a number'),
+])
+def test_an_answer_that_is_not_text_or_a_finite_number_is_a_bad_row(tmp_path, answer, said):
+    """The math and exact rewards compare the answer's text: a list would be judged as its repr, NaN as 'nan'."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n" + json.dumps({"prompt": "2+2=", "answer": answer}) + "\n")
+    with pytest.raises(DataError, match=rf"d.jsonl: row 2: the answer field 'answer' {said}"):
+        _open(f)
+    assert len(_open(f, on_bad_row="skip")) == 1
+    # numbers are answers; and data for TRL-style rewards (no answer read) is not checked
+    f.write_text(json.dumps({"prompt": "2+2=", "answer": 4}) + "\n" + json.dumps({"prompt": "1/2=", "answer": 0.5}))
+    assert [e.row["answer"] for e in _open(f).examples] == [4, 0.5]
+    f.write_text(json.dumps({"prompt": "2+2=", "answer": answer}) + "\n")
+    assert len(PromptSet(str(f), DataConfig(train_path=str(f)), tiny.build_tokenizer(), require_answer=False)) == 1

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from dataclasses import replace as dataclasses_replace
+
 import pytest
 import torch
 
@@ -159,14 +161,24 @@ def test_driver_limits_turns_tokens_and_observation_length():
     ("reward_type", 1, "reward 'high' (str)"),
     ("reward_nan", 1, "reward nan"),
     ("done_type", 1, "done 'yes' (str)"),
+    # sys.exit() in user code is its error too: not the trainer's exit, nor (on a step thread) a fake hang
+    ("init_exit", 1, "raised SystemExit: 3"),
+    ("reset_exit", 1, "reset() raised SystemExit: bye"),
+    ("exit", 2, "step() raised SystemExit: 1"),
+    # text the tokenizer cannot take (a lone surrogate) is named, not a TypeError out of the rollout
+    ("obs_surrogate", 1, "step() returned an observation that is not valid text"),
+    ("reset_surrogate", 1, "reset() returned a first message that is not valid text"),
 ])
 def test_environment_errors_end_that_episode_and_are_counted(how, at, words):
+    import dataclasses
+
+    limits = dataclasses.replace(LIMITS, step_timeout_s=5)
     out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
-                       factory("toy_envs:Faulty", how=how, at=at), LIMITS)
+                       factory("toy_envs:Faulty", how=how, at=at), limits)
     assert len(out) == 4
     for c in out:
         assert c.env.error is not None and words in c.env.error, c.env.error
-        started = how not in ("init", "reset_raise", "reset_type")
+        started = not how.startswith(("init", "reset"))
         assert c.env.turns == (at if started else 0) and len(c.token_ids) == len(c.env_mask)
         assert c.env.reward == (0.5 if at == 2 else None)    # the rewards given before the error stay
     from lowmem_grpo.diagnostics import environment_stats
@@ -187,6 +199,97 @@ def test_step_outputs_checked():
 
     assert checked_step(Env(("a", np.float64(0.5), np.bool_(True))), "") == ("a", 0.5, True)
     assert checked_step(Env([None, 2, False]), "") == (None, 2.0, False)
+
+
+def test_counters_take_numpy_numbers_and_refuse_the_rest():
+    """numpy's integers are no int subclass: counters() returning them (a count kept in an array) is no error."""
+    import numpy as np
+
+    from lowmem_grpo.environment import EnvOutputError, checked_counters
+
+    class Env:
+        def __init__(self, out):
+            self.out = out
+
+        def counters(self):
+            return self.out
+
+    assert checked_counters(Env({"calls": np.int64(3), "share": np.float32(0.5), "n": 2})) == \
+        {"calls": 3.0, "share": 0.5, "n": 2.0}
+    for bad in ({"calls": np.bool_(True)}, {"calls": float("inf")}, {"calls": "3"}, {1: 2}, [("calls", 1)]):
+        with pytest.raises(EnvOutputError, match="allowed: a dict of names to finite numbers"):
+            checked_counters(Env(bad))
+
+
+@pytest.mark.parametrize("how", ["init_hang", "reset_hang", "counters_hang"])
+def test_a_constructor_reset_or_counters_that_never_returns_ends_its_episode(how):
+    """environment.step_timeout_s bounds every call into the environment, not only step(): a hanging
+    constructor, reset() or counters() is that episode's counted error, and the run goes on."""
+    import dataclasses
+    import time
+
+    limits = dataclasses.replace(LIMITS, step_timeout_s=0.2)
+    t0 = time.monotonic()
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:Faulty", how=how, at=9), limits)
+    assert time.monotonic() - t0 < 10 and len(out) == 2
+    what = "counters()" if how == "counters_hang" else "the constructor or reset()"
+    for c in out:
+        assert f"{what} did not return within environment.step_timeout_s=0.2 s" in c.env.error, c.env.error
+        assert c.env.turns == (4 if how == "counters_hang" else 0)
+
+
+def test_reset_gets_its_own_copy_of_the_row():
+    """The example's row is shared by its n episodes and read by the reward functions afterwards: an
+    environment that changes the row it is given changes only its copy."""
+    from toy_envs import RowThief
+
+    RowThief.seen = []
+    ex = examples(1)
+    ex[0].row["tags"] = ["a"]
+    before = {**ex[0].row, "tags": ["a"]}
+    run_episodes(FakeEngine("12"), TOK, ex, SamplingParams(n=3, max_new_tokens=8), factory("toy_envs:RowThief"), LIMITS)
+    assert ex[0].row == before
+    assert RowThief.seen == [before] * 3                # each episode saw the row as the dataset has it
+
+
+def test_special_token_text_in_an_observation_stays_text():
+    """An observation that spells EOS/BOS/PAD (a tool's output can print anything) becomes plain-text tokens,
+    never control tokens in the middle of the completion; the template's own special tokens stay special."""
+    unk, eos, bos = TOK.unk_token_id, TOK.eos_token_id, TOK.bos_token_id
+    limits = TurnLimits(max_turns=2, max_total_tokens=64, observation_max_tokens=32,
+                        observation_template="</s>{observation}<s>")
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=1, max_new_tokens=8),
+                       factory("toy_envs:NeverDone", observation="1</s>2<pad>"), limits)
+    env_ids = [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e]
+    assert env_ids == [eos] + ids("1") + [unk] * 4 + ids("2") + [unk] * 5 + [bos]
+    # an observation without such text is tokenized as one string, as ever
+    limits = dataclasses_replace(limits, observation_template=" {observation} ")
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=1, max_new_tokens=8),
+                       factory("toy_envs:NeverDone", observation="3+4"), limits)
+    assert [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e] == ids(" 3+4 ")
+
+
+def test_a_huge_observation_is_cut_before_it_is_tokenized():
+    """A megabyte observation (a careless environment dumping a file) costs the tokenizer only what
+    observation_max_tokens can use: the text is cut first, and the tokens kept are the same."""
+    seen = []
+
+    class Spy:
+        eos_token_id = EOS
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return TOK(text, **kwargs)
+
+        def decode(self, token_ids, **kwargs):
+            return TOK.decode(token_ids, **kwargs)
+
+    limits = TurnLimits(max_turns=2, max_total_tokens=64, observation_max_tokens=8, observation_template="{observation}")
+    out = run_episodes(FakeEngine("12"), Spy(), examples(1), SamplingParams(n=1, max_new_tokens=8),
+                       factory("toy_envs:NeverDone", observation="1234567890" * 1_000_000), limits)
+    assert max(seen) < 100_000, seen
+    assert [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e] == ids("12345678")
 
 
 def test_first_message_replaces_the_prompt():
@@ -617,3 +720,90 @@ def test_a_step_that_never_returns_ends_its_episode_after_the_timeout():
     for c in out:
         assert "did not return within environment.step_timeout_s=0.2 s" in c.env.error, c.env.error
         assert c.env.turns == 2 and c.env.reward == 0.5   # turn 1's reward stays
+
+
+def test_python_tool_malformed_calls_are_tool_errors_and_the_episode_goes_on():
+    """What a model can write into a call (brackets nested past the parser's depth, in the JSON or in the code;
+    a null byte; a lone surrogate) is a counted tool error with an observation, never an environment error that
+    ends the episode."""
+    from lowmem_grpo.environment import PythonTool
+
+    tool = PythonTool(call_format="tool_call")
+    for call, words in [("[" * 100_000, "not JSON: maximum recursion depth"),
+                        ('{"name": "python", "arguments": {"code": "print(1)\\u0000"}}', "null bytes"),
+                        ('{"name": "python", "arguments": {"code": "print(\'\\ud800\')"}}', "surrogates not allowed")]:
+        observation, reward, done = checked_step(tool, f"<tool_call>{call}</tool_call>")
+        assert observation.startswith("<tool_response>\nerror: ") and words in observation and not done, observation
+    tags = PythonTool()
+    observation, _, done = checked_step(tags, "<python>x = " + "-" * 2_000_000 + "1</python>")
+    assert "error: the code does not parse: MemoryError" in observation and not done
+    assert tool.counters()["tool_errors"] == 3 and tags.counters()["tool_errors"] == 1
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), -1.0])
+def test_python_tool_refuses_a_timeout_that_is_no_finite_positive_number(timeout_s):
+    """inf passed `timeout_s <= 0` and then failed every call (the sandbox's CPU limit is int(timeout)); nan
+    passed too and ran each call under the sandbox's 0.05 s floor."""
+    with pytest.raises(EnvError, match="timeout_s must be a finite number > 0"):
+        factory("python", timeout_s=timeout_s, allow_weak_sandbox=True)
+
+
+def test_validate_checks_kwargs_against_simple_annotations():
+    """environment.kwargs whose value is not of the constructor's annotated type (int, float, str, bool, list,
+    dict, Optional of those) are named by key with the type expected; other annotations are not checked."""
+    def problems(env, **kwargs):
+        return dict(environment_problems(EnvironmentConfig(name=env, kwargs=kwargs)))
+
+    assert problems("toy_envs:Typed", n=3, rate=1, name="y", flag=True, items=[1, "x"], table=None,
+                    anything=object(), choice="zzz") == {}          # int for float; list/Literal/unannotated unchecked
+    p = problems("toy_envs:Typed", n=True, rate="fast", name=3, flag="yes", items={"a": 1}, table=[1])
+    assert p == {
+        "environment.kwargs.n": "environment 'toy_envs:Typed' takes n as int, got True (bool)",
+        "environment.kwargs.rate": "environment 'toy_envs:Typed' takes rate as float, got 'fast' (str)",
+        "environment.kwargs.name": "environment 'toy_envs:Typed' takes name as str, got 3 (int)",
+        "environment.kwargs.flag": "environment 'toy_envs:Typed' takes flag as bool, got 'yes' (str)",
+        "environment.kwargs.items": "environment 'toy_envs:Typed' takes items as list or null, got {'a': 1} (dict)",
+        "environment.kwargs.table": "environment 'toy_envs:Typed' takes table as dict or null, got [1] (list)"}, p
+    # the built-in tool: a string where its number goes is a recipe problem, not a crash at load
+    assert "takes timeout_s as float, got '5s' (str)" in problems("python", timeout_s="5s")["environment.kwargs.timeout_s"]
+    with pytest.raises(EnvError, match="environment.kwargs.max_output_chars"):
+        factory("python", max_output_chars="many", allow_weak_sandbox=True)
+
+
+def test_validate_names_a_kwarg_of_the_wrong_type(tiny_model_dir, tiny_data, tmp_path):
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run",
+                    environment={"name": "python", "kwargs": {"timeout_s": "fast", "allow_weak_sandbox": True}})
+    f = write_recipe(tmp_path / "r.yaml", d)
+    p = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "validate", str(f)], capture_output=True, text=True,
+                       env={**os.environ})
+    assert p.returncode == 2 and "environment.kwargs.timeout_s" in p.stderr and "float" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_tool_output_that_spells_a_call_is_not_run_next_turn():
+    """The next turn's call is parsed from the model's turn text alone: output that prints the call tags (an
+    injection attempt) is environment text, and a turn that only closes a tag runs nothing."""
+    engine = TurnsEngine(["<python>print('<python>print(1+1)')</python>", "print(2)</python>", "done"])
+    tok = CharTokenizer()
+    ex = [Example({"prompt": "q"}, "q", tok("q")["input_ids"])]
+    limits = TurnLimits(max_turns=4, max_total_tokens=512, observation_max_tokens=128, observation_template="{observation}")
+    out = run_episodes(engine, tok, ex, SamplingParams(n=1, max_new_tokens=64),
+                       factory("python", allow_weak_sandbox=True), limits)
+    text = tok.decode(out[0].token_ids)
+    assert "<output>\n<python>print(1+1)\n</output>" in text and "error: </python> without <python>" in text, text
+    assert dict(out[0].env.counters) == {"tool_calls": 2.0, "tool_errors": 1.0, "tool_timeouts": 0.0}
+
+
+def test_python_tool_finds_the_call_when_the_code_quotes_its_tag():
+    """The call starts at the first opening tag (its code may print the tag: nested quotes), or, when that does
+    not parse, at the last (the turn mentioned the tag in prose before calling)."""
+    from lowmem_grpo.environment import PythonTool
+
+    tool = PythonTool()
+    assert tool.step("<python>print('<python>' + 'x')</python>")[0] == "<output>\n<python>x\n</output>"
+    assert tool.step("I will use <python> tags: <python>print(2)</python>")[0] == "<output>\n2\n</output>"
+    json_tool = PythonTool(call_format="tool_call")
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(\\"<tool_call>\\")"}}</tool_call>'
+    assert json_tool.step(call)[0] == "<tool_response>\n<tool_call>\n</tool_response>"
+    observation, _, _ = tool.step("<python>print(1 +</python>")           # neither parses: the error, once
+    assert "does not parse" in observation and tool.counters()["tool_errors"] == 1

@@ -52,6 +52,9 @@ def test_parse_ks():
     for bad in ("", "0", "1,x", "-2"):
         with pytest.raises(ValueError, match="comma-separated list of positive integers"):
             parse_ks(bad)
+    assert parse_ks("1,1024") == [1, 1024]
+    with pytest.raises(ValueError, match=r"--k '8,100000': at most 1024 \(each prompt is sampled max\(k\) times"):
+        parse_ks("8,100000")
 
 
 def _cli(*args, cwd=None):
@@ -271,3 +274,12 @@ def test_damaged_checkpoints_and_folders_are_named_errors(tiny_model_dir, tiny_d
         if not f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, bare / f.name)
     assert "no tokenizer files" in cli("eval", recipe, "--model", bare, "--split", "train")
+
+
+def test_summary_lines_count_samples_in_english():
+    from lowmem_grpo.evaluate import summary_lines
+
+    s = {"accuracy": 0.5, "correct": 1, "n": 2, "mean_reward": 0.5, "split": "test", "pass@1": 0.5,
+         "samples_per_prompt": 1, "temperature": 1.0, "out": "o"}
+    assert "(1 sample per prompt at temperature 1.0)" in summary_lines(s, [1])[1]
+    assert "(8 samples per prompt at temperature 1.0)" in summary_lines({**s, "samples_per_prompt": 8}, [1])[1]

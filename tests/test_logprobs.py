@@ -137,3 +137,39 @@ def test_bf16_inputs_get_fp32_logits_not_bf16_ones():
     bf16_logits = torch.log_softmax((h @ w.T).float(), -1).gather(1, t[:, None]).squeeze(1).double()
     err_ours, err_bf16 = (ours.double() - exact).abs().max().item(), (bf16_logits - exact).abs().max().item()
     assert err_ours < 1e-4 and err_bf16 > 50 * err_ours, (err_ours, err_bf16)
+
+
+TRANSFORMS = [  # (scale, softcap): Cohere's scale, Granite's 1/logits_scaling, Gemma's soft-cap, both
+    (0.0625, None), (4.0, None), (1.0, 2.0), (3.0, 1.5),
+]
+
+
+@pytest.mark.parametrize("scale,softcap", TRANSFORMS)
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_a_scaled_or_soft_capped_head_equals_full_logits(scale, softcap, temp):
+    """The final-logit transforms (model.logit_transform): log-probs, entropy and the gradients w.r.t. hidden,
+    head and bias, of sum(a * logp) + sum(c * entropy), agree with full logits transformed as a transformers
+    model does (head, scale, soft-cap, then temperature), to 1e-9 in float64. Logits large enough that the
+    cap bends them (|scale * z| up to ~8 against caps of 1.5 and 2)."""
+    g0 = torch.Generator().manual_seed(int(scale * 100 + (softcap or 0) * 10))
+    n, d, v = 13, 8, 97
+    h = torch.randn(n, d, generator=g0, dtype=torch.float64).requires_grad_()
+    w = torch.randn(v, d, generator=g0, dtype=torch.float64).requires_grad_()
+    b = torch.randn(v, generator=g0, dtype=torch.float64).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g0)
+    a, c = torch.randn(n, generator=g0, dtype=torch.float64), torch.randn(n, generator=g0, dtype=torch.float64)
+    kw = dict(bias=b, temperature=temp, scale=scale, softcap=softcap)
+    logp, ent = selective_log_softmax(h, w, t, chunk_rows=5, chunk_vocab=20, return_entropy=True, entropy_grad=True,
+                                      **kw)
+    ref_logp, ref_ent = reference_log_probs(h, w, t, **kw), reference_entropy(h, w, **kw)
+    assert (logp - ref_logp).abs().max().item() < 1e-9 and (ent - ref_ent).abs().max().item() < 1e-9
+    ours, ref = (a * logp).sum() + (c * ent).sum(), (a * ref_logp).sum() + (c * ref_ent).sum()
+    for x, y in zip(torch.autograd.grad(ours, (h, w, b)), torch.autograd.grad(ref, (h, w, b))):
+        assert (x - y).abs().max().item() < 1e-9
+    # and without the entropy's gradient (the usual policy-loss path)
+    logp = selective_log_softmax(h, w, t, chunk_rows=4, chunk_vocab=33, **kw)
+    for x, y in zip(torch.autograd.grad((a * logp).sum(), (h, w, b)),
+                    torch.autograd.grad((a * reference_log_probs(h, w, t, **kw)).sum(), (h, w, b))):
+        assert (x - y).abs().max().item() < 1e-9
+    # the transform matters here: the untransformed log-probs are far off
+    assert (reference_log_probs(h, w, t, bias=b, temperature=temp) - ref_logp).abs().max().item() > 0.1

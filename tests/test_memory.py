@@ -239,6 +239,33 @@ def test_preflight_turns_oom_into_advice(tmp_path, tiny_model_dir, tiny_data, mo
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or (tmp_path / "run" / "metrics.jsonl").read_text() == ""
 
 
+def test_preflight_runs_for_an_architecture_the_memory_model_does_not_know(tmp_path, tiny_model_dir, tiny_data,
+                                                                              monkeypatch):
+    """The memory model is advice: a config it cannot read (Falcon's, with no intermediate_size) leaves the
+    run to the preflight's real forward/backward, and says so; an out-of-memory there still names the micro-batch."""
+    import lowmem_grpo.train as train_mod
+
+    trainer = _trainer(tmp_path, tiny_model_dir, tiny_data)
+    lines = []
+    trainer.log = lines.append
+
+    def unknown(config):
+        raise mm.MemoryModelError("the memory model knows decoder-only LLaMA-style configs; this one lacks x")
+
+    monkeypatch.setattr(train_mod.ModelShape, "from_config", unknown)
+    out = trainer.preflight()
+    assert out["peak_mib"] > 0 and out["predicted_mib"] is None
+    assert any("preflight ok" in line and "memory model, n/a: the memory model knows" in line for line in lines)
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train_mod, "completion_logprobs", boom)
+    with pytest.raises(train_mod.TrainingError, match=r"preflight: a micro-batch of 3 .* ran out of memory "
+                                                      r"\(OutOfMemoryError\)\. Memory model: n/a \(the memory model"):
+        trainer.preflight()
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="VmHWM is Linux's; elsewhere ru_maxrss")
 def test_peak_rss_is_the_process_own_not_its_parents():
     """A process started by a big parent must not report the parent's RSS as its peak (ru_maxrss does on
@@ -427,6 +454,8 @@ def test_the_trainer_decodes_in_the_waves_its_budget_holds(tmp_path, tiny_model_
         assert [line for line in logs if "waves" in line] == [
             f"[lowmem-grpo] decoding in waves to fit {mm.fmt(t.memory_budget)} (memory model): "
             "rollout 8 seqs in 4 waves of 2; eval 8 seqs in 3 waves of at most 3"]
+        assert sizes == [2]   # the start-up check's two samples (Trainer.check_sampler_agreement)
+        sizes.clear()
         assert t.evaluate() == before and sizes == [3, 3, 2]
         sizes.clear()
         t.train_step()
@@ -460,6 +489,43 @@ def test_the_cuda_budget_is_what_the_process_can_reach_less_the_allocators_share
     assert mm.device_budget("cuda") is None
 
 
+def _trace_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "trace_memory.py"
+    spec = importlib.util.spec_from_file_location("trace_memory", path)
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    return trace
+
+
+@pytest.mark.parametrize("softcap", [False, True])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_the_log_prob_tiles_the_model_counts_are_the_kernels(softcap, entropy_grad):
+    """The memory model's log-prob tile term against the storages the kernel keeps alive (forward and backward,
+    traced): two tiles, three with both an entropy bonus's gradient and a soft-capped head (Gemma)."""
+    from lowmem_grpo.logprobs import selective_log_softmax
+
+    trace = _trace_module()
+    n, d, chunk, vocab = 512, 8, 4096, 8192   # d small: the tiles are nearly all of it
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(n, d, generator=g).requires_grad_(), torch.randn(vocab, d, generator=g)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    with trace.LiveTensors() as live:
+        logp, ent = selective_log_softmax(h, w, t, chunk_rows=n, chunk_vocab=chunk, return_entropy=True,
+                                          entropy_grad=entropy_grad, softcap=30.0 if softcap else None)
+        (logp.sum() + (ent.sum() if entropy_grad else 0)).backward()
+    shape = mm.ModelShape(vocab_size=vocab, hidden_size=d, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=d,
+                          intermediate_size=d, tie_word_embeddings=False, logit_softcap=softcap)
+    w_ = mm.Workload(micro_batch_size=1, completion_tokens=n, chunk_tokens=n, chunk_vocab=chunk, compute_bytes=4,
+                     entropy_grad=entropy_grad, device="cpu")
+    parts = mm.train_phase(shape, w_, mm.lora_params(shape, w_))
+    tile = next(b for name, b in parts.items() if name.startswith("log-prob tile"))
+    assert tile == (3 if softcap and entropy_grad else 2) * n * chunk * 4
+    assert abs(live.peak - tile) <= 0.01 * tile, (live.peak, tile)
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
 @pytest.mark.slow(25)
 def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
@@ -468,15 +534,9 @@ def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
     bf16 model, one sequence, with and without the decoder under bf16 autocast (model.autocast; on CPU peft's
     LoRA inputs become bf16 copies, which the model counts at 2 bytes). On CUDA the same comparison was made with
     the allocator's peak (docs/benchmarks.md, "On a GPU")."""
-    import importlib.util
-    from pathlib import Path
-
     from lowmem_grpo.batch import pack
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "trace_memory.py"
-    spec = importlib.util.spec_from_file_location("trace_memory", path)
-    trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trace)
+    trace = _trace_module()
     trace.build(tmp_path, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=2048, layers=4, positions=2100)
     model, tok = load_policy(ModelConfig(name_or_path=str(tmp_path), compute_dtype="bfloat16", load_in_4bit=True),
                              LoraConfig(r=16, alpha=32))
@@ -499,3 +559,13 @@ def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
     predicted = (train[1] - train[0]) / (lengths[1] - lengths[0])
     print(f"per token: traced {traced / 1024:.1f} KiB, memory model {predicted / 1024:.1f} KiB")
     assert abs(predicted - traced) <= 0.2 * traced, (predicted, traced)
+
+
+def test_estimate_says_its_figures_are_rough_for_a_mixture_of_experts(tmp_path, tiny_data):
+    from conftest import save_arch_model
+
+    for kind, rough in (("qwen3_moe", True), ("llama", False)):
+        d = recipe_dict(save_arch_model(kind, tmp_path / kind), tiny_data, tmp_path / "run")
+        est, _, _ = mm.estimate_recipe(recipe_from_dict(d), "cuda")
+        said = [n for n in est.notes if "a mixture of 4 experts" in n and "figures for this model are rough" in n]
+        assert bool(said) is rough, (kind, est.notes)

@@ -90,3 +90,90 @@ def test_missing_model_is_a_clear_error(tmp_path):
     for name in ("runs/quickstart/bsae", "./base", str(tmp_path / "weights.bin")):   # paths, not hub ids
         with pytest.raises(ModelLoadError, match="no such model folder"):
             load_policy(_cfg(name), LoraConfig())
+
+
+# -- architectures whose forward transforms the LM head's logits (model.logit_transform) ----------------
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "cohere", "granite"])
+def test_a_scaled_or_soft_capped_head_gives_the_models_own_log_probs(kind, tmp_path, monkeypatch):
+    """Gemma soft-caps its logits, Cohere and Granite scale them: the trainer's log-probs (4-bit base, LoRA on)
+    equal log_softmax of the model's own forward, and with the transform unknown the start-up check refuses
+    the model instead of training a policy other than the one sampled."""
+    from conftest import save_arch_model
+    from lowmem_grpo import model as model_module
+    from lowmem_grpo.model import ModelLoadError, check_logit_head
+
+    policy, _ = load_policy(_cfg(save_arch_model(kind, tmp_path / kind)), LoraConfig(r=4, alpha=8))
+    _randomize_lora(policy)
+    assert check_logit_head(policy) < 1e-4
+    monkeypatch.setattr(model_module, "logit_transform", lambda config: (1.0, None))
+    with pytest.raises(ModelLoadError, match=rf"model type '{kind}': the chunked log-probs differ from the model's "
+                                             r"own by up to [0-9.]+ nats \(allowed 0.001\)"):
+        check_logit_head(policy)
+
+
+def test_training_a_soft_capped_model_scores_with_the_samplers_log_probs(tiny_data, tmp_path):
+    """End to end on a Gemma 2 shape: the trainer's log-probs of the sampled tokens at the rollout weights are
+    the transformers engine's own (rollout/logprob_abs_diff ~ 1e-7; 4.2 nats before the soft-cap was applied)."""
+    from conftest import QUIET, recipe_dict, save_arch_model
+    from lowmem_grpo.metrics import read_metrics
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    d = recipe_dict(save_arch_model("gemma2", tmp_path / "gemma2"), tiny_data, tmp_path / "run",
+                    rewards={"functions": [{"function": "math"}]}, train={"steps": 2, "eval_every": 0})
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    trainer.fit()
+    rows = [r for r in read_metrics(tmp_path / "run") if r.get("rollout/logprob_abs_diff") is not None]
+    assert len(rows) == 2 and max(r["rollout/logprob_abs_diff_max"] for r in rows) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "mistral", "qwen2"])
+def test_prompts_are_shared_only_where_no_sliding_window_is_narrower_than_a_row(kind):
+    """§12's shared rows carry their own per-query mask, which transformers applies as it is, window or not:
+    with a window narrower than a row, a completion would see further back than the model does (the log-probs
+    differ by ~0.3 nats here). So sharing is on only where every window is at least a row wide, and the
+    trainer's choice always gives the model's own log-probs."""
+    import transformers
+
+    from lowmem_grpo.batch import SHARED_MAX_WIDTH, completion_logprobs, pack
+    from lowmem_grpo.model import sliding_window, takes_shared_prompts
+
+    sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    make = {"gemma3_text": lambda w: transformers.Gemma3TextConfig(head_dim=16, sliding_window=w, **sizes),
+            "mistral": lambda w: transformers.MistralConfig(sliding_window=w, **sizes),
+            "qwen2": lambda w: transformers.Qwen2Config(use_sliding_window=True, sliding_window=w, max_window_layers=0,
+                                                        **sizes)}[kind]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 300, (10,), generator=g).tolist()
+    completions = [torch.randint(1, 300, (12,), generator=g).tolist() for _ in range(4)]
+    for window, shares in ((4, False), (SHARED_MAX_WIDTH, True)):
+        config = make(window)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        assert sliding_window(model) == window and takes_shared_prompts(model, SHARED_MAX_WIDTH) is shares
+        with torch.no_grad():
+            def logprobs(share):
+                mb = pack([prompt] * 4, completions, torch.ones(4), 4, "token_mean", 12, 0, share_prompts=share)[0]
+                return completion_logprobs(model, mb, 1.0, 1024, 8192)
+
+            ids = torch.tensor([prompt + completions[0]])
+            own = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            own = own.gather(1, torch.tensor(completions[0])[:, None])[:, 0]
+            chosen = logprobs(takes_shared_prompts(model, SHARED_MAX_WIDTH))
+            assert (chosen[:12] - own).abs().max() < 1e-5
+            if not shares:   # what sharing would have given: another policy's log-probs
+                assert (logprobs(True) - chosen).abs().max() > 0.05
+
+
+def test_lora_targets_the_model_lacks_are_named_with_the_ones_it_has(tiny_model_dir):
+    """Phi-3 fuses q/k/v into qkv_proj, so a recipe written for Llama names modules it lacks: one line naming
+    the field and the model's own linear layers, not peft's traceback."""
+    from lowmem_grpo.model import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"lora.target_modules=\['qkv_proj'\]: Target modules \{'qkv_proj'\} not "
+                                             r"found in the base model.* This model's linear layers are named down_proj, "
+                                             r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj; or write 'all-linear'"):
+        load_policy(_cfg(tiny_model_dir), LoraConfig(r=4, alpha=8, target_modules=["qkv_proj"]))

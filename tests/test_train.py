@@ -223,10 +223,58 @@ def test_shared_prompts_train_like_one_row_per_completion(tiny_model_dir, tiny_d
         d["data"].pop("eval_path")
         Trainer(recipe_from_dict(d), **QUIET).fit()
         rows[share] = [r for r in read_metrics(tmp_path / str(share)) if "loss" in r][0]
-    assert layouts == [True, False]
+    # (each run's start-up check packs its two probe samples one row each; then the step's batch)
+    assert layouts == [False, True, False, False]
     assert rows["auto"]["completion/mean_length"] == rows[False]["completion/mean_length"]
     assert rows["auto"]["loss"] == pytest.approx(rows[False]["loss"], rel=1e-5, abs=1e-7)
     assert rows["auto"]["grad_norm"] == pytest.approx(rows[False]["grad_norm"], rel=1e-4)
     assert rows["auto"]["grad_norm"] > 0
     path = write_recipe(tmp_path / "r.yaml", {**d, "train": {**d["train"], "share_prompts": "auto"}})
     assert load_recipe(path, ["train.share_prompts=off"]).train.share_prompts is False  # YAML: off is false
+
+
+def test_an_engine_that_samples_another_policy_is_refused_at_start_up(tiny_model_dir, tiny_data, tmp_path):
+    """check_sampler_agreement (§11): the engine's log-probs of its own samples are the trainer's (~1e-6 in
+    float32), the torch RNG is left as it was, and an engine whose log-probs are off by more than 1e-3 (as
+    vLLM's were on Gemma 2, 3 and Cohere shapes) stops the run at start-up, naming the engine and the fix."""
+    from dataclasses import replace
+
+    trainer = Trainer(recipe_from_dict(recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run")), **QUIET)
+    try:
+        before = torch.get_rng_state()
+        assert trainer.check_sampler_agreement() < 1e-4
+        assert torch.equal(before, torch.get_rng_state())
+        generate = trainer.engine.generate
+
+        def off(prompts, params):
+            return [replace(c, logprobs=[x + 0.01 for x in c.logprobs]) for c in generate(prompts, params)]
+
+        trainer.engine.generate = off
+        with pytest.raises(TrainingError, match=r"generation.engine=hf: its log-probs of its own samples differ from "
+                                                r"the trainer's by 0.01 nats on average, 0.01 at most \(allowed 1e-3 in "
+                                                r"float32\): the engine runs this model type \('qwen2'\) otherwise"):
+            trainer.check_sampler_agreement()
+    finally:
+        trainer.close()
+
+
+def test_resuming_a_finished_run_does_nothing_and_a_resumes_settings_are_kept(tiny_model_dir, tiny_data, tmp_path):
+    """A run resumed at its last step says it is complete (no second final eval row); a resume's --set changes
+    (more steps, the out-of-memory advice's smaller micro-batch) are written to RUN/recipe.yaml, so a later plain
+    --resume and the report keep them."""
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 2, "eval_every": 0})
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    rows = read_metrics(run)
+    saved = load_recipe(run / "recipe.yaml")
+    lines = []
+    out = Trainer(saved, run_dir=run, resume=True, log=lines.append).fit()
+    assert out["final_eval"] is None and out["step"] == 2 and read_metrics(run) == rows
+    assert any("the run is complete: step 2 of train.steps=2" in line and "--set train.steps=N" in line for line in lines)
+    lines.clear()
+    more = load_recipe(run / "recipe.yaml", ["train.steps=3", "train.micro_batch_size=2"])
+    Trainer(more, run_dir=run, resume=True, log=lines.append).fit()
+    again = load_recipe(run / "recipe.yaml")
+    assert again.train.steps == 3 and again.train.micro_batch_size == 2
+    assert any("recipe.yaml now holds this resume's settings" in line for line in lines)
+    assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 3

@@ -492,3 +492,33 @@ def test_fast_path_is_peft_bit_for_bit(V_, vllm_model_dir):
         with model.disable_adapter():
             plan = V_.linear_call(attn.q_proj)
             assert plan.kind == "base" and torch.equal(plan.call(x), attn.q_proj(x))
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "cohere"])
+def test_soft_capped_scaled_and_scaled_embedding_models_sample_the_trainers_policy(V_, kind, tmp_path):
+    """Gemma 2 and Cohere use vLLM's own embedding as their tied LM head, which vLLM's CPU path packs into a
+    buffer of its dummy weights before the trainer's are shared (repacked now: repack_aliased); Gemma 3's
+    transformers embedding scales its output, which vLLM's model scales again (the plain lookup now). Either
+    way the engine sampled from another policy (0.3 nats off here). Now its log-probs of its samples are the
+    trainer's, and Trainer's start-up check (check_sampler_agreement) would refuse the engine otherwise."""
+    from conftest import save_arch_model
+    from lowmem_grpo.batch import completion_logprobs, pack
+
+    # head_dim 32 (vLLM's CPU attention); a vocabulary of 64, which vLLM does not pad (sharing needs equal shapes)
+    path = save_arch_model(kind, tmp_path / kind, vocab_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, sliding_window=4096)
+    model, tok = _lora_model(path)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
+    try:
+        prompts = _prompts(tok)
+        torch.manual_seed(0)
+        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, temperature=0.7))
+    finally:
+        engine.close()
+    mb = pack([prompts[c.prompt_index] for c in out], [c.token_ids for c in out], torch.zeros(len(out)), 64,
+              "token_mean", 8, tok.pad_token_id, sampler_logprobs=[c.logprobs for c in out])[0]
+    with torch.no_grad():
+        model.eval()
+        trainer = completion_logprobs(model, mb, 0.7, 1024, 1024)
+    diff = (trainer - mb.logp_sampler).abs().max().item()
+    assert diff < 1e-4, diff

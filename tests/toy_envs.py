@@ -5,6 +5,11 @@ The tiny model's tokenizer knows only "0123456789+-*=() ", so observations use t
 
 from __future__ import annotations
 
+import copy
+import sys
+import threading
+from typing import Literal, Optional
+
 
 class TwoTurns:
     """Two model turns, rewards from the environment alone: after turn 1 it asks for more ("+1="), after turn 2
@@ -63,13 +68,17 @@ class NeverDone:
 
 
 class Faulty:
-    """Fails in the way `how` names, at turn `at` (1-based) or in reset/__init__."""
+    """Fails in the way `how` names, at turn `at` (1-based) or in reset/__init__ (how "init...", "reset...")."""
 
     stop = ()
 
     def __init__(self, how: str = "raise", at: int = 1):
         if how == "init":
             raise RuntimeError("cannot start")
+        if how == "init_exit":
+            sys.exit(3)
+        if how == "init_hang":
+            threading.Event().wait()
         self.how, self.at, self.turn = how, at, 0
 
     def reset(self, row):
@@ -77,6 +86,12 @@ class Faulty:
             raise ValueError("no such game")
         if self.how == "reset_type":
             return 42
+        if self.how == "reset_exit":
+            sys.exit("bye")
+        if self.how == "reset_hang":
+            threading.Event().wait()
+        if self.how == "reset_surrogate":   # bytes decoded with surrogateescape
+            return b"12\xff".decode("utf-8", "surrogateescape")
         return None
 
     def step(self, model_text):
@@ -84,17 +99,59 @@ class Faulty:
         if self.turn < self.at:
             return "1", 0.5, False
         if self.how == "hang":   # a step that never returns (the driver gives up after step_timeout_s)
-            import threading
             threading.Event().wait()
+        if self.how == "exit":
+            sys.exit(1)
         return {"raise": lambda: 1 / 0,
                 "not_a_tuple": lambda: "oops",
                 "short": lambda: ("1", 1.0),
                 "obs_type": lambda: (7, 1.0, False),
                 "reward_type": lambda: (None, "high", True),
                 "reward_nan": lambda: (None, float("nan"), True),
-                "done_type": lambda: (None, 1.0, "yes")}[self.how]()
+                "done_type": lambda: (None, 1.0, "yes"),
+                "obs_surrogate": lambda: (b"1\xff".decode("utf-8", "surrogateescape"), None, False)}[self.how]()
+
+    def counters(self):
+        if self.how == "counters_hang":
+            threading.Event().wait()
+        return {}
+
+
+class RowThief:
+    """Changes the row it is reset on (drops the answer, rewrites the prompt), as a careless environment might;
+    records the rows it was given in `seen` (class-level)."""
+
+    seen: list = []
+    stop = ()
+
+    def reset(self, row):
+        RowThief.seen.append(copy.deepcopy(row))
+        row.pop("answer", None)
+        row["prompt"] = "0="
+        row.setdefault("tags", []).append("seen")
+        return None
+
+    def step(self, model_text):
+        return None, 1.0, True
 
 
 class NoStep:
     def reset(self, row):
         return None
+
+
+class Typed:
+    """Annotated constructor options, for validate's kwargs type check (`anything` and `choice` go unchecked)."""
+
+    stop = ()
+
+    def __init__(self, n: int = 1, rate: float = 0.5, name: str = "x", flag: bool = False,
+                 items: Optional[list[int]] = None, table: dict | None = None, anything=None,
+                 choice: Literal["a", "b"] = "a"):
+        pass
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        return None, None, True

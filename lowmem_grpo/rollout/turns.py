@@ -8,22 +8,25 @@ or at generation.max_new_tokens. Then env.step(turn text) gives (observation, re
 goes on until the environment says done, max_turns model turns were taken, or max_total_tokens tokens
 (model + environment) fill the completion.
 
-An observation is appended only when a model turn follows it; it is tokenized without special tokens and
-cut to observation_max_tokens and to the room left. Environment tokens carry env_mask True and a NaN
-sampler log-prob: context for the model, never trained (batch.pack).
+An observation is appended only when a model turn follows it; it is tokenized without special tokens (text
+in it that spells one, say EOS, stays text) and cut to observation_max_tokens and to the room left.
+Environment tokens carry env_mask True and a NaN sampler log-prob: context for the model, never trained
+(batch.pack).
 
 A completion is `truncated` when its last model turn was cut (no EOS or stop string within its budget), or a
 limit (max_turns, max_total_tokens) ended the episode before the environment said done. An environment that
-raises or returns the wrong types ends its episode there, with the error recorded (EnvRecord.error) and
-counted; the rewards it gave before stay. A round's steps of an environment with parallel_steps (the Python
-tool: a sandboxed subprocess each) run together on a thread pool, others one after another; results keep the
-episodes' order.
+raises (SystemExit too) or returns the wrong types ends its episode there, with the error recorded
+(EnvRecord.error) and counted; the rewards it gave before stay. Its constructor, reset() and counters() are
+bounded by environment.step_timeout_s as step() is, and reset() gets a copy of the row (the reward functions
+read the example's). A round's steps of an environment with parallel_steps (the Python tool: a sandboxed
+subprocess each) run together on a thread pool, others one after another; results keep the episodes' order.
 
 Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a resumed run replays them.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +37,10 @@ from ..environment import EnvOutputError, checked_counters, checked_reset, check
 from .base import Completion, EnvRecord, SamplingParams
 
 STEP_WORKERS = 8   # threads running a round's parallel_steps calls (the Python tool's each wait on a subprocess)
+# An observation's text is cut to this many characters per token it may still add (plus a floor) before it is
+# tokenized: far more than any tokenizer's first tokens cover, and a megabyte observation costs no seconds.
+OBS_CHARS_PER_TOKEN, OBS_CHARS_FLOOR = 64, 4096
+_MARK = "\x00\x01observation\x01\x00"   # stands for the observation in the template (no template holds it)
 
 
 @dataclass(frozen=True)
@@ -81,13 +88,20 @@ class _Episode:
                           env_mask=self.env_mask, prompt_ids=self.prompt_ids if self.own_prompt else None, env=record)
 
 
-def _start(prompt_index: int, example, factory, render: Optional[Callable]) -> _Episode:
-    """A new episode: its own environment, reset on the example's row (its first message rendered as the
-    dataset prompt would be)."""
+def _start(prompt_index: int, example, factory, render: Optional[Callable], timeout_s: float) -> _Episode:
+    """A new episode: its own environment, reset on a copy of the example's row (its first message rendered as
+    the dataset prompt would be). The constructor and reset() are bounded by timeout_s as step() is."""
     ep = _Episode(prompt_index, list(example.prompt_ids))
-    try:
+    row = _own_row(example.row)
+
+    def begin():
         ep.env = factory.make()
-        first = checked_reset(ep.env, example.row)
+        return checked_reset(ep.env, row)
+
+    try:
+        first = _bounded(begin, timeout_s, "the constructor or reset()")
+        if isinstance(first, EnvOutputError):
+            raise first
         if first is not None:
             if render is None:
                 raise EnvOutputError("reset() returned a first message, and this rollout cannot render prompts")
@@ -99,6 +113,15 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable]) -> _
     except EnvOutputError as exc:
         ep.end(error=str(exc))
     return ep
+
+
+def _own_row(row: dict) -> dict:
+    """A copy of the row for reset(): the example's row is shared by its n episodes and later read by the reward
+    functions, so what an environment changes in it must stay its own."""
+    try:
+        return copy.deepcopy(row)
+    except Exception:   # a value that cannot be deep-copied: the top level at least stays the example's
+        return dict(row)
 
 
 def _room(ep: _Episode, limits: TurnLimits) -> int:
@@ -123,34 +146,68 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
     """Append the observation as environment tokens (template, observation_max_tokens, the room left)."""
     if observation is None:
         return
-    text = limits.observation_template.format(observation=observation)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: limits.observation_max_tokens]
-    ids = ids[: _room(ep, limits)]
+    most = min(limits.observation_max_tokens, _room(ep, limits))
+    observation = observation[: OBS_CHARS_FLOOR + OBS_CHARS_PER_TOKEN * most]
+    try:
+        ids = _observation_ids(tokenizer, limits.observation_template, observation)[:most]
+    except Exception as exc:  # the tokenizer refused it: that episode's error, not the run's
+        ep.end(error=f"the observation cannot be tokenized: {type(exc).__name__}: {exc}")
+        return
     ep.tokens += ids
     ep.env_mask += [True] * len(ids)
     if ep.logprobs is not None:
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
 
 
-def _step(env, text: str, timeout_s: float):
-    """checked_step(env, text), or the EnvOutputError it raised (returned, so that a pool can carry it). A step
-    that has not returned after timeout_s is an error too: its thread (a daemon: Python cannot stop it) is left
-    behind with its instance, and the run goes on instead of hanging on user code."""
+def _observation_ids(tokenizer, template: str, observation: str) -> list:
+    """The template around the observation, tokenized without special tokens. Text in the observation that
+    spells a special token (EOS, a chat turn marker: a tool's output may print one) stays plain text: the
+    environment writes text, never control tokens. Only the template's own text can hold those."""
+    text = template.format(observation=observation)
+    special = _special_texts(tokenizer)
+    if not any(s in observation for s in special):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]   # as ever: one string, one tokenization
+    head, *tail = template.format(observation=_MARK).split(_MARK)
+    if len(tail) != 1:   # {observation} more than once: all of it as plain text
+        return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    middle = text[len(head): len(text) - len(tail[0])]   # the observation as the template wrote it
+    return (tokenizer(head, add_special_tokens=False)["input_ids"]
+            + tokenizer(middle, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            + tokenizer(tail[0], add_special_tokens=False)["input_ids"])
+
+
+def _special_texts(tokenizer) -> list:
+    """The text of each of the tokenizer's special tokens (none for a tokenizer that lists none)."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts.update(t.content for t in added.values() if getattr(t, "special", False))
+    return [t for t in texts if t]
+
+
+def _bounded(call: Callable, timeout_s: float, what: str):
+    """call()'s result, or the EnvOutputError it raised (returned, so that a pool can carry it). A call that has
+    not returned after timeout_s is an error too: its thread (a daemon: Python cannot stop it) is left behind
+    with its instance, and the run goes on instead of hanging on user code."""
     box: list = []
 
-    def call():
+    def run():
         try:
-            box.append(checked_step(env, text))
+            box.append(call())
         except EnvOutputError as exc:
             box.append(exc)
 
-    worker = threading.Thread(target=call, daemon=True, name="lowmem-grpo-env-step")
+    worker = threading.Thread(target=run, daemon=True, name="lowmem-grpo-env")
     worker.start()
     worker.join(timeout_s)
     if not box:
-        return EnvOutputError(f"step() did not return within environment.step_timeout_s={timeout_s:g} s; "
+        return EnvOutputError(f"{what} did not return within environment.step_timeout_s={timeout_s:g} s; "
                               "the episode ends there")
     return box[0]
+
+
+def _step(env, text: str, timeout_s: float):
+    """checked_step(env, text) through _bounded."""
+    return _bounded(lambda: checked_step(env, text), timeout_s, "step()")
 
 
 def _step_all(envs: list, texts: list, timeout_s: float) -> list:
@@ -186,7 +243,7 @@ def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits)
         ep.end(truncated=True)
     else:
         _observe(ep, observation, tokenizer, limits)
-        if _room(ep, limits) <= 0:   # the observation filled the completion: no room for a model turn
+        if not ep.done and _room(ep, limits) <= 0:   # the observation filled the completion: no room for a model turn
             ep.end(truncated=True)
 
 
@@ -195,7 +252,8 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
     """params.n completions per example, each one environment episode; example i's at [i*n, (i+1)*n).
     `factory.make()` builds an environment, `factory.stop` its turn-ending strings; `render(row, message)`
     renders reset()'s first message as the dataset prompt would be (an Example), when one is given."""
-    episodes = [_start(i, e, factory, render) for i, e in enumerate(examples) for _ in range(params.n)]
+    episodes = [_start(i, e, factory, render, limits.step_timeout_s) for i, e in enumerate(examples)
+                for _ in range(params.n)]
     while True:
         active = [ep for ep in episodes if not ep.done]
         if not active:
@@ -209,18 +267,21 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         for ep, (_, cut), result in zip(active, turns, stepped):
             _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
-        _read_counters(ep)
+        _read_counters(ep, limits.step_timeout_s)
     return [ep.completion() for ep in episodes]
 
 
-def _read_counters(ep: _Episode) -> None:
-    """The environment's optional counters() at the episode's end (a bad one is that episode's error)."""
+def _read_counters(ep: _Episode, timeout_s: float) -> None:
+    """The environment's optional counters() at the episode's end, bounded as step() is (a bad one is that
+    episode's error)."""
     if ep.env is None:
         return
-    try:
-        ep.counters = checked_counters(ep.env)
-    except EnvOutputError as exc:
-        ep.error = ep.error or str(exc)
+    env = ep.env
+    counters = _bounded(lambda: checked_counters(env), timeout_s, "counters()")
+    if isinstance(counters, EnvOutputError):
+        ep.error = ep.error or str(counters)
+    else:
+        ep.counters = counters
 
 
 def runner(engine, tokenizer, factory, limits: TurnLimits, render: Optional[Callable] = None) -> Callable:

@@ -399,8 +399,10 @@ class SharedEmbeddingMethod(QuantizeMethodBase):
         return
 
     def embedding(self, layer, input_):
+        # The plain lookup, as vLLM's own embedding returns it: a transformers embedding module may scale its
+        # output (Gemma 3's embed_scale), which vLLM's model code then applies a second time.
         with torch.no_grad():
-            return self.embed(input_)
+            return F.embedding(input_, self.embed.weight)
 
     def apply(self, layer, x, bias=None):
         with torch.no_grad():
@@ -414,6 +416,18 @@ class SharedEmbeddingMethod(QuantizeMethodBase):
 
 def _ignore_weights(*args, **kwargs) -> None:
     return None
+
+
+def repack_aliased(vllm_model, aliased: set) -> None:
+    """Run process_weights_after_loading again on each layer of vLLM's own quant methods that holds an
+    aliased parameter: on CPU it packs the weight into a separate buffer (vLLM's unquantized embedding, which
+    Gemma 2 and Cohere use as their tied LM head), and the first packing was of vLLM's dummy weights."""
+    for module in vllm_model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None or isinstance(method, (SharedLinearMethod, SharedEmbeddingMethod)):
+            continue
+        if any(id(p) in aliased for p in module.parameters(recurse=False)):
+            method.process_weights_after_loading(module)
 
 
 @register_quantization_config(QUANTIZATION_NAME)
@@ -609,6 +623,7 @@ class VLLMEngine:
                 else:
                     param.data = src.data
                     pairs.append((param, src))
+            repack_aliased(vllm_model, {id(p) for p, _ in pairs})
             return len(pairs)
 
         self.llm.apply_model(share)
