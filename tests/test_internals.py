@@ -293,6 +293,18 @@ def test_vllm_accessors_fail_when_the_path_is_gone(V, accessor, path):
                   f"SimpleNamespace.{path} is gone")
 
 
+def test_vllm_registry_accessor_fails_when_its_layout_changes(V, monkeypatch):
+    from vllm import ModelRegistry
+
+    fence = V.vllm_internals()
+    monkeypatch.setattr(ModelRegistry, "models", {"XForCausalLM": SimpleNamespace()})
+    _assert_fence(lambda: fence.implementation("XForCausalLM"), "vllm", V.vllm.__version__, V.VLLM_VERSION_CHECKED,
+                  "ModelRegistry.models['XForCausalLM'] has no module_name")
+    monkeypatch.setattr(ModelRegistry, "models", None)
+    _assert_fence(lambda: fence.implementation("XForCausalLM"), "vllm", V.vllm.__version__, V.VLLM_VERSION_CHECKED,
+                  "ModelRegistry.models is no dict")
+
+
 def test_vllm_engine_core_needs_a_shutdown(V):
     llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace()))
     fence = V.vllm_internals()

@@ -172,6 +172,9 @@ def test_vllm_internals_are_where_we_expect(dense):
     assert internals.cache_config(engine.llm).kv_cache_memory_bytes == 64 << 20  # the KV cache is sized by us
     assert internals.scheduler_config(engine.llm).max_num_seqs == 256  # no recipe, no max_num_seqs: vLLM's CPU default
     assert [m.padded_vocab for m in engine.binding.embedding_methods] == [64, 64]  # 21 tokens padded to 64
+    assert internals.implementation("Qwen2ForCausalLM") == "vllm.model_executor.models.qwen2"
+    assert internals.implementation("PhiForCausalLM").startswith(V.TRANSFORMERS_BACKEND)   # (as of vllm 0.32)
+    assert internals.implementation("NoSuchForCausalLM") is None
 
 
 def test_no_weight_copy_and_everything_shared(dense):
@@ -522,3 +525,20 @@ def test_soft_capped_scaled_and_scaled_embedding_models_sample_the_trainers_poli
         trainer = completion_logprobs(model, mb, 0.7, 1024, 1024)
     diff = (trainer - mb.logp_sampler).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def test_an_architecture_vllm_runs_through_its_transformers_backend_is_refused_untouched(V_, tmp_path):
+    """vLLM registers Phi (and OLMo 2, SmolLM3, StarCoder2...) to its Transformers backend, which patched
+    transformers' PhiModel for torch.compile in this process, so the trainer's next forward raised
+    AttributeError ('do_not_compile'). Refused before vLLM builds anything, and the class is left as it was."""
+    from conftest import save_arch_model
+    from lowmem_grpo.model import _base
+
+    path = save_arch_model("phi", tmp_path / "phi", vocab_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32)
+    model, tok = _lora_model(path)
+    call = type(_base(model).get_decoder()).__call__
+    with pytest.raises(V_.EngineError, match=r"runs PhiForCausalLM through its Transformers backend, .* use "
+                                             r"generation.engine: hf"):
+        V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
+    assert type(_base(model).get_decoder()).__call__ is call

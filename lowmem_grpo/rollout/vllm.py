@@ -136,6 +136,10 @@ def vllm_internals() -> SimpleNamespace:
       resets the module's `_WORLD` and `_NODE_COUNT`.
     - `cache_config(llm)`: the engine's CacheConfig (llm.llm_engine.vllm_config.cache_config).
     - `scheduler_config(llm)`: its SchedulerConfig (llm.llm_engine.vllm_config.scheduler_config).
+    - `implementation(architecture)`: the module vLLM's model registry builds that architecture from
+      (ModelRegistry.models[arch].module_name), or None for one it does not list. vLLM registers some
+      architectures to its Transformers backend (vllm.model_executor.models.transformers), which wraps
+      transformers' own classes and patches them for torch.compile: the trainer's model among them.
 
     Checked on every call: parallel_state has those names and cleanup_dist_env_and_memory calls
     destroy_distributed_environment through the module (so the swap takes effect). The accessors raise
@@ -183,8 +187,23 @@ def vllm_internals() -> SimpleNamespace:
         finally:
             ps.destroy_distributed_environment = original
 
+    from vllm import ModelRegistry
+
+    def implementation(architecture: str) -> Optional[str]:
+        models = getattr(ModelRegistry, "models", None)
+        if not isinstance(models, dict):
+            raise fence_error("vllm", vllm.__version__, VLLM_VERSION_CHECKED, ["ModelRegistry.models is no dict"])
+        entry = models.get(architecture)
+        if entry is None:
+            return None
+        name = getattr(entry, "module_name", None)
+        if not isinstance(name, str):
+            raise fence_error("vllm", vllm.__version__, VLLM_VERSION_CHECKED,
+                              [f"ModelRegistry.models[{architecture!r}] has no module_name"])
+        return name
+
     return SimpleNamespace(version=vllm.__version__, checked=VLLM_VERSION_CHECKED, parallel_state=ps,
-                           engine_core=engine_core, keep_default_group=keep_default_group,
+                           engine_core=engine_core, keep_default_group=keep_default_group, implementation=implementation,
                            cache_config=lambda llm: follow(llm, "llm_engine.vllm_config.cache_config"),
                            scheduler_config=lambda llm: follow(llm, "llm_engine.vllm_config.scheduler_config"))
 
@@ -517,6 +536,22 @@ def _restore_process_state(s: _ProcessState) -> None:
     _restore_environment(s.environ)
 
 
+TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
+
+
+def _check_native(model) -> None:
+    """Refuse, before vLLM builds anything, an architecture vLLM would run through its Transformers backend:
+    that backend patches transformers' own model classes in this process (the trainer's model then breaks),
+    and it has no layers for the shared modules to stand in for."""
+    arch = next(iter(getattr(_base(model).config, "architectures", None) or []), None)
+    where = vllm_internals().implementation(arch) if arch else None
+    if where is not None and where.startswith(TRANSFORMERS_BACKEND):
+        raise EngineError(f"vLLM {vllm.__version__} runs {arch} through its Transformers backend, which patches "
+                          "transformers' own model classes in this process (the trainer's among them); the shared "
+                          "engine needs vLLM's own implementation of the architecture (Llama, Mistral, Qwen 2 and 3, "
+                          "Gemma 1-3, Phi-3, Granite, Cohere, StableLM have one): use generation.engine: hf")
+
+
 def _write_model_folder(model, tokenizer=None) -> tuple[str, bool]:
     """A folder holding the trainer's config.json, and its tokenizer when it can be saved: vLLM builds its
     model from it (load_format=dummy, weights never read) and never needs the hub or the model's quantization
@@ -566,6 +601,7 @@ class VLLMEngine:
         self.eos = tokenizer.eos_token_id
         self.closed, self.sleeping, self.llm, self.folder, self.shared = False, False, None, None, []
         self.stop_strings = False   # vLLM has the tokenizer (stop strings detokenize with it)
+        _check_native(model)
         for other in list(_LIVE):
             other.close()
         disable_cpu_4bit_repack(model)
