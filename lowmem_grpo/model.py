@@ -268,7 +268,8 @@ def check_logit_head(model) -> float:
     """Start-up check that the chunked log-probs (decoder + lm_head_params + the kernel) equal log_softmax of
     the model's own forward logits, on PROBE_TOKENS fixed tokens: an architecture whose forward transforms
     its logits in a way logit_transform does not know is refused here, instead of training a policy other
-    than the one the engine samples from. Returns the largest difference (nats)."""
+    than the one the engine samples from. Allowed: 1e-3 nats, plus what bf16/fp16 logits round away.
+    Returns the largest difference (nats)."""
     from .logprobs import selective_log_softmax
 
     vocab = _base(model).get_output_embeddings().weight.shape[0]
@@ -281,13 +282,15 @@ def check_logit_head(model) -> float:
         got = selective_log_softmax(hidden_states(model, ids)[0, :-1], head.weight, ids[0, 1:], bias=head.bias,
                                     scale=head.scale, softcap=head.softcap)
     gap = float((got - want).abs().max())
-    # the model's forward may round its logits to its compute dtype; the kernel's are fp32
-    tolerance = 1e-3 if logits.dtype in (torch.float32, torch.float64) else 0.25
+    # The model's forward may round its logits to bf16/fp16 (8 or 11 significant bits); the kernel's are fp32.
+    # So there a log-prob may be off by twice a logit's rounding, |z| * 2^-8 at the most (bf16).
+    exact = logits.dtype in (torch.float32, torch.float64)
+    tolerance = 1e-3 if exact else 1e-3 + 2 ** -7 * float(logits.float().abs().max())
     if not gap <= tolerance:
         config = _base(model).config
         raise ModelLoadError(
             f"model type {getattr(config, 'model_type', '?')!r}: the chunked log-probs differ from the model's own "
-            f"by up to {gap:.3g} nats (allowed {tolerance}): its forward transforms the LM head's logits in a way "
+            f"by up to {gap:.3g} nats (allowed {tolerance:.3g}): its forward transforms the LM head's logits in a way "
             "lowmem-grpo does not know (known: a scale as Cohere and Granite apply, a soft-cap as Gemma's "
             "final_logit_softcapping), so training would update a policy other than the one sampled")
     return gap
