@@ -209,6 +209,17 @@ def reference_mode(model):
         yield
 
 
+def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """The token ids that end a completion: the tokenizer's EOS first, then any other the model's
+    generation_config.json lists. Instruct models end a turn with a token their tokenizer may not call EOS
+    (Gemma's <end_of_turn>, Phi-3's <|end|>, Llama 3's <|eot_id|> in older tokenizer files); without it
+    every completion would run on to max_new_tokens and count as truncated."""
+    listed = getattr(getattr(_base(model), "generation_config", None), "eos_token_id", None)
+    listed = [listed] if isinstance(listed, int) else list(listed or [])
+    ids = ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []) + listed
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0))
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """Eval (no LoRA dropout) for rollouts and no-grad passes; restores the previous mode."""

@@ -208,3 +208,26 @@ def test_repetition_penalty_is_the_recipes_and_reaches_the_recorded_log_probs(mo
         for t, lp in zip(c.token_ids, c.logprobs):
             assert abs(lp - _penalised_log_probs(model, seq, penalty)[t].item()) < 1e-4
             seq.append(t)
+
+
+def test_a_completion_ends_at_any_eos_the_models_generation_config_lists(model_tok, monkeypatch):
+    """Instruct models end a turn with a token the tokenizer may not call EOS (Gemma's <end_of_turn>, Phi-3's
+    <|end|>); their generation_config.json lists it. Greedy decoding that emits token t (not the tokenizer's
+    EOS) runs on to max_new_tokens, truncated; with t listed it ends there, not truncated, as with EOS."""
+    from lowmem_grpo.model import stop_token_ids
+    from lowmem_grpo.rollout.hf import _cut
+
+    model, tok = model_tok
+    params = SamplingParams(n=1, max_new_tokens=8, greedy=True)
+    runs = HFEngine(model, tok).generate(_ids(tok), params)
+    i, before = next((i, c) for i, c in enumerate(runs) if c.truncated)   # a prompt whose greedy text has no EOS
+    prompts = _ids(tok)[i: i + 1]
+    t = before.token_ids[2]
+    k = before.token_ids.index(t)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", [tok.eos_token_id, t])
+    assert stop_token_ids(model, tok) == (tok.eos_token_id, t)
+    after = HFEngine(model, tok).generate(prompts, params)[0]
+    assert after.token_ids == before.token_ids[: k + 1] and not after.truncated
+    # the cut is at the first of the ids, and a stop string after it does not count
+    assert _cut([5, 7, 9, 7], (9, 7), (4, "x")) == ([5, 7], False, None)
+    assert _cut([5, 6], (9, 7), None) == ([5, 6], True, None)

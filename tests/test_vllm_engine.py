@@ -542,3 +542,24 @@ def test_an_architecture_vllm_runs_through_its_transformers_backend_is_refused_u
                                              r"generation.engine: hf"):
         V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
     assert type(_base(model).get_decoder()).__call__ is call
+
+
+def test_vllm_ends_a_completion_at_any_eos_the_generation_config_lists(V_, vllm_model_dir):
+    """As the transformers engine (tests/test_hf_engine.py): a token the model's generation_config.json lists as
+    EOS, beside the tokenizer's, ends a completion, which is then not truncated."""
+    model, tok = _lora_model(vllm_model_dir)
+    params = SamplingParams(n=1, max_new_tokens=8, greedy=True)
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
+    try:
+        runs = engine.generate(_prompts(tok), params)
+    finally:
+        engine.close()
+    i, before = next((i, c) for i, c in enumerate(runs) if c.truncated)
+    t = before.token_ids[2]
+    model.generation_config.eos_token_id = [tok.eos_token_id, t]
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
+    try:
+        after = engine.generate(_prompts(tok)[i: i + 1], params)[0]
+    finally:
+        engine.close()
+    assert after.token_ids == before.token_ids[: before.token_ids.index(t) + 1] and not after.truncated

@@ -29,7 +29,7 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
                           MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from ..model import eval_mode
+from ..model import eval_mode, stop_token_ids
 from .base import Completion, SamplingParams, wave_plan
 
 
@@ -104,10 +104,10 @@ class _StopStrings(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def _cut(tokens: list, eos: int, stopped: Optional[tuple[int, str]]) -> tuple[list, bool, Optional[str]]:
-    """(a row's tokens up to its end, truncated, the stop string that ended it): EOS or the stop string
-    (`stopped`: its new-token count and string), whichever came first (EOS on the same token)."""
-    end = tokens.index(eos) + 1 if eos in tokens else None
+def _cut(tokens: list, eos: tuple, stopped: Optional[tuple[int, str]]) -> tuple[list, bool, Optional[str]]:
+    """(a row's tokens up to its end, truncated, the stop string that ended it): the first of the `eos` ids or
+    the stop string (`stopped`: its new-token count and string), whichever came first (EOS on the same token)."""
+    end = next((k + 1 for k, t in enumerate(tokens) if t in eos), None)
     if stopped is not None and (end is None or stopped[0] < end):
         return tokens[: stopped[0]], False, stopped[1]
     # Rows that finished are padded after their EOS; a row without EOS ran to max_new_tokens and every token is
@@ -168,12 +168,12 @@ class HFEngine:
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         tok = self.tokenizer
-        pad, eos = tok.pad_token_id, tok.eos_token_id
+        pad, eos = tok.pad_token_id, stop_token_ids(self.model, tok)
         width = max(len(p) for p in prompts)
         device = next(self.model.parameters()).device
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=list(eos) or None,
                       num_return_sequences=params.n, use_cache=True, **_NEUTRAL)
         recorder, stops = None, None
         pad_counts = [width - len(p) for p in prompts for _ in range(params.n)]   # rows: prompt i at [i*n, (i+1)*n)

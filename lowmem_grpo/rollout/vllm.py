@@ -94,7 +94,7 @@ from vllm.model_executor.layers.quantization.base_config import (  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # noqa: E402
 
 from ..internals import InternalsError, fence_error, names_used, peft_internals, raise_if_broken  # noqa: E402
-from ..model import _base, disable_cpu_4bit_repack, eval_mode  # noqa: E402
+from ..model import _base, disable_cpu_4bit_repack, eval_mode, stop_token_ids  # noqa: E402
 from .base import DEFAULT_KV_CACHE_BYTES, Completion, EngineConfig, EngineError, SamplingParams  # noqa: E402
 
 
@@ -598,7 +598,7 @@ class VLLMEngine:
         self.config = config
         self.model, self.tokenizer = model, tokenizer
         self.cuda = next(model.parameters()).device.type == "cuda"
-        self.eos = tokenizer.eos_token_id
+        self.eos = stop_token_ids(model, tokenizer)   # (the tokenizer's EOS first)
         self.closed, self.sleeping, self.llm, self.folder, self.shared = False, False, None, None, []
         self.stop_strings = False   # vLLM has the tokenizer (stop strings detokenize with it)
         _check_native(model)
@@ -629,7 +629,7 @@ class VLLMEngine:
             self.shared = self._share_parameters()
             # One token now, so that what vLLM cannot run here (e.g. a head size its attention kernels lack)
             # fails at start-up rather than in the first training step.
-            self.generate([[self.eos if self.eos is not None else 0]], SamplingParams(n=1, max_new_tokens=1, greedy=True))
+            self.generate([[self.eos[0] if self.eos else 0]], SamplingParams(n=1, max_new_tokens=1, greedy=True))
         except Exception as exc:
             _restore_process_state(saved)
             self.close()
@@ -745,8 +745,9 @@ class VLLMEngine:
 # Requests and results
 # ----------------------------------------------------------------------------------------------------
 
-def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[int], stop_strings: bool = False):
-    """vLLM requests (token ids) and their SamplingParams. `stop_strings`: vLLM has a tokenizer, so
+def to_requests(prompts: list[list[int]], params: SamplingParams, eos, stop_strings: bool = False):
+    """vLLM requests (token ids) and their SamplingParams. `eos`: the ids that end a completion
+    (model.stop_token_ids; one id or None also do). `stop_strings`: vLLM has a tokenizer, so
     SamplingParams.stop can be honoured (else they are an EngineError).
 
     Stop strings are vLLM's own, matched in the completion's text (detokenized with special tokens, as the
@@ -762,7 +763,7 @@ def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[
         raise EngineError(f"stop strings {list(params.stop)!r}: this vLLM engine was built without a tokenizer "
                           "to match them with (the trainer's could not be saved for it); use generation.engine: hf")
     kwargs = dict(n=params.n, max_tokens=params.max_new_tokens, logprobs=0, detokenize=False,
-                  stop_token_ids=[eos] if eos is not None else None)
+                  stop_token_ids=list(_ids(eos)) or None)
     if params.stop:
         kwargs.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True,
                       skip_special_tokens=False)
@@ -774,7 +775,11 @@ def to_requests(prompts: list[list[int]], params: SamplingParams, eos: Optional[
     return [{"prompt_token_ids": list(p)} for p in prompts], vllm.SamplingParams(**kwargs)
 
 
-def to_completions(outputs, eos: Optional[int]) -> list[Completion]:
+def _ids(eos) -> tuple:
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+def to_completions(outputs, eos) -> list[Completion]:
     """Prompt i's n completions at [i*n, (i+1)*n), with the sampled tokens' log-probs (processed:
     after temperature, as the trainer computes them). A completion that ends with EOS is not truncated
     and not stopped by a string (EOS wins when it also completes one, as in the transformers engine); one
@@ -784,7 +789,7 @@ def to_completions(outputs, eos: Optional[int]) -> list[Completion]:
         for c in sorted(out.outputs, key=lambda c: c.index):
             tokens = list(c.token_ids)
             lps = [_sampled_logprob(step, tok) for step, tok in zip(c.logprobs, tokens)] if c.logprobs else None
-            ended = bool(tokens) and tokens[-1] == eos
+            ended = bool(tokens) and tokens[-1] in _ids(eos)
             reason = getattr(c, "stop_reason", None)
             stopped_by = reason if isinstance(reason, str) and not ended else None
             completions.append(Completion(i, tokens, not ended and stopped_by is None, lps, stopped_by=stopped_by))
@@ -821,7 +826,7 @@ class OwnWeightsEngine:
     """vLLM with its own copy of the weights (loaded from a model folder), same settings and interface as
     VLLMEngine: the comparison point for scripts/bench_rollout.py, not used in training."""
 
-    def __init__(self, path: str, eos_token_id: Optional[int], kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    def __init__(self, path: str, eos_token_id, kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  dtype: str = "float32", seed: int = 0):
         saved = _save_process_state()
         try:
