@@ -275,19 +275,24 @@ def logit_transform(config) -> tuple[float, Optional[float]]:
 PROBE_TOKENS = 16
 
 
-def check_logit_head(model) -> float:
+def check_logit_head(model) -> Optional[float]:
     """Start-up check that the chunked log-probs (decoder + lm_head_params + the kernel) equal log_softmax of
     the model's own forward logits, on PROBE_TOKENS fixed tokens: an architecture whose forward transforms
     its logits in a way logit_transform does not know is refused here, instead of training a policy other
     than the one the engine samples from. Allowed: 1e-3 nats, plus what bf16/fp16 logits round away.
-    Returns the largest difference (nats)."""
+    Returns the largest difference (nats), or None where the forward returns no full logits to compare with
+    (Unsloth's patched forward may leave them out)."""
     from .logprobs import selective_log_softmax
 
     vocab = _base(model).get_output_embeddings().weight.shape[0]
     device = next(model.parameters()).device
     ids = (torch.arange(1, PROBE_TOKENS + 1, device=device) * 7919 % vocab)[None]   # spread over the vocabulary
     with torch.no_grad(), eval_mode(model):
-        logits = model(input_ids=ids).logits[0, :-1]
+        logits = getattr(model(input_ids=ids), "logits", None)
+        if not isinstance(logits, torch.Tensor) or tuple(logits.shape[:2]) != (1, PROBE_TOKENS) \
+                or logits.shape[-1] < vocab:
+            return None
+        logits = logits[0, :-1, :vocab]
         want = torch.log_softmax(logits.float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         head = lm_head_params(model)
         got = selective_log_softmax(hidden_states(model, ids)[0, :-1], head.weight, ids[0, 1:], bias=head.bias,

@@ -155,7 +155,9 @@ class Trainer:
             raise TrainingError(_damaged(start_ckpt, problem))
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                  adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
-        check_logit_head(self.model)   # the kernel's log-probs are the model's own, or a clear refusal
+        if check_logit_head(self.model) is None:   # the kernel's log-probs are the model's own, or a refusal
+            self.log("[lowmem-grpo] note: the model's forward returned no logits to check the chunked log-probs "
+                     "against (rollout/logprob_abs_diff compares them with the engine's every step)")
         self.model.train()
         # One policy: every process starts from process 0's adapter weights, then samples with its own stream.
         distributed.broadcast_parameters(trainable_parameters(self.model), self.world)
