@@ -2,20 +2,18 @@
 
     log p(t | h) = z_t - logsumexp(z),   z = cap(scale (h W^T + b)) / temperature
 
-where `scale` and `cap(x) = c tanh(x / c)` are the final-logit transforms some architectures apply after
-their LM head (model.logit_transform: Cohere and Granite scale, Gemma 2-4 soft-cap; most do neither),
-
-is computed over tiles of (rows x vocab columns) with an online logsumexp in fp32 (fp64 when the inputs
-are fp64, for parity tests). Forward saves only the hidden states, the targets and one logsumexp per row;
-backward recomputes each tile's softmax:
+(`scale` and `cap(x) = c tanh(x / c)` are the final-logit transforms some architectures apply after their
+LM head: model.logit_transform; Cohere and Granite scale, Gemma 2-4 soft-cap, most do neither) is computed
+over tiles of (rows x vocab columns) with an online logsumexp in fp32 (fp64 when the inputs are fp64, for
+parity tests). Forward saves only the hidden states, the targets and one logsumexp per row; backward
+recomputes each tile's softmax:
 
     dL/dh = g / T * (w_t - sum_j p_j w_j)          dL/dW_j = g / T * (1[j = t] - p_j) h
 
-(with a soft-cap, each tile's dL/dz is multiplied by cap' = 1 - (cap(x) / c)^2 first, and by `scale`),
-
-so the peak extra memory is one tile, whatever the sequence length or vocabulary. The LM head's gradient
-is only built when its weight requires grad (LoRA leaves it frozen). Memory argument and numbers: see
-scripts/bench_memory.py; the full-logits reference this must agree with is `reference_log_probs`.
+(times `scale`, and with a soft-cap each tile's dL/dz times cap' = 1 - (cap(x) / c)^2, a second tile while
+it is used), so the peak extra memory is a tile or two, whatever the sequence length or vocabulary. The LM
+head's gradient is only built when its weight requires grad (LoRA leaves it frozen). Memory argument and
+numbers: see scripts/bench_memory.py; the full-logits reference this must agree with is `reference_log_probs`.
 
 With entropy_grad the per-row entropy H = logsumexp - sum_j p_j z_j (for the entropy bonus,
 docs/algorithm.md §16) is differentiable too: dH/dz_j = -p_j (log p_j + H), so backward adds

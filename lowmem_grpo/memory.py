@@ -58,6 +58,9 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
+        from .model import text_config
+
+        config = text_config(config)   # a multimodal model's language part
         try:
             heads = config.num_attention_heads
             hidden = config.hidden_size
@@ -594,7 +597,7 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
     from transformers import AutoConfig
 
     from .hub import shipped_model_config
-    from .model import ModelLoadError
+    from .model import ModelLoadError, text_config
 
     name = recipe.model.name_or_path
     shipped = shipped_model_config(name)  # a hub id whose config.json ships with the package: read offline
@@ -602,7 +605,8 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
         config = AutoConfig.from_pretrained(shipped or name, trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.name_or_path={name!r}: cannot read its config ({exc})") from None
-    shape = ModelShape.from_config(getattr(config, "get_text_config", lambda: config)())
+    text = text_config(config)
+    shape = ModelShape.from_config(config)
     note = None
     if prompt_tokens is None and shipped:
         # A shipped shape means the model is no local folder: its tokenizer (and hf: data) would come from the
@@ -618,7 +622,6 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
     if shipped:
         est.notes.insert(0, f"model shape: the shipped copy of {name}'s config.json (lowmem_grpo/model_configs; nothing downloaded)")
-    text = getattr(config, "get_text_config", lambda: config)()
     experts = max(int(getattr(text, key, 0) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     if experts > 1:
         est.notes.append(f"a mixture of {experts} experts: this model counts each layer's MLP as one dense "

@@ -262,11 +262,16 @@ _LOGIT_SCALE = {
 }
 
 
+def text_config(config):
+    """The language model's part of a config (a multimodal model's text_config; else the config itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def logit_transform(config) -> tuple[float, Optional[float]]:
     """(scale, softcap): what the model's forward does to the LM head's output before anyone samples from it,
     logits = softcap * tanh(scale * head(h) / softcap) (Gemma 2-4 soft-cap; Cohere and Granite scale). The
     chunked log-prob kernel must do the same, or the trained policy is not the one sampled."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     scale = _LOGIT_SCALE.get(getattr(text, "model_type", ""), lambda c: 1.0)(text)
     softcap = getattr(text, "final_logit_softcapping", None)
     return float(scale), (float(softcap) if softcap else None)
@@ -352,8 +357,7 @@ def sliding_window(model) -> Optional[int]:
     """The attention window of the model's sliding-window layers (Mistral, Gemma 2 and 3, Phi-3, Qwen2 with
     use_sliding_window), or None where every layer sees the whole sequence: as transformers 5.19 reads the
     config (a `layer_types` list names the sliding layers; Qwen's `use_sliding_window` switches it on)."""
-    config = _base(model).config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(_base(model).config)
     window = getattr(text, "sliding_window", None)
     if not window or getattr(text, "use_sliding_window", True) is False:
         return None

@@ -524,8 +524,7 @@ class Trainer:
         code, on shared modules) would have the update correct a policy other than the one sampled. In float32
         they agree to ~1e-6, so more than 1e-3 is refused, unless algorithm.sampler_correction is on (then it is
         reported, as a mean over 0.1 nats is in bf16/fp16, where the kernels differ). The torch RNG is left as
-        it was. Returns the largest difference (or None
-        when the engine reports no log-probs)."""
+        it was. Returns the largest difference, or None when the engine reports no log-probs."""
         g = self.recipe.generation
         prompt = self.train_set.examples[0].prompt_ids
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
