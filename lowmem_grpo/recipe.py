@@ -669,6 +669,9 @@ def apply_override(data: dict, item: str, source: str = "<override>") -> None:
     if "=" not in item:
         raise RecipeError(source, [(item, "an override must look like section.key=value")])
     key, _, raw = item.partition("=")
+    if not raw.strip():   # YAML reads nothing as null: --set data.eval_path= would be "not a valid string"
+        raise RecipeError(source, [(key.strip(), f"--set {key.strip()}= gives no value: write {key.strip()}='' for an "
+                                                 f"empty string, or {key.strip()}=null for none")])
     parts = key.strip().split(".")
     node = data
     for p in parts[:-1]:

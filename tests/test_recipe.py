@@ -60,6 +60,12 @@ def test_overrides(tmp_path):
     f.write_text(yaml.safe_dump(MIN))
     r = load_recipe(f, ["train.steps=7", "lora.target_modules=[q_proj, v_proj]"])
     assert r.train.steps == 7 and r.lora.target_modules == ["q_proj", "v_proj"]
+    # nothing after '=' is no value (YAML would read null): named, with the two ways to say what was meant
+    with pytest.raises(RecipeError) as err:
+        load_recipe(f, ["data.eval_path="])
+    assert err.value.problems == [("data.eval_path", "--set data.eval_path= gives no value: write data.eval_path='' "
+                                                     "for an empty string, or data.eval_path=null for none")]
+    assert load_recipe(f, ["data.eval_path=''"]).data.eval_path == ""
 
 
 def test_every_shipped_recipe_validates():
