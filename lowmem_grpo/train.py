@@ -522,8 +522,9 @@ class Trainer:
         """The engine's log-probs of a few tokens it samples from the first training prompt against the
         trainer's (§11): an engine that runs the architecture otherwise than transformers (vLLM's own model
         code, on shared modules) would have the update correct a policy other than the one sampled. In float32
-        they agree to ~1e-6, so more than 1e-3 is refused, unless algorithm.sampler_correction is on (then it is
-        reported, as a mean over 0.1 nats is in bf16/fp16, where the kernels differ). The torch RNG is left as
+        they agree to ~1e-6 on CPU (CUDA's kernels for a cached decode and a full forward differ more), so more
+        than 1e-2 is refused, unless algorithm.sampler_correction is on (then it is reported, as a mean over 0.1
+        nats is in bf16/fp16, where the kernels differ). The torch RNG is left as
         it was. Returns the largest difference, or None when the engine reports no log-probs."""
         g = self.recipe.generation
         prompt = self.train_set.examples[0].prompt_ids
@@ -540,9 +541,9 @@ class Trainer:
         where = (f"generation.engine={g.engine}: its log-probs of its own samples differ from the trainer's by "
                  f"{float(gap.mean()):.3g} nats on average, {float(gap.max()):.3g} at most")
         exact = self.recipe.model.compute_dtype == "float32" and not self.recipe.model.bf16_autocast
-        if not (float(gap.max()) <= 1e-3 if exact else float(gap.mean()) <= 0.1):
+        if not (float(gap.max()) <= 1e-2 if exact else float(gap.mean()) <= 0.1):
             if exact and self.recipe.algorithm.sampler_correction == "none":
-                raise TrainingError(f"{where} (allowed 1e-3 in float32): the engine runs this model type "
+                raise TrainingError(f"{where} (allowed 1e-2 in float32): the engine runs this model type "
                                     f"({getattr(self.model.config, 'model_type', '?')!r}) otherwise than transformers "
                                     "does, so the update would correct a policy other than the one sampled; use "
                                     "generation.engine: hf (or weigh the difference knowingly with "

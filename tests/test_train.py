@@ -235,7 +235,7 @@ def test_shared_prompts_train_like_one_row_per_completion(tiny_model_dir, tiny_d
 
 def test_an_engine_that_samples_another_policy_is_refused_at_start_up(tiny_model_dir, tiny_data, tmp_path):
     """check_sampler_agreement (§11): the engine's log-probs of its own samples are the trainer's (~1e-6 in
-    float32), the torch RNG is left as it was, and an engine whose log-probs are off by more than 1e-3 (as
+    float32), the torch RNG is left as it was, and an engine whose log-probs are off by more than 1e-2 (as
     vLLM's were on Gemma 2, 3 and Cohere shapes) stops the run at start-up, naming the engine and the fix."""
     from dataclasses import replace
 
@@ -247,11 +247,11 @@ def test_an_engine_that_samples_another_policy_is_refused_at_start_up(tiny_model
         generate = trainer.engine.generate
 
         def off(prompts, params):
-            return [replace(c, logprobs=[x + 0.01 for x in c.logprobs]) for c in generate(prompts, params)]
+            return [replace(c, logprobs=[x + 0.05 for x in c.logprobs]) for c in generate(prompts, params)]
 
         trainer.engine.generate = off
         with pytest.raises(TrainingError, match=r"generation.engine=hf: its log-probs of its own samples differ from "
-                                                r"the trainer's by 0.01 nats on average, 0.01 at most \(allowed 1e-3 in "
+                                                r"the trainer's by 0.05 nats on average, 0.05 at most \(allowed 1e-2 in "
                                                 r"float32\): the engine runs this model type \('qwen2'\) otherwise"):
             trainer.check_sampler_agreement()
     finally:
