@@ -30,7 +30,7 @@ import torch
 from .diagnostics import solved
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import environment_rewards, prompt_messages, prompt_text
+from .rollout.turns import score
 
 
 class EvalError(Exception):
@@ -62,15 +62,6 @@ def _generate(engine, rollout: Optional[Callable], examples: list, params: Sampl
     return rollout(examples, params) if rollout is not None else engine.generate([e.prompt_ids for e in examples], params)
 
 
-def _score(rewards, texts: list, completions: list, at: list, step: int = 0):
-    """The RewardResult of completions[j], sampled for example at[j]; `step`: the training steps done (a
-    TRL-shaped reward's trainer_state.global_step)."""
-    return rewards(texts, [prompt_text(c, e) for c, e in zip(completions, at)], [e.row for e in at],
-                   completion_ids=[c.token_ids for c in completions], step=step,
-                   prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, at)],
-                   environment=environment_rewards(completions))
-
-
 def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = EVAL_BATCH,
            records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
            rollout: Optional[Callable] = None, first_index: int = 0, step: int = 0) -> dict:
@@ -83,7 +74,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         chunk = examples[i: i + batch_size]
         completions = _generate(engine, rollout, chunk, SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = _score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], step)
+        result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], step)
         judged = solved(result)
         correct += int(judged.correct.sum())
         counted += judged.counted
@@ -138,7 +129,7 @@ def sampled_counts(engine, tokenizer, rewards, examples, params: SamplingParams,
         chunk = examples[i: i + step]
         completions = _generate(engine, rollout, chunk, params)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-        result = _score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
+        result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
         counts = [[0, 0] for _ in chunk]
         judged = solved(result)
         for j, c in enumerate(completions):

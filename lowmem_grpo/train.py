@@ -58,8 +58,7 @@ from .rewards import Rewards
 from .rewards.code import judging_notes
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import (TurnLimits, environment_rewards, model_tokens, prompt_ids, prompt_messages, prompt_text,
-                            runner, segments)
+from .rollout.turns import TurnLimits, model_tokens, prompt_ids, runner, score, segments
 from .sinks import SinkError, Sinks, open_sinks
 
 
@@ -271,11 +270,7 @@ class Trainer:
         self._log_env_error(completions)
         with clock("reward"):
             texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-            at = [mine[c.prompt_index] for c in completions]
-            result = self.rewards(texts, [prompt_text(c, e) for c, e in zip(completions, at)], [e.row for e in at],
-                                  completion_ids=[c.token_ids for c in completions], step=self.step,
-                                  prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, at)],
-                                  environment=environment_rewards(completions))
+            result = score(self.rewards, texts, completions, [mine[c.prompt_index] for c in completions], self.step)
         if self.world.size == 1:
             return Rollouts(examples, completions, texts, result)
         with clock("gather"):

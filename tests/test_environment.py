@@ -478,6 +478,33 @@ def test_environment_reward_is_a_column_whose_none_does_not_apply():
         only(["a"], ["p"], [{}])
 
 
+def test_an_episode_an_environment_error_ended_is_skipped_not_scored():
+    """Its rewards would score the environment's failure, not the model: rollout.turns.score (training's and
+    eval's one scoring path) marks it skipped, every function NaN, so it is out of its group's advantage
+    statistics, the update and the success rate, counted in reward/skipped."""
+    from types import SimpleNamespace
+
+    from lowmem_grpo.advantages import group_advantages
+    from lowmem_grpo.batch import trained_completions
+    from lowmem_grpo.recipe import RewardsConfig
+    from lowmem_grpo.rewards import Rewards
+    from lowmem_grpo.rollout.base import Completion, EnvRecord
+    from lowmem_grpo.rollout.turns import score
+
+    rewards = Rewards(RewardsConfig(functions=[{"function": "user_rewards:digit_count"}]), answer_field="answer",
+                      environment_weight=1.0)
+    ex = SimpleNamespace(row={}, prompt_text="p", messages=None)
+    records = [EnvRecord(turns=2, reward=1.0), EnvRecord(turns=1, reward=1.0, error="step() raised ValueError: x"),
+               EnvRecord(turns=2, reward=0.0), EnvRecord(turns=2, reward=0.0)]
+    completions = [Completion(0, [1, 2], False, env=r) for r in records]
+    r = score(rewards, ["12", "12", "1", "1"], completions, [ex] * 4)
+    assert [math.isnan(v) for v in r.total.tolist()] == [False, True, False, False] and r.skipped == 1
+    assert all(math.isnan(v[1]) for v in r.per_function.values())
+    adv = group_advantages(r.total.view(1, 4), "mean_std")
+    assert adv[0, 1] == 0 and adv[0, 0] > 0 > adv[0, 2]   # the group's statistics leave it out
+    assert trained_completions(r.total, 4, skip_zero_std_groups=False) == [0, 2, 3]
+
+
 # -- recipes -------------------------------------------------------------------------------------------------------
 
 def _problems(d):

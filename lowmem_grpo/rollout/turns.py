@@ -16,7 +16,7 @@ Environment tokens carry env_mask True and a NaN sampler log-prob: context for t
 A completion is `truncated` when its last model turn was cut (no EOS or stop string within its budget), or a
 limit (max_turns, max_total_tokens) ended the episode before the environment said done. An environment that
 raises (SystemExit too) or returns the wrong types ends its episode there, with the error recorded
-(EnvRecord.error) and counted; the rewards it gave before stay. Its constructor, reset() and counters() are
+(EnvRecord.error) and counted, and `score` skips the episode (no verdict on the model). Its constructor, reset() and counters() are
 bounded by environment.step_timeout_s as step() is, and reset() gets a copy of the row (the reward functions
 read the example's). A round's steps of an environment with parallel_steps (the Python tool: a sandboxed
 subprocess each) run together on a thread pool, others one after another; results keep the episodes' order.
@@ -313,6 +313,30 @@ def environment_rewards(completions: list) -> Optional[list]:
     if all(c.env is None for c in completions):
         return None
     return [c.env.reward if c.env is not None else None for c in completions]
+
+
+def score(rewards, texts: list, completions: list, examples: list, step: int = 0):
+    """The RewardResult of completions[j] (decoded: texts[j]), sampled for examples[j], as training and eval both
+    score them; `step`: the optimizer steps done (a TRL-shaped reward's trainer_state.global_step).
+
+    An episode that an environment error ended (EnvRecord.error: it raised, returned the wrong types or hung)
+    has no verdict: whatever its rewards say, they score the environment's failure, not the model. So it is
+    skipped, as a completion no reward function can score: out of its group's statistics, the update and the
+    success rate, counted in success_rate/skipped (and env/errors) (docs/algorithm.md §20)."""
+    import torch
+
+    result = rewards(texts, [prompt_text(c, e) for c, e in zip(completions, examples)], [e.row for e in examples],
+                     completion_ids=[c.token_ids for c in completions], step=step,
+                     prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, examples)],
+                     environment=environment_rewards(completions))
+    failed = [j for j, c in enumerate(completions) if c.env is not None and c.env.error]
+    if failed:
+        at = torch.tensor(failed)
+        result.total[at] = float("nan")
+        for values in result.per_function.values():
+            values[at] = float("nan")
+        result.skipped = int(torch.isnan(result.total).sum())
+    return result
 
 
 def model_tokens(c: Completion) -> int:
