@@ -497,13 +497,15 @@ def test_fast_path_is_peft_bit_for_bit(V_, vllm_model_dir):
             assert plan.kind == "base" and torch.equal(plan.call(x), attn.q_proj(x))
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "cohere"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "cohere", "glm4"])
 def test_soft_capped_scaled_and_scaled_embedding_models_sample_the_trainers_policy(V_, kind, tmp_path):
     """Gemma 2 and Cohere use vLLM's own embedding as their tied LM head, which vLLM's CPU path packs into a
     buffer of its dummy weights before the trainer's are shared (repacked now: repack_aliased); Gemma 3's
     transformers embedding scales its output, which vLLM's model scales again (the plain lookup now). Either
-    way the engine sampled from another policy (0.3 nats off here). Now its log-probs of its samples are the
-    trainer's, and Trainer's start-up check (check_sampler_agreement) would refuse the engine otherwise."""
+    way the engine sampled from another policy (3.5 to 58 nats off here). GLM-4 fuses gate_up_proj in
+    transformers as in vLLM, which the engine looked for as two modules (an EngineError). Now its log-probs of
+    its samples are the trainer's, and Trainer's start-up check (check_sampler_agreement) would refuse the
+    engine otherwise."""
     from conftest import save_arch_model
     from lowmem_grpo.batch import completion_logprobs, pack
 

@@ -489,7 +489,10 @@ class SharedModulesConfig(QuantizationConfig):
     def _targets(self, prefix: str) -> list[torch.nn.Module]:
         parent, _, leaf = prefix.rpartition(".")
         packed = self.packed_modules_mapping or {}
-        names = packed.get(leaf) or DEFAULT_PACKED.get(leaf) or [leaf]
+        if prefix in self.binding.modules:   # the trainer fuses it too (Phi-3's, GLM-4's gate_up_proj)
+            names = [leaf]
+        else:
+            names = packed.get(leaf) or DEFAULT_PACKED.get(leaf) or [leaf]
         full = [f"{parent}.{n}" if parent else n for n in names]
         missing = [n for n in full if n not in self.binding.modules]
         if missing:
@@ -549,7 +552,7 @@ def _check_native(model) -> None:
         raise EngineError(f"vLLM {vllm.__version__} runs {arch} through its Transformers backend, which patches "
                           "transformers' own model classes in this process (the trainer's among them); the shared "
                           "engine needs vLLM's own implementation of the architecture (Llama, Mistral, Qwen 2 and 3, "
-                          "Gemma 1-3, Phi-3, Granite, Cohere, StableLM have one): use generation.engine: hf")
+                          "Gemma 1-3, Phi-3, GLM-4, Granite, Cohere, StableLM have one): use generation.engine: hf")
 
 
 def _write_model_folder(model, tokenizer=None) -> tuple[str, bool]:
