@@ -204,7 +204,7 @@ def estimate(recipe, memory, device, nproc, overrides):
 def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides, nproc):
     """Greedy accuracy (as the trainer computes it) and pass@k of a model on a recipe's prompts."""
     from . import distributed
-    from .evaluate import parse_ks, run_eval
+    from .evaluate import EvalInterrupted, parse_ks, run_eval
 
     if adapter and model_dir:
         raise click.UsageError("give --adapter or --model, not both")
@@ -222,8 +222,13 @@ def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides, nproc):
     def go():
         r = load_recipe(recipe, list(overrides))
         with distributed.joined(r.train.collective_timeout_s) as world:
-            return run_eval(r, name=Path(recipe).stem, adapter=adapter, model_dir=model_dir, split=split, ks=k_list,
-                            out_dir=out_dir, log=click.echo if world.main else (lambda *a: None), world=world)
+            try:
+                return run_eval(r, name=Path(recipe).stem, adapter=adapter, model_dir=model_dir, split=split,
+                                ks=k_list, out_dir=out_dir, log=click.echo if world.main else (lambda *a: None),
+                                world=world)
+            except EvalInterrupted as exc:
+                click.echo(str(exc), err=True)
+                sys.exit(130)   # as a shell reports a process that SIGINT ended
 
     _run(go)
 

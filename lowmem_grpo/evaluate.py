@@ -37,6 +37,10 @@ class EvalError(Exception):
     """A `lowmem-grpo eval` option that cannot be used (e.g. an --out that cannot be written)."""
 
 
+class EvalInterrupted(EvalError):
+    """Ctrl-C during an eval: what was done is written; the CLI exits 130 with this message."""
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """1 - C(n-c, k) / C(n, k), computed as 1 - prod_{i=n-c+1..n} (1 - k/i): no large binomials, no
     cancellation. n samples, c correct, 1 <= k <= n."""
@@ -273,6 +277,16 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         params = SamplingParams.from_generation(g, n=max(ks))
         counts = sampled_counts(engine, tok, rewards, mine, params, batch_size=batch, records=sample_records, done=done,
                                 rollout=rollout, first_index=first)
+    except KeyboardInterrupt:
+        if world.size > 1:   # torchrun stops the other processes; their shares were never gathered
+            raise
+        _write_samples(Path(out_dir), greedy_records + sample_records)
+        (Path(out_dir) / "summary.json").write_text(json.dumps(
+            {**summary, "interrupted": True, "greedy_done": len(greedy_records),
+             "samples_done": len(sample_records)}, indent=2) + "\n")
+        raise EvalInterrupted(f"interrupted: {len(greedy_records)} greedy and {len(sample_records)} sampled completions "
+                              f"of {len(examples)} prompts are in {out_dir}/samples.jsonl (summary.json says "
+                              "interrupted; its figures need the whole eval)") from None
     finally:
         engine.close()
         if bar is not None:
@@ -283,15 +297,19 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     if not world.main:
         return summary
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "samples.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    _write_samples(out, records)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["out"] = str(out)
     for line in summary_lines(summary, ks):
         log(line)
     return summary
+
+
+def _write_samples(out: Path, records: list) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "samples.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
 
 
 def eval_wave(recipe, model, examples: list, samples: int) -> Optional[int]:

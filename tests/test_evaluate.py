@@ -283,3 +283,31 @@ def test_summary_lines_count_samples_in_english():
          "samples_per_prompt": 1, "temperature": 1.0, "out": "o"}
     assert "(1 sample per prompt at temperature 1.0)" in summary_lines(s, [1])[1]
     assert "(8 samples per prompt at temperature 1.0)" in summary_lines({**s, "samples_per_prompt": 8}, [1])[1]
+
+
+def test_ctrl_c_during_eval_keeps_what_was_done(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """An eval of 1,000+ prompts takes a while: a Ctrl-C in its sampled pass writes the greedy completions and
+    the samples done so far, and a summary.json that says it was interrupted (its figures need the whole eval);
+    the CLI then exits 130 with that line."""
+    from lowmem_grpo import evaluate
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.rollout.hf import HFEngine
+
+    recipe = recipe_from_dict(recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"eval_max_prompts": 6}))
+    real, calls = HFEngine._generate, []
+
+    def interrupted_at_the_third_call(self, prompts, params):
+        calls.append(len(prompts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, prompts, params)
+
+    monkeypatch.setattr(HFEngine, "_generate", interrupted_at_the_third_call)
+    monkeypatch.setattr(evaluate, "EVAL_BATCH", 4)   # greedy: calls of 4 + 2 prompts; sampled: 2 prompts a call
+    with pytest.raises(evaluate.EvalInterrupted, match=r"interrupted: 6 greedy and 0 sampled completions of 6 prompts "
+                                                       r"are in .*/ev/samples.jsonl"):
+        evaluate.run_eval(recipe, name="r", ks=(1, 2), out_dir=str(tmp_path / "ev"), log=lambda *a: None)
+    rows = [json.loads(line) for line in (tmp_path / "ev" / "samples.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["greedy"] * 6 and [r["prompt_index"] for r in rows] == list(range(6))
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["greedy_done"] == 6 and "accuracy" not in summary
