@@ -41,6 +41,7 @@ import numpy as np
 
 from .recipe import DataConfig
 from .sources import DataChanged, DataError, ListSource, Subset, Unreadable, open_source, read_rows, row_number  # noqa: F401
+from .user_code import short_repr
 
 CHECK_HEAD = 1000      # the first rows checked at start-up
 CHECK_SAMPLE = 1000    # plus this many seeded others (every row of a source of at most the sum)
@@ -241,15 +242,10 @@ def answer_problem(value, field: str) -> None:
         raise DataError(f"the answer field {field!r} holds the boolean {value}; write it as text "
                         f"({json.dumps(str(value).lower())}) or a number")
     if not isinstance(value, (str, numbers.Real)):
-        raise DataError(f"the answer field {field!r} holds {type(value).__name__} {_short(value)}; expected text "
+        raise DataError(f"the answer field {field!r} holds {type(value).__name__} {short_repr(value)}; expected text "
                         "or a number (one reference answer per row)")
     if not isinstance(value, str) and not math.isfinite(float(value)):
         raise DataError(f"the answer field {field!r} is {value} (not a finite number)")
-
-
-def _short(value, n: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

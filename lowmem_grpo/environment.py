@@ -36,7 +36,7 @@ import typing
 from math import isfinite
 from typing import Any, Optional
 
-from .user_code import import_named
+from .user_code import import_named, short_repr
 
 # Built-in environments by short name -> 'module:Class'.
 BUILTINS: dict[str, str] = {"python": "lowmem_grpo.environment:PythonTool"}
@@ -159,7 +159,7 @@ def kwargs_type_problems(name: str, cls: type, kwargs: dict) -> list[tuple[str, 
         if kinds is not None and not any(_accepts(kind, value) for kind in kinds):
             allowed = " or ".join(dict.fromkeys(_SIMPLE[k] for k in kinds))
             problems.append((f"environment.kwargs.{key}", f"environment {name!r} takes {key} as {allowed}, got "
-                                                          f"{_short(value)} ({type(value).__name__})"))
+                                                          f"{short_repr(value)} ({type(value).__name__})"))
     return problems
 
 
@@ -233,7 +233,7 @@ def checked_reset(env, row: dict) -> Optional[str]:
     """env.reset(row): the first user message (a str) or None, else an EnvOutputError."""
     out = _call(env, "reset", row)
     if out is not None and not isinstance(out, str):
-        raise EnvOutputError(f"reset() returned {type(out).__name__} {_short(out)}; allowed: a str (the first user "
+        raise EnvOutputError(f"reset() returned {type(out).__name__} {short_repr(out)}; allowed: a str (the first user "
                              "message) or None (the dataset prompt)")
     _check_text(out, "reset() returned a first message")
     return out
@@ -260,25 +260,25 @@ def checked_step(env, model_text: str) -> tuple[Optional[str], Optional[float], 
     naming the part that is wrong."""
     out = _call(env, "step", model_text)
     if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise EnvOutputError(f"step() returned {type(out).__name__} {_short(out)}; allowed: a tuple "
+        raise EnvOutputError(f"step() returned {type(out).__name__} {short_repr(out)}; allowed: a tuple "
                              "(observation: str or None, reward: number or None, done: bool)")
     observation, reward, done = out
     if observation is not None and not isinstance(observation, str):
-        raise EnvOutputError(f"step() returned observation {_short(observation)} ({type(observation).__name__}); "
+        raise EnvOutputError(f"step() returned observation {short_repr(observation)} ({type(observation).__name__}); "
                              "allowed: a str or None")
     _check_text(observation, "step() returned an observation")
     if reward is not None:
         if _is_bool(reward) or not isinstance(reward, (int, float)) and not hasattr(reward, "__float__"):
-            raise EnvOutputError(f"step() returned reward {_short(reward)} ({type(reward).__name__}); allowed: a "
+            raise EnvOutputError(f"step() returned reward {short_repr(reward)} ({type(reward).__name__}); allowed: a "
                                  "number or None")
         try:
             reward = float(reward)
         except (TypeError, ValueError, OverflowError):
-            raise EnvOutputError(f"step() returned reward {_short(reward)}, not a number; allowed: a number or None") from None
+            raise EnvOutputError(f"step() returned reward {short_repr(reward)}, not a number; allowed: a number or None") from None
         if not isfinite(reward):
             raise EnvOutputError(f"step() returned reward {reward}; allowed: a finite number or None")
     if not _is_bool(done):
-        raise EnvOutputError(f"step() returned done {_short(done)} ({type(done).__name__}); allowed: True or False")
+        raise EnvOutputError(f"step() returned done {short_repr(done)} ({type(done).__name__}); allowed: True or False")
     return observation, reward, bool(done)
 
 
@@ -293,7 +293,7 @@ def checked_counters(env) -> dict:
         raise EnvOutputError(f"counters() raised {type(exc).__name__}: {exc}") from None
     numbers = {k: _finite(v) for k, v in out.items()} if isinstance(out, dict) else None
     if numbers is None or not all(isinstance(k, str) and k and v is not None for k, v in numbers.items()):
-        raise EnvOutputError(f"counters() returned {_short(out)}; allowed: a dict of names to finite numbers")
+        raise EnvOutputError(f"counters() returned {short_repr(out)}; allowed: a dict of names to finite numbers")
     return numbers
 
 
@@ -306,11 +306,6 @@ def _finite(x) -> Optional[float]:
     except (TypeError, ValueError, OverflowError):
         return None
     return x if isfinite(x) else None
-
-
-def _short(x, n: int = 60) -> str:
-    text = repr(x)
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------------

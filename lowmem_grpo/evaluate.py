@@ -280,10 +280,9 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     except KeyboardInterrupt:
         if world.size > 1:   # torchrun stops the other processes; their shares were never gathered
             raise
-        _write_samples(Path(out_dir), greedy_records + sample_records)
-        (Path(out_dir) / "summary.json").write_text(json.dumps(
-            {**summary, "interrupted": True, "greedy_done": len(greedy_records),
-             "samples_done": len(sample_records)}, indent=2) + "\n")
+        _write_results(Path(out_dir), greedy_records + sample_records,
+                       {**summary, "interrupted": True, "greedy_done": len(greedy_records),
+                        "samples_done": len(sample_records)})
         raise EvalInterrupted(f"interrupted: {len(greedy_records)} greedy and {len(sample_records)} sampled completions "
                               f"of {len(examples)} prompts are in {out_dir}/samples.jsonl (summary.json says "
                               "interrupted; its figures need the whole eval)") from None
@@ -297,19 +296,20 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     if not world.main:
         return summary
     out = Path(out_dir)
-    _write_samples(out, records)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_results(out, records, summary)
     summary["out"] = str(out)
     for line in summary_lines(summary, ks):
         log(line)
     return summary
 
 
-def _write_samples(out: Path, records: list) -> None:
+def _write_results(out: Path, records: list, summary: dict) -> None:
+    """OUT/samples.jsonl (one line per completion) and OUT/summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "samples.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def eval_wave(recipe, model, examples: list, samples: int) -> Optional[int]:

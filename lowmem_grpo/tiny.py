@@ -384,3 +384,45 @@ def warm_start_tool(model, tokenizer, train_rows, probe_rows, rate_band=(0.2, 0.
     steps = _supervised(model, lambda: segments_batch(tokenizer, rng.sample(examples, batch_size)), done, lr,
                         max_steps, check_every)
     return probe, steps
+
+
+# -- tiny random models of the decoder families a hobbyist trains (tests/test_architectures.py, scripts/arch_sweep.py)
+
+ARCH_SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0)
+# Scaled and soft-capped heads get their transform switched on (with a cap low enough to bend these logits)
+ARCH_EXTRA = {"gemma2": dict(final_logit_softcapping=2.0), "gemma3_text": dict(final_logit_softcapping=2.0, sliding_window=8),
+              "granite": dict(logits_scaling=0.25), "cohere": dict(logit_scale=4.0),
+              "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)}
+ARCH_UNSET = {"falcon": ("head_dim", "intermediate_size", "num_key_value_heads")}   # Falcon derives or lacks these
+ARCH_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config", "phi": "PhiConfig", "gemma": "GemmaConfig",
+                "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "olmo2": "Olmo2Config",
+                "granite": "GraniteConfig", "cohere": "CohereConfig", "smollm3": "SmolLM3Config",
+                "stablelm": "StableLmConfig", "starcoder2": "Starcoder2Config", "gpt_neox": "GPTNeoXConfig",
+                "exaone4": "Exaone4Config", "glm4": "Glm4Config", "falcon": "FalconConfig"}
+
+
+def build_arch_model(kind: str, seed: int = 0, **sizes):
+    """A random `kind` causal LM of ARCH_SIZES (updated by `sizes`), its head scaled up tenfold so that the
+    logits are large enough for a scale or soft-cap to matter."""
+    import transformers
+
+    values = {**ARCH_SIZES, **ARCH_EXTRA.get(kind, {}), **sizes}
+    config = getattr(transformers, ARCH_CLASSES[kind])(**{k: v for k, v in values.items()
+                                                            if k not in ARCH_UNSET.get(kind, ())})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(10)
+    return model
+
+
+def save_arch_model(kind: str, path: Path, **sizes) -> Path:
+    """build_arch_model with the char tokenizer's ids (vocab_size: at least its tokens), saved as a model folder."""
+    tok = build_tokenizer()
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = build_arch_model(kind, **{"vocab_size": len(tok), **ids, **sizes})
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -158,11 +158,12 @@ class Trainer:
             self.log("[lowmem-grpo] note: the model's forward returned no logits to check the chunked log-probs "
                      "against (rollout/logprob_abs_diff compares them with the engine's every step)")
         self.model.train()
+        self.device_type = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
         # One policy: every process starts from process 0's adapter weights, then samples with its own stream.
         distributed.broadcast_parameters(trainable_parameters(self.model), self.world)
         if self.world.rank:
             torch.manual_seed(distributed.sampling_seed(recipe.seed, self.world))
-        if not next(self.model.parameters()).is_cuda:
+        if self.device_type == "cpu":
             return_freed_memory_to_os()
         self.rewards = Rewards.from_recipe(recipe)
         self.env = EnvironmentFactory(recipe.environment) if recipe.environment.name else None   # §20
@@ -177,7 +178,7 @@ class Trainer:
             self.log(f"[lowmem-grpo] {note}")
         self.sampling = SamplingParams.from_generation(recipe.generation)
         self.share_prompts = recipe.train.share_prompts == "auto" and takes_shared_prompts(self.model, SHARED_MAX_WIDTH)
-        self.memory_budget = device_budget("cuda" if next(self.model.parameters()).is_cuda else "cpu")
+        self.memory_budget = device_budget(self.device_type)
         self.waves = self._decode_waves()
         engine_cfg = EngineConfig.from_recipe(recipe, self.waves.max_batch_sequences if self.waves else None)
         self.engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, self.world)),
@@ -561,7 +562,7 @@ class Trainer:
         cap = self.completion_cap
         mb = pack([longest] * n, [[filler] * cap] * n, torch.ones(n), n, r.algorithm.aggregation,
                   cap, self.tokenizer.pad_token_id)[0]
-        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
+        device = self.device_type
         try:
             shape, workload = self.memory_model(len(longest))
         except MemoryModelError as exc:   # an architecture it does not know: the forward/backward still runs
@@ -594,9 +595,8 @@ class Trainer:
 
     def memory_model(self, prompt_tokens: int) -> tuple[ModelShape, Workload]:
         """The memory model's view of this run: the model's shape, one process's workload at `prompt_tokens`."""
-        device = "cuda" if next(self.model.parameters()).is_cuda else "cpu"
-        return ModelShape.from_config(self.model.config), workload_from_recipe(self.recipe, prompt_tokens, device,
-                                                                                  self.world.size)
+        return ModelShape.from_config(self.model.config), workload_from_recipe(self.recipe, prompt_tokens,
+                                                                                  self.device_type, self.world.size)
 
     def whole_run_memory_model(self) -> tuple[ModelShape, Workload]:
         """memory_model at the longest prompt, training or held-out: what every phase of the run is sized for."""

@@ -9,10 +9,10 @@ by hand; this is the fast invariant that keeps holding."""
 import pytest
 import torch
 
-from conftest import ARCH_CLASSES, arch_model
 from lowmem_grpo.batch import SHARED_MAX_WIDTH, completion_logprobs, pack
 from lowmem_grpo.model import attach_lora, check_logit_head, eval_mode, reference_mode, takes_shared_prompts
 from lowmem_grpo.recipe import LoraConfig
+from lowmem_grpo.tiny import ARCH_CLASSES, build_arch_model
 
 KINDS = list(ARCH_CLASSES)
 
@@ -20,7 +20,7 @@ KINDS = list(ARCH_CLASSES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_trainers_log_probs_are_the_models_own(kind):
     # Gemma 2 soft-caps its attention scores in eager attention only
-    base = arch_model(kind, attn_implementation="eager" if kind == "gemma2" else "sdpa")
+    base = build_arch_model(kind, attn_implementation="eager" if kind == "gemma2" else "sdpa")
     model = attach_lora(base, LoraConfig(r=4, alpha=8), gradient_checkpointing=False)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -41,3 +41,17 @@ def test_the_trainers_log_probs_are_the_models_own(kind):
                 own.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0])
         gap = (ours - torch.cat(own)).abs().max().item()
         assert gap < 1e-4, (kind, mode, share, gap)
+
+
+def test_the_sweep_script_runs_the_cli_on_a_family(tmp_path):
+    """scripts/arch_sweep.py, which the README's "Models" figures come from, on one family."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "arch_sweep.py"
+    p = subprocess.run([sys.executable, str(script), "gemma2", "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(line for line in p.stdout.splitlines() if line.startswith("gemma2"))
+    assert "train 0  estimate 0  export 0" in line and float(line.split()[-1]) < 1e-4, line

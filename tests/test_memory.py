@@ -562,7 +562,7 @@ def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
 
 
 def test_estimate_says_its_figures_are_rough_for_a_mixture_of_experts(tmp_path, tiny_data):
-    from conftest import save_arch_model
+    from lowmem_grpo.tiny import save_arch_model
 
     for kind, rough in (("qwen3_moe", True), ("llama", False)):
         d = recipe_dict(save_arch_model(kind, tmp_path / kind), tiny_data, tmp_path / "run")

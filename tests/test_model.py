@@ -101,7 +101,7 @@ def test_a_scaled_or_soft_capped_head_gives_the_models_own_log_probs(kind, dtype
     equal log_softmax of the model's own forward (in bf16, within what its bf16 logits round away: the check
     allows 2^-7 x the largest |logit|), and with the transform unknown the start-up check refuses the model
     instead of training a policy other than the one sampled (11 to 57 nats off here, in either dtype)."""
-    from conftest import save_arch_model
+    from lowmem_grpo.tiny import save_arch_model
     from lowmem_grpo import model as model_module
     from lowmem_grpo.model import ModelLoadError, check_logit_head
 
@@ -119,7 +119,8 @@ def test_a_scaled_or_soft_capped_head_gives_the_models_own_log_probs(kind, dtype
 def test_training_a_soft_capped_model_scores_with_the_samplers_log_probs(tiny_data, tmp_path):
     """End to end on a Gemma 2 shape: the trainer's log-probs of the sampled tokens at the rollout weights are
     the transformers engine's own (rollout/logprob_abs_diff ~ 1e-7; 4.2 nats before the soft-cap was applied)."""
-    from conftest import QUIET, recipe_dict, save_arch_model
+    from conftest import QUIET, recipe_dict
+    from lowmem_grpo.tiny import save_arch_model
     from lowmem_grpo.metrics import read_metrics
     from lowmem_grpo.recipe import recipe_from_dict
     from lowmem_grpo.train import Trainer

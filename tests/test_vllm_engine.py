@@ -506,7 +506,7 @@ def test_soft_capped_scaled_and_scaled_embedding_models_sample_the_trainers_poli
     transformers as in vLLM, which the engine looked for as two modules (an EngineError). Now its log-probs of
     its samples are the trainer's, and Trainer's start-up check (check_sampler_agreement) would refuse the
     engine otherwise."""
-    from conftest import save_arch_model
+    from lowmem_grpo.tiny import save_arch_model
     from lowmem_grpo.batch import completion_logprobs, pack
 
     # head_dim 32 (vLLM's CPU attention); a vocabulary of 64, which vLLM does not pad (sharing needs equal shapes)
@@ -533,7 +533,7 @@ def test_an_architecture_vllm_runs_through_its_transformers_backend_is_refused_u
     """vLLM registers Phi (and OLMo 2, SmolLM3, StarCoder2...) to its Transformers backend, which patched
     transformers' PhiModel for torch.compile in this process, so the trainer's next forward raised
     AttributeError ('do_not_compile'). Refused before vLLM builds anything, and the class is left as it was."""
-    from conftest import save_arch_model
+    from lowmem_grpo.tiny import save_arch_model
     from lowmem_grpo.model import _base
 
     path = save_arch_model("phi", tmp_path / "phi", vocab_size=64, num_attention_heads=2, num_key_value_heads=1,

@@ -323,19 +323,16 @@ def score(rewards, texts: list, completions: list, examples: list, step: int = 0
     has no verdict: whatever its rewards say, they score the environment's failure, not the model. So it is
     skipped, as a completion no reward function can score: out of its group's statistics, the update and the
     success rate, counted in success_rate/skipped (and env/errors) (docs/algorithm.md §20)."""
-    import torch
-
     result = rewards(texts, [prompt_text(c, e) for c, e in zip(completions, examples)], [e.row for e in examples],
                      completion_ids=[c.token_ids for c in completions], step=step,
                      prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, examples)],
                      environment=environment_rewards(completions))
     failed = [j for j, c in enumerate(completions) if c.env is not None and c.env.error]
     if failed:
-        at = torch.tensor(failed)
-        result.total[at] = float("nan")
+        result.total[failed] = math.nan
         for values in result.per_function.values():
-            values[at] = float("nan")
-        result.skipped = int(torch.isnan(result.total).sum())
+            values[failed] = math.nan
+        result.skipped = int(result.total.isnan().sum())
     return result
 
 
