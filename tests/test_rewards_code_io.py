@@ -358,14 +358,144 @@ def test_validate_counts_the_cases_and_the_rows_that_would_be_skipped(tmp_path):
 
     data = tmp_path / "problems.jsonl"
     rows = [{"prompt": "p", "private_tests": CASES}, {"prompt": "q", "private_tests": {"input": [], "output": []}},
-            {"prompt": "r", "private_tests": {"fn_name": "f", "inputs": [["1"]], "outputs": [["1"]]}}]
+            {"prompt": "r", "private_tests": {"fn_name": "f", "inputs": [["1"]], "outputs": [["1"]]}},
+            {"prompt": "s", "private_tests": CASES, "checker": "print('ok')"},
+            {"prompt": "t", "private_tests": CASES, "checker": "int main() { return 0; }"}]   # C++: skipped
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"train_path": str(data)},
                                     "rewards": {"functions": [{"function": "code_io_binary",
-                                                               "kwargs": {"tests_field": "private_tests"}}]}}))
+                                                               "kwargs": {"tests_field": "private_tests",
+                                                                          "checker_field": "checker"}}]}}))
     out = subprocess.run([sys.executable, "-m", "lowmem_grpo", "validate", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert (f"stdin/stdout cases in {data}: 3 cases in 1 rows, all judged outside the sandbox; 2 rows without "
-            "usable cases (skipped, not scored)") in out.stdout, out.stdout
+    assert (f"stdin/stdout cases in {data}: 6 cases in 2 rows, all judged outside the sandbox (1 rows by their "
+            "checker, in a sandbox of its own); 2 rows without usable cases (skipped, not scored); 1 rows whose "
+            "checker is not a Python program (skipped, not scored)") in out.stdout, out.stdout
+
+
+# -- checkers (special judges) ----------------------------------------------------------------------------
+
+# "print two non-negative numbers that sum to n": many right answers, the expected output is one of them.
+PAIR_CHECKER = """import sys
+n = int(open(sys.argv[1]).read())
+got = open(sys.argv[3]).read().split()
+ok = len(got) == 2 and all(t.isdigit() for t in got) and int(got[0]) + int(got[1]) == n
+print("ok" if ok else "wrong answer")
+"""
+PAIR_CASES = [("5\n", "2 3\n"), ("10\n", "5 5\n"), ("1", "0 1\n")]
+
+
+@pytest.mark.parametrize("status, stdout, accepted", [
+    (0, "", True), (0, "\n  \n", True), (0, "ok\n", True), (0, "OK, 3 numbers\n", True), (0, "Accepted.", True),
+    (0, "yes", True), (0, "1", True), (0, "1.0 points", True), (0, "1e0", True),
+    (0, "0", False), (0, "0.5", False), (0, "0.9999", False), (0, "2", False), (0, "-1", False),
+    (0, "wrong answer", False), (0, "WA", False), (0, "no", False), (0, "okay", False), (0, "nan", False),
+    (1, "", False), (1, "ok", False), (3, "1", False), (None, "", False),
+])
+def test_a_checker_accepts_by_exit_0_with_silence_a_word_or_a_score_of_1(status, stdout, accepted):
+    assert code_io.checker_accepts(status, stdout) is accepted
+
+
+@pytest.mark.parametrize("value, usable, has_checker", [
+    (None, True, False), ("", True, False), ("  \n", True, False), (PAIR_CHECKER, True, True),
+    ("#include \"testlib.h\"\nint main() { registerTestlibCmd(); }", False, False),   # C++: cannot run here
+    ({"code": "print('ok')"}, False, False), (3, False, False),
+])
+def test_a_rows_checker_is_python_source_or_nothing(value, usable, has_checker):
+    assert code_io.row_checker({"checker": value}, "checker") == (usable, value if has_checker else None)
+    assert code_io.row_checker({"checker": value}, None) == (True, None)    # no checker_field: never read
+
+
+def test_a_checker_accepts_other_right_answers_and_rejects_wrong_ones():
+    programs = {"the expected one": "n = int(input())\nprint(n // 2, n - n // 2)",
+                "another right one": "n = int(input())\nprint(0, n)", "wrong": "n = int(input())\nprint(1, n)",
+                "crashes": "raise SystemExit(3)"}
+    got = {name: code_io.run_cases(p, PAIR_CASES, checker=PAIR_CHECKER) for name, p in programs.items()}
+    assert got == {"the expected one": [True] * 3, "another right one": [True] * 3, "wrong": [False] * 3,
+                   "crashes": [False] * 3}
+    # without the checker, only the expected answer passes
+    assert code_io.run_cases(programs["another right one"], PAIR_CASES) == [False, False, True]   # "0 1" is expected
+
+
+# Checkers x programs, judged by run_cases (the checker's runs batched in one sandboxed program of their own) and by
+# the reference run_cases_separately (one sandboxed program per program run and per checker run): the same verdicts.
+PARITY_CHECKERS = {
+    "pair": PAIR_CHECKER,
+    "silent exit codes": PAIR_CHECKER.replace('print("ok" if ok else "wrong answer")', "sys.exit(0 if ok else 1)"),
+    "score": PAIR_CHECKER.replace('print("ok" if ok else "wrong answer")', "print(1 if ok else 0)"),
+    "partial score": PAIR_CHECKER.replace('print("ok" if ok else "wrong answer")', "print(1 if ok else 0.5)"),
+    "reads the input on stdin": PAIR_CHECKER.replace("open(sys.argv[1]).read()", "sys.stdin.read()"),
+    "files by name": PAIR_CHECKER.replace("sys.argv[1]", "'input.txt'").replace("sys.argv[3]", "'solution_output.txt'"),
+    "compares with the answer file": ("import sys\nprint('ok' if sorted(open(sys.argv[2]).read().split()) == "
+                                      "sorted(open(sys.argv[3]).read().split()) else 'no')"),
+    "main guard": "def main():\n" + "".join("    " + line + "\n" for line in PAIR_CHECKER.splitlines())
+                  + "if __name__ == '__main__':\n    main()",
+    "raises": "raise ValueError('broken checker')",
+    "too slow": "import time\ntime.sleep(5)",
+    "says too much": "print('ok')\nprint('x' * 10000)",
+}
+PARITY_PAIR_PROGRAMS = {
+    "expected": "n = int(input())\nprint(n // 2, n - n // 2)",
+    "reversed": "n = int(input())\nprint(n - n // 2, n // 2)",
+    "other": "n = int(input())\nprint(0, n)",
+    "wrong": "n = int(input())\nprint(1, n)",
+    "prints the verdict": "print('ok')",
+    "exit 1": "n = int(input())\nprint(0, n)\nraise SystemExit(1)",
+}
+
+
+def test_checked_cases_run_together_are_judged_as_each_in_its_own():
+    for cname, checker in PARITY_CHECKERS.items():
+        for pname, program in PARITY_PAIR_PROGRAMS.items():
+            together = code_io.run_cases(program, PAIR_CASES, checker=checker, checker_timeout=1.0)
+            separately = code_io.run_cases_separately(program, PAIR_CASES, checker=checker, checker_timeout=1.0)
+            assert together == separately, (cname, pname, together, separately)
+    # (and the table holds both verdicts)
+    assert code_io.run_cases(PARITY_PAIR_PROGRAMS["reversed"], PAIR_CASES, checker=PARITY_CHECKERS["score"]) == [True] * 3
+    assert code_io.run_cases(PARITY_PAIR_PROGRAMS["wrong"], PAIR_CASES,
+                             checker=PARITY_CHECKERS["partial score"]) == [False] * 3   # 0.5 is not accepted
+    assert code_io.run_cases(PARITY_PAIR_PROGRAMS["other"], PAIR_CASES, checker=PARITY_CHECKERS["raises"]) == \
+        [False, False, True]   # a broken checker: only the expected output passes
+
+
+def test_the_checker_runs_apart_from_the_program_and_only_on_other_outputs(monkeypatch):
+    calls = []
+    real = code_io.run_python
+    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: calls.append(marshal.loads(k["stdin"])) or real(*a, **k))
+    expected_program = "n = int(input())\nprint(n // 2, n - n // 2)"
+    assert code_io.run_cases(expected_program, PAIR_CASES, checker=PAIR_CHECKER) == [True] * 3
+    assert len(calls) == 1   # the expected outputs need no judge
+    calls.clear()
+    assert code_io.run_cases("n = int(input())\nprint(0, n)", PAIR_CASES, checker=PAIR_CHECKER) == [True] * 3
+    program_job, checker_job = calls
+    assert "print(0, n)" in program_job["code"] and "2 3" not in repr(program_job)   # the answers stay out of it
+    assert "print(0, n)" not in checker_job["code"] and len(checker_job["inputs"]) == 2   # "0 1" is the expected one
+    assert marshal.loads(checker_job["inputs"][0]) == (b"5\n", b"2 3\n", b"0 5\n")
+
+
+def test_a_program_cannot_leave_files_for_the_checker():
+    """The checker runs in a sandbox of its own: files the program writes under the checker's names (in its
+    directory, /tmp) do not reach it."""
+    forger = ("import os\nn = int(input())\nfor d in ('.', '/tmp'):\n"
+              "    for name in ('input.txt', 'correct_output.txt', 'solution_output.txt'):\n"
+              "        open(os.path.join(d, name), 'w').write('1 1\\n')\nprint(7, 7)")
+    checker = "import sys\nprint('ok' if open(sys.argv[2]).read() == open(sys.argv[3]).read() else 'no')"
+    assert code_io.run_cases(forger, PAIR_CASES, checker=checker) == [False] * 3
+
+
+def test_rows_with_a_checker_are_scored_by_it_and_rows_whose_checker_cannot_run_are_skipped():
+    rows = [{"tests": {"inputs": ["5\n"], "outputs": ["2 3\n"]}, "checker": PAIR_CHECKER},
+            {"tests": {"inputs": ["5\n"], "outputs": ["2 3\n"]}, "checker": None},
+            {"tests": {"inputs": ["5\n"], "outputs": ["2 3\n"]}, "checker": "int main() { return 0; }"}]
+    other = "```python\nn = int(input())\nprint(0, n)\n```"
+    assert code_io_reward([other] * 3, rows=rows, checker_field="checker") == [1.0, 0.0, None]
+    assert code_io_binary_reward([other] * 3, rows=rows) == [0.0, 0.0, 0.0]   # no checker_field: plain comparison
+    counts = code_io.count_cases(rows, "tests", "checker")
+    assert (counts.cases, counts.checkers, counts.broken_checkers) == (2, 1, 1)
+    assert counts.describe("d") == ("stdin/stdout cases in d: 2 cases in 2 rows, all judged outside the sandbox (1 rows "
+                                    "by their checker, in a sandbox of its own); 1 rows whose checker is not a Python "
+                                    "program (skipped, not scored)")
+    assert not option_problems("code_io", {"checker_field": "generated_checker", "checker_timeout": 2.0})
+    assert [k for k, _ in option_problems("code_io_binary", {"checker_timeout": 0})] == ["checker_timeout"]

@@ -24,7 +24,7 @@ spaces and trailing blank lines are dropped, or else the same tokens, where whit
 \t, \n, \r, \v, \f: not U+00A0, U+3000, ...) and two plain decimal numbers (ASCII digits; no "inf", "nan",
 "1_000") also match within `float_tolerance` (relative, or absolute below 1) when the expected one has a
 decimal point or an exponent (a "1e-6" checker, as many problems state). The expected output never enters the
-sandbox and the comparison happens here: a program can only print, never claim a verdict, so there is nothing to
+program's sandbox and the comparison happens here: a program can only print, never claim a verdict, so there is nothing to
 forge (docs/sandbox.md, "Verdicts"). A completion's cases run in one sandboxed program (_IO_HARNESS), each in a
 fresh fork of it that holds only the case's stdin and stdout (what a case leaves running is killed, and what it
 wrote in /tmp, /dev/shm and its directory removed, before the next case starts; a case that ends past its limit
@@ -33,10 +33,21 @@ is a timeout however it kept the relay from seeing the clock); that saves the sa
 (`run_cases_separately`, the reference the tests compare with). Each case's output is capped at twice the
 expected size plus 4 KiB, plus 16 bytes per number compared within the tolerance, in place of max_output_bytes
 (a program printing more has failed already).
+
+Problems with more than one right answer come with a checker (a special judge): with `checker_field` set, a row
+whose field holds one (Python source) has each output that is not the expected one token for token judged by
+it, in a sandbox of its own where no model-written code runs (`run_checks`): it gets `input.txt`,
+`correct_output.txt` and `solution_output.txt` in its directory, their names as sys.argv[1:] in that order, and
+the input on stdin. It accepts by exiting 0 with nothing on stdout, with a first word of ok / accepted / ac /
+yes / correct / pass / passed / true, or with a score of exactly 1 (a first token that is a number; any other
+number, another first word, or another exit status is a wrong answer). A row whose checker is not a Python
+program (C++ testlib source, say) is skipped, not scored: its alternative answers could not be told from wrong
+ones. The checker sees the program's output only as data, as a contest's does.
 """
 
 from __future__ import annotations
 
+import functools
 import marshal
 import math
 import re
@@ -61,6 +72,10 @@ _SPACES = re.compile(r"[ \t\n\r\v\f]+")
 # long run of digits that ends in a letter (32,000 digits: ~30 s), and the program chooses its tokens.
 _NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _FLOAT_SLACK = 16   # output bytes allowed per number of the expected output that is compared within a tolerance
+DEFAULT_CHECKER_TIMEOUT_S = 5.0
+CHECKER_FILES = ("input.txt", "correct_output.txt", "solution_output.txt")
+_CHECKER_OUTPUT_CAP = 4096   # a verdict is a word or a number; a checker printing more has not given one
+_ACCEPT_WORDS = {"ok", "accepted", "ac", "yes", "correct", "pass", "passed", "true"}
 
 
 def _text(value) -> Optional[str]:
@@ -103,31 +118,61 @@ def get_cases(row: dict, tests_field: str = "tests") -> Optional[list[tuple[str,
     return out
 
 
+@functools.lru_cache(maxsize=1024)   # a row's checker comes back every epoch
+def _compiles(source: str) -> bool:
+    try:   # compiled, never run, here: the checker runs only in the sandbox
+        compile(source, "checker.py", "exec")
+        return True
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return False
+
+
+def row_checker(row: dict, checker_field: Optional[str]) -> tuple[bool, Optional[str]]:
+    """(usable, source) of the row's checker: (True, None) without one (no field, or null / empty there), (True,
+    source) for Python source that compiles, (False, None) for anything else (the row cannot be judged)."""
+    value = row.get(checker_field) if checker_field and isinstance(row, dict) else None
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return True, None
+    if isinstance(value, str) and _compiles(value):
+        return True, value
+    return False, None
+
+
 @dataclass(frozen=True)
 class CaseCounts:
     rows: int                 # rows looked at
     rows_without_cases: int   # rows the reward skips (no usable stdin/stdout cases)
     cases: int
+    checkers: int = 0         # rows with cases whose checker judges what is not the expected output
+    broken_checkers: int = 0  # rows with cases skipped because their checker is not a Python program
 
     def describe(self, source: str = "the data") -> str:
-        line = (f"stdin/stdout cases in {source}: {self.cases} cases in {self.rows - self.rows_without_cases} rows, "
-                "all judged outside the sandbox")
+        judged = self.rows - self.rows_without_cases - self.broken_checkers
+        line = f"stdin/stdout cases in {source}: {self.cases} cases in {judged} rows, all judged outside the sandbox"
+        if self.checkers:
+            line += f" ({self.checkers} rows by their checker, in a sandbox of its own)"
         if self.rows_without_cases:
             line += f"; {self.rows_without_cases} rows without usable cases (skipped, not scored)"
+        if self.broken_checkers:
+            line += f"; {self.broken_checkers} rows whose checker is not a Python program (skipped, not scored)"
         return line
 
 
-def count_cases(rows: Iterable[dict], tests_field: str = "tests") -> CaseCounts:
+def count_cases(rows: Iterable[dict], tests_field: str = "tests", checker_field: Optional[str] = None) -> CaseCounts:
     """The cases of `rows`, and how many rows have none the reward can run (for `lowmem-grpo validate`)."""
-    n = missing = cases = 0
+    n = missing = cases = checkers = broken = 0
     for row in rows:
         n += 1
         found = get_cases(row, tests_field)
+        usable, checker = row_checker(row, checker_field)
         if found is None:
             missing += 1
+        elif not usable:
+            broken += 1
         else:
             cases += len(found)
-    return CaseCounts(n, missing, cases)
+            checkers += checker is not None
+    return CaseCounts(n, missing, cases, checkers, broken)
 
 
 def _lines(text: str) -> list[str]:
@@ -180,23 +225,71 @@ def _stdin(text: str) -> str:
     return text + "\n" if text and not text.endswith("\n") else text
 
 
+# The checker's program: its three files written from the job on stdin, then its source run as checker.py would
+# run (its own __main__ namespace, argv naming the files, the input on stdin).
+_CHECKER_MAIN = '''import marshal as _marshal, sys as _sys
+for _name, _data in zip(%(files)r, _marshal.loads(_sys.stdin.buffer.read())):
+    with open(_name, "wb") as _f:
+        _f.write(_data)
+_sys.argv = ["checker.py", *%(files)r]
+_sys.stdin = open(%(files)r[0])
+exec(compile(%%r, "checker.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+''' % {"files": CHECKER_FILES}
+
+
+def checker_program(source: str) -> str:
+    return _CHECKER_MAIN % source
+
+
+def checker_job(stdin: str, expected: str, got: str) -> bytes:
+    """The checker's stdin: the case's input (as the program had it), the expected output, the program's."""
+    return marshal.dumps(tuple(t.encode("utf-8", "surrogatepass") for t in (_stdin(stdin), expected, got)))
+
+
+def checker_accepts(exit_status: Optional[int], stdout: str) -> bool:
+    """A checker's verdict (module docstring): exit 0 and silence, a word of acceptance, or a score of 1."""
+    if exit_status != 0:
+        return False
+    words = stdout.split(maxsplit=1)
+    if not words:
+        return True
+    first = words[0]
+    if _NUMBER.fullmatch(first):
+        return float(first) == 1.0
+    return first.strip(".!:;,").lower() in _ACCEPT_WORDS
+
+
+def _needs_checker(got: str, expected: str) -> bool:
+    # the expected output token for token needs no judge (and saves the checker's sandbox)
+    return not outputs_match(got, expected, 0.0)
+
+
 def run_cases_separately(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
-                         float_tolerance: float = DEFAULT_FLOAT_TOLERANCE,
-                         limits: Optional[SandboxLimits] = None) -> list[bool]:
-    """Run `code` as its own sandboxed program once per case, the case's input on stdin; one bool per case. The
-    plain reference that `run_cases` is checked against (tests/test_rewards_code_io.py); ~0.1 s of sandbox
-    start-up a case."""
+                         float_tolerance: float = DEFAULT_FLOAT_TOLERANCE, limits: Optional[SandboxLimits] = None,
+                         checker: Optional[str] = None,
+                         checker_timeout: float = DEFAULT_CHECKER_TIMEOUT_S) -> list[bool]:
+    """Run `code` as its own sandboxed program once per case, the case's input on stdin (and `checker`, where
+    given, as one more program per output to judge); one bool per case. The plain reference that `run_cases` is
+    checked against (tests/test_rewards_code_io.py); ~0.1 s of sandbox start-up a case."""
     lim = limits or SandboxLimits()
-    passed = []
-    for stdin, expected in cases:
-        cap = _output_cap(expected, float_tolerance)
-        result = run_python(_EXIT_BUILTINS + code, timeout, stdin=_stdin(stdin),
+
+    def run(program, seconds, stdin, cap):
+        result = run_python(_EXIT_BUILTINS + program, seconds, stdin=stdin,
                             limits=SandboxLimits.of(lim, max_output_bytes=cap))
         if result.killed_reason == "sandbox_error":
             raise SandboxError(f"the sandbox could not be set up: {result.error}")
         # Output past the cap (stdout_truncated) is never judged on the part that was kept: it has failed.
-        passed.append(result.ok and not result.stdout_truncated
-                      and outputs_match(result.stdout, expected, float_tolerance))
+        return result.ok and not result.stdout_truncated, result
+
+    passed = []
+    for stdin, expected in cases:
+        ok, result = run(code, timeout, _stdin(stdin), _output_cap(expected, float_tolerance))
+        if ok and checker is not None and _needs_checker(result.stdout, expected):
+            ok, verdict = run(checker_program(checker), checker_timeout, checker_job(stdin, expected, result.stdout),
+                              _CHECKER_OUTPUT_CAP)
+            passed.append(ok and checker_accepts(verdict.returncode, verdict.stdout))
+        else:
+            passed.append(ok and outputs_match(result.stdout, expected, float_tolerance if checker is None else 0.0))
     return passed
 
 
@@ -483,19 +576,16 @@ main()
 _IO_GRACE_S = 0.5   # per case, for the fork and the relaying, past the program's own limit
 
 
-def run_cases(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
-              float_tolerance: float = DEFAULT_FLOAT_TOLERANCE, limits: Optional[SandboxLimits] = None,
-              allow_weak_sandbox: bool = False) -> list[bool]:
-    """Run `code` on every case in one sandboxed program (_IO_HARNESS), each case in a fresh fork with its input
-    on stdin; one bool per case, judged here on the output it relays. Same verdicts as `run_cases_separately`."""
-    caps = [_output_cap(expected, float_tolerance) for _, expected in cases]
+def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limits: SandboxLimits,
+           allow_weak_sandbox: bool) -> dict:
+    """Run `code` once per input in one sandboxed program (_IO_HARNESS), each run in a fresh fork with its input on
+    stdin: {index: (verdict, stdout)} for the runs it reported, the verdict "exit:N", "signal:N", "timeout" or
+    "over" (past its cap)."""
     nonce = secrets.token_hex(16)
-    job = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": caps,
-                         "inputs": [_stdin(stdin).encode("utf-8", "surrogatepass") for stdin, _ in cases]})
+    job = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": caps, "inputs": inputs})
     room = sum(2 * cap + 64 for cap in caps) + 4096   # hex doubles each output
-    lim = limits or SandboxLimits()
-    result = run_python(_IO_HARNESS, len(cases) * (float(timeout) + _IO_GRACE_S) + 2.0, stdin=job,
-                        limits=SandboxLimits.of(lim, max_output_bytes=max(room, lim.max_output_bytes)))
+    result = run_python(_IO_HARNESS, len(inputs) * (float(timeout) + _IO_GRACE_S) + 2.0, stdin=job,
+                        limits=SandboxLimits.of(limits, max_output_bytes=max(room, limits.max_output_bytes)))
     if result.killed_reason == "sandbox_error":
         raise SandboxError(f"the sandbox could not be set up: {result.error}")
     outputs: dict = {}
@@ -506,7 +596,7 @@ def run_cases(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAU
             continue
         if words[1] == "ready":
             private = words[2] == "1"
-        elif len(words) == 4 and words[1].isdigit() and int(words[1]) < len(cases) and int(words[1]) not in outputs:
+        elif len(words) == 4 and words[1].isdigit() and int(words[1]) < len(inputs) and int(words[1]) not in outputs:
             try:
                 outputs[int(words[1])] = (words[2], bytes.fromhex(words[3]).decode("utf-8", "replace"))
             except ValueError:
@@ -515,26 +605,63 @@ def run_cases(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAU
         raise SandboxError("code_io reward: the harness could not make itself non-dumpable (PR_SET_DUMPABLE) or its "
                            "cases' subreaper (PR_SET_CHILD_SUBREAPER), so a program could reach its descriptors or "
                            "outlive its case; set allow_weak_sandbox: true to accept that explicitly (docs/sandbox.md)")
-    return [i in outputs and outputs[i][0] == "exit:0"
-            and outputs_match(outputs[i][1], expected, float_tolerance) for i, (_, expected) in enumerate(cases)]
+    return outputs
+
+
+def run_cases(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
+              float_tolerance: float = DEFAULT_FLOAT_TOLERANCE, limits: Optional[SandboxLimits] = None,
+              allow_weak_sandbox: bool = False, checker: Optional[str] = None,
+              checker_timeout: float = DEFAULT_CHECKER_TIMEOUT_S) -> list[bool]:
+    """Run `code` on every case in one sandboxed program, each case in a fresh fork with its input on stdin; one
+    bool per case, judged here on the output it relays, or by `checker` (run_checks) where given and the output is
+    not the expected one. Same verdicts as `run_cases_separately`."""
+    lim = limits or SandboxLimits()
+    outputs = _relay(code, [_stdin(stdin).encode("utf-8", "surrogatepass") for stdin, _ in cases],
+                     [_output_cap(expected, float_tolerance) for _, expected in cases], timeout, lim, allow_weak_sandbox)
+    ran = {i: got for i, (verdict, got) in outputs.items() if verdict == "exit:0"}
+    if checker is None:
+        return [i in ran and outputs_match(ran[i], expected, float_tolerance) for i, (_, expected) in enumerate(cases)]
+    judge = [i for i in ran if _needs_checker(ran[i], cases[i][1])]
+    accepted = run_checks(checker, [(*cases[i], ran[i]) for i in judge], timeout=checker_timeout, limits=lim,
+                          allow_weak_sandbox=allow_weak_sandbox)
+    verdicts = dict(zip(judge, accepted))
+    return [i in ran and verdicts.get(i, True) for i in range(len(cases))]
+
+
+def run_checks(checker: str, outputs: list[tuple[str, str, str]], *, timeout: float = DEFAULT_CHECKER_TIMEOUT_S,
+               limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> list[bool]:
+    """The checker's verdict on each (input, expected output, program's output), all in one sandboxed program of
+    their own (no model-written code runs there; the program's output is only a file it reads)."""
+    if not outputs:
+        return []
+    reports = _relay(checker_program(checker), [checker_job(*o) for o in outputs], [_CHECKER_OUTPUT_CAP] * len(outputs),
+                     timeout, limits or SandboxLimits(), allow_weak_sandbox)
+    return [i in reports and reports[i][0].startswith("exit:")
+            and checker_accepts(int(reports[i][0][5:]), reports[i][1]) for i in range(len(outputs))]
 
 
 def startup_report(*, allow_weak_sandbox: bool = False, tests_field: str = "tests", workers: int = DEFAULT_WORKERS,
                    timeout: float = DEFAULT_TEST_TIMEOUT_S, float_tolerance: float = DEFAULT_FLOAT_TOLERANCE,
-                   max_cases: Optional[int] = None, **sandbox_kwargs) -> list[str]:
+                   max_cases: Optional[int] = None, checker_field: Optional[str] = None,
+                   checker_timeout: float = DEFAULT_CHECKER_TIMEOUT_S, **sandbox_kwargs) -> list[str]:
     """When loaded from a recipe: the sandbox's line to log; raises SandboxError where isolation is missing."""
     return [sandbox_check(SandboxLimits.of(**sandbox_kwargs), allow_weak_sandbox)]
 
 
 def _score_all(completions, rows, *, binary: bool, tests_field: str, workers: int, timeout: float,
-               float_tolerance: float, max_cases: Optional[int], allow_weak_sandbox: bool, sandbox_kwargs: dict):
+               float_tolerance: float, max_cases: Optional[int], checker_field: Optional[str], checker_timeout: float,
+               allow_weak_sandbox: bool, sandbox_kwargs: dict):
     def cases(row):
         found = get_cases(row, tests_field)
-        return found[:max_cases] if found and max_cases else found
+        usable, checker = row_checker(row, checker_field)
+        if found is None or not usable:   # (a checker that cannot run cannot tell a right answer from a wrong one)
+            return None
+        return found[:max_cases] if max_cases else found, checker
 
-    def score(code, cases, limits):
+    def score(code, job, limits):
+        cases, checker = job
         passed = run_cases(code, cases, timeout=timeout, float_tolerance=float_tolerance, limits=limits,
-                           allow_weak_sandbox=allow_weak_sandbox)
+                           allow_weak_sandbox=allow_weak_sandbox, checker=checker, checker_timeout=checker_timeout)
         return float(all(passed)) if binary else sum(passed) / len(passed)
 
     return score_in_sandbox(completions, rows, name="code_io", cases=cases, score=score, workers=workers,
@@ -543,19 +670,24 @@ def _score_all(completions, rows, *, binary: bool, tests_field: str, workers: in
 
 def code_io_reward(completions, *, prompts=None, rows=None, tests_field: str = "tests", workers: int = DEFAULT_WORKERS,
                    timeout: float = DEFAULT_TEST_TIMEOUT_S, float_tolerance: float = DEFAULT_FLOAT_TOLERANCE,
-                   max_cases: Optional[int] = None, allow_weak_sandbox: bool = False, **sandbox_kwargs) -> list:
+                   max_cases: Optional[int] = None, checker_field: Optional[str] = None,
+                   checker_timeout: float = DEFAULT_CHECKER_TIMEOUT_S, allow_weak_sandbox: bool = False,
+                   **sandbox_kwargs) -> list:
     """Fraction of the row's stdin/stdout cases the completion's program gets right; None when the row has no
     usable cases. Other keyword arguments are SandboxLimits fields (memory_mb, max_procs, ...)."""
     return _score_all(completions, rows, binary=False, tests_field=tests_field, workers=workers, timeout=timeout,
-                      float_tolerance=float_tolerance, max_cases=max_cases, allow_weak_sandbox=allow_weak_sandbox,
+                      float_tolerance=float_tolerance, max_cases=max_cases, checker_field=checker_field,
+                      checker_timeout=checker_timeout, allow_weak_sandbox=allow_weak_sandbox,
                       sandbox_kwargs=sandbox_kwargs)
 
 
 def code_io_binary_reward(completions, *, prompts=None, rows=None, tests_field: str = "tests",
                           workers: int = DEFAULT_WORKERS, timeout: float = DEFAULT_TEST_TIMEOUT_S,
                           float_tolerance: float = DEFAULT_FLOAT_TOLERANCE, max_cases: Optional[int] = None,
+                          checker_field: Optional[str] = None, checker_timeout: float = DEFAULT_CHECKER_TIMEOUT_S,
                           allow_weak_sandbox: bool = False, **sandbox_kwargs) -> list:
     """1.0 when the completion's program gets every case of the row right, else 0.0; None without usable cases."""
     return _score_all(completions, rows, binary=True, tests_field=tests_field, workers=workers, timeout=timeout,
-                      float_tolerance=float_tolerance, max_cases=max_cases, allow_weak_sandbox=allow_weak_sandbox,
+                      float_tolerance=float_tolerance, max_cases=max_cases, checker_field=checker_field,
+                      checker_timeout=checker_timeout, allow_weak_sandbox=allow_weak_sandbox,
                       sandbox_kwargs=sandbox_kwargs)

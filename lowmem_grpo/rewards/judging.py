@@ -13,11 +13,13 @@ def judging_notes(r, rows: int = 1000) -> list:
     cases, and the rows they would skip), one line per file and tests field;
     `lowmem-grpo validate` prints them and the trainer logs them at start-up. Hub splits are not fetched."""
 
-    def fields(names) -> list:
-        return sorted({str(f.kwargs.get("tests_field", "tests")) for f in r.rewards.functions if f.function in names})
+    def fields(names) -> list:   # (tests field, checker field) pairs, each counted once
+        return sorted({(str(f.kwargs.get("tests_field", "tests")), f.kwargs.get("checker_field"))
+                       for f in r.rewards.functions if f.function in names}, key=str)
 
-    counters = [(field, code.count_judging) for field in fields(("code", "code_binary"))]
-    counters += [(field, code_io.count_cases) for field in fields(("code_io", "code_io_binary"))]
+    counters = [(field, code.count_judging) for field, _ in fields(("code", "code_binary"))]
+    counters += [(field, lambda rows, field, checker=checker: code_io.count_cases(rows, field, checker))
+                 for field, checker in fields(("code_io", "code_io_binary"))]
     if not counters:
         return []
     from ..hub import is_hub

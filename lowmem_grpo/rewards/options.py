@@ -109,6 +109,13 @@ class CodeIOOptions(_SandboxedOptions):
                                    "exponent; 0: tokens must be equal.")
     max_cases: Optional[int] = Field(None, ge=1, description="Run at most this many of a row's cases (the first "
                                      "ones); null: all.")
+    checker_field: Optional[str] = Field(
+        None, description="Row field holding the problem's checker (a special judge, Python source; null or empty in "
+        "a row: the plain comparison), run in a sandbox of its own on each output that is not the expected one: "
+        "`checker.py input.txt correct_output.txt solution_output.txt`, accepting by exit 0 with no output, 'ok' / "
+        "'accepted' / 'yes' ..., or a score of 1 (rewards/code_io.py); null: no checker.")
+    checker_timeout: float = Field(_code_io.DEFAULT_CHECKER_TIMEOUT_S, gt=0,
+                                   description="Seconds allowed for one run of the checker.")
 
     @field_validator("float_tolerance")
     @classmethod
