@@ -349,8 +349,8 @@ def test_the_recipe_path_validates_options_and_scores(tiny_model_dir, tiny_data,
 
 
 def test_validate_counts_the_cases_and_the_rows_that_would_be_skipped(tmp_path):
-    """`lowmem-grpo validate` reads the local data's cases as the reward will: a row without usable stdin/stdout
-    cases (here a call-based APPS row and an empty CodeContests field) is skipped in training, said before it."""
+    """`lowmem-grpo validate` reads the local data's cases as the reward will: a row without usable cases (here an
+    empty CodeContests field) or whose checker cannot run is skipped in training, said before it."""
     import subprocess
     import sys
 
@@ -370,9 +370,9 @@ def test_validate_counts_the_cases_and_the_rows_that_would_be_skipped(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lowmem_grpo", "validate", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert (f"stdin/stdout cases in {data}: 6 cases in 2 rows, all judged outside the sandbox (1 rows by their "
-            "checker, in a sandbox of its own); 2 rows without usable cases (skipped, not scored); 1 rows whose "
-            "checker is not a Python program (skipped, not scored)") in out.stdout, out.stdout
+    assert (f"stdin/stdout cases in {data}: 7 cases in 3 rows, all judged outside the sandbox (1 rows of function "
+            "calls; 1 rows by their checker, in a sandbox of its own); 1 rows without usable cases (skipped, not "
+            "scored); 1 rows whose checker is not a Python program (skipped, not scored)") in out.stdout, out.stdout
 
 
 # -- checkers (special judges) ----------------------------------------------------------------------------
@@ -499,3 +499,128 @@ def test_rows_with_a_checker_are_scored_by_it_and_rows_whose_checker_cannot_run_
                                     "program (skipped, not scored)")
     assert not option_problems("code_io", {"checker_field": "generated_checker", "checker_timeout": 2.0})
     assert [k for k, _ in option_problems("code_io_binary", {"checker_timeout": 0})] == ["checker_timeout"]
+
+
+# -- function-call problems -------------------------------------------------------------------------------
+
+APPS_CALLS = {"fn_name": "two_sum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6], [[3, 3], 6]],
+              "outputs": [[[0, 1]], [[1, 2]], [0, 1]]}   # APPS/TACO wrap a return value in a list, mostly
+LCB_CASES = [{"input": "[2,7,11,15]\n9", "output": "[0, 1]", "testtype": "functional"},
+             {"input": "[3,2,4]\n6", "output": "[1,2]", "testtype": "functional"}]
+LCB_ROW = {"tests": json.dumps(LCB_CASES), "metadata": json.dumps({"func_name": "twoSum"})}
+
+
+def test_function_call_cases_are_read_from_apps_taco_and_livecodebench_rows():
+    calls = code_io.get_calls({"tests": json.dumps(APPS_CALLS)})
+    assert calls == code_io.Calls("two_sum", (([[2, 7, 11, 15], 9], [[0, 1]]), ([[3, 2, 4], 6], [[1, 2]]),
+                                              ([[3, 3], 6], [0, 1])), unwrap=True)
+    assert code_io.get_calls({"tests": {"test_cases": APPS_CALLS}}) == calls
+    assert code_io.get_calls(LCB_ROW) == code_io.Calls("twoSum", (([[2, 7, 11, 15], 9], [0, 1]), ([[3, 2, 4], 6],
+                                                                                                  [1, 2])), False)
+    assert get_cases(LCB_ROW) is None and get_cases({"tests": APPS_CALLS}) is None   # not stdin
+
+
+@pytest.mark.parametrize("row", [
+    {"tests": {"fn_name": "f", "inputs": [[1]], "outputs": []}},                   # lengths differ
+    {"tests": {"fn_name": "f", "inputs": [1], "outputs": [1]}},                    # arguments not a list
+    {"tests": {"fn_name": "f x", "inputs": [[1]], "outputs": [1]}},                # not a name
+    {"tests": {"fn_name": "__import__('os').f", "inputs": [[1]], "outputs": [1]}},
+    {"tests": {"fn_name": "f", "inputs": [], "outputs": []}},                      # no case
+    {"tests": '{"fn_name": "f", "inputs": [[NaN]], "outputs": [1]}'},              # not a literal
+    {"tests": LCB_CASES},                                                          # no metadata.func_name
+    {"tests": [{"input": "[1", "output": "1", "testtype": "functional"}], "metadata": {"func_name": "f"}},
+    {"tests": LCB_CASES + [{"input": "1\n", "output": "1\n", "testtype": "stdin"}], "metadata": {"func_name": "f"}},
+    {"tests": [{"type": "function_call", "fn_name": "f", "input": [1], "output": [1]}]},   # a shape not known
+])
+def test_function_call_cases_that_cannot_be_judged_are_none(row):
+    assert code_io.get_calls(row) is None
+
+
+@pytest.mark.parametrize("value, expected, unwrap, match", [
+    ([0, 1], [0, 1], False, True), ((0, 1), [0, 1], False, True), ([(1, 2), (3,)], [[1, 2], [3]], False, True),
+    ({"a": (1,)}, {"a": [1]}, False, True), (5, 5, False, True), ("x", "x", False, True), (None, None, False, True),
+    (5, [5], True, True), (5, [5], False, False), ([0, 1], [[0, 1]], True, True), ([0, 1], [[0, 1]], False, False),
+    (0, [0, 1], True, False), (5, [[5]], True, False), ([1, 0], [0, 1], False, False), (1.5, 1.5, False, True),
+    ("5", 5, False, False),
+])
+def test_a_returned_value_matches_as_json_would_carry_it(value, expected, unwrap, match):
+    assert code_io.returns_match(value, expected, unwrap) is match
+
+
+CALL_PROGRAMS = {
+    "function": ("def two_sum(nums, t):\n    seen = {}\n    for i, x in enumerate(nums):\n        if t - x in seen:\n"
+                 "            return [seen[t - x], i]\n        seen[x] = i"),
+    "returns a tuple": "def two_sum(nums, t):\n    return next((i, j) for j in range(len(nums)) for i in range(j) "
+                       "if nums[i] + nums[j] == t)",
+    "class Solution": ("class Solution:\n    def two_sum(self, nums, t):\n        return next([i, j] for j in "
+                       "range(len(nums)) for i in range(j) if nums[i] + nums[j] == t)"),
+    "wrong": "def two_sum(nums, t):\n    return [0, 1]",
+    "raises on one": "def two_sum(nums, t):\n    assert len(nums) != 3\n    return [0, 1]",
+    "loops on one": "def two_sum(nums, t):\n    while len(nums) == 3:\n        pass\n    return [0, 1]",
+    "main guard reads stdin": ("import sys\ndef two_sum(nums, t):\n    return [0, 1]\nif __name__ == '__main__':\n"
+                               "    sys.stdin.read()"),
+    "misnamed": "def twosum(nums, t):\n    return [0, 1]",
+    "syntax error": "def two_sum(:",
+}
+
+
+def _called_in_process(program: str, calls) -> list[bool]:
+    """The plain reference for the test's own (trusted) programs: run here, call, compare."""
+    namespace: dict = {"__name__": "__solution__"}
+    try:
+        exec(compile(program, "<p>", "exec"), namespace)
+        f = (getattr(namespace["Solution"](), calls.fn_name) if "Solution" in namespace
+             else namespace.get(calls.fn_name))
+    except SyntaxError:
+        return [False] * len(calls.cases)
+    passed = []
+    for args, out in calls.cases:
+        try:
+            passed.append(f is not None and code_io.returns_match(f(*args), out, calls.unwrap))
+        except Exception:
+            passed.append(False)
+    return passed
+
+
+def test_function_calls_are_judged_outside_as_a_plain_in_process_call_judges_them():
+    calls = code_io.get_calls({"tests": APPS_CALLS})
+    for name, program in CALL_PROGRAMS.items():
+        expected = ([True, False, True] if name == "loops on one" else   # (the loop would hang the reference)
+                    _called_in_process(program, calls))
+        assert code_io.run_calls(program, calls, timeout=1.0) == expected, name
+    assert code_io.run_calls(CALL_PROGRAMS["returns a tuple"], calls) == [True] * 3   # (not all failures)
+    assert code_io.run_calls(CALL_PROGRAMS["raises on one"], calls) == [True, False, True]
+
+
+def test_a_call_returning_what_is_not_plain_data_fails_and_the_expected_value_stays_out(monkeypatch):
+    seen = []
+    real = code_io.run_tests.__globals__["run_python"]
+    monkeypatch.setitem(code_io.run_tests.__globals__, "run_python",
+                        lambda *a, **k: seen.append(repr(marshal.loads(k["stdin"]))) or real(*a, **k))
+    always = ("class Eq(list):\n    def __eq__(self, other):\n        return True\n"
+              "def two_sum(nums, t):\n    return Eq()")
+    rows = [{"tests": {"fn_name": "two_sum", "inputs": [[[5, 8], 13]], "outputs": [[[424242, 737373]]]}}]
+    assert code_io_reward(["```python\n" + always + "\n```"], rows=rows) == [0.0]
+    assert seen and "[5, 8]" in seen[0] and "424242" not in "".join(seen)
+
+
+def test_function_call_rows_are_scored_and_counted():
+    lcb_solution = ("```python\nclass Solution:\n    def twoSum(self, nums, t):\n        return next([i, j] for j in "
+                    "range(len(nums)) for i in range(j) if nums[i] + nums[j] == t)\n```")
+    assert code_io_reward([lcb_solution, "```python\nprint(1)\n```"], rows=[LCB_ROW] * 2) == [1.0, 0.0]
+    assert code_io_binary_reward([lcb_solution], rows=[{"tests": APPS_CALLS}], max_cases=1) == [0.0]   # misnamed
+    counts = code_io.count_cases([LCB_ROW, {"tests": APPS_CALLS}, {"tests": CASES}, {"tests": {}}])
+    assert counts.describe("d") == ("stdin/stdout cases in d: 8 cases in 3 rows, all judged outside the sandbox "
+                                    "(2 rows of function calls); 1 rows without usable cases (skipped, not scored)")
+
+
+def test_function_calls_refuse_a_reporter_whose_pipe_the_program_could_reach(monkeypatch):
+    from dataclasses import replace
+
+    from lowmem_grpo.rewards.sandbox import SandboxError
+    real = code_io.run_tests
+    monkeypatch.setattr(code_io, "run_tests", lambda *a, **k: replace(real(*a, **k), channel_private=False))
+    calls = code_io.get_calls({"tests": APPS_CALLS})
+    with pytest.raises(SandboxError, match="code_io reward: .*allow_weak_sandbox"):
+        code_io.run_calls(CALL_PROGRAMS["function"], calls)
+    assert code_io.run_calls(CALL_PROGRAMS["function"], calls, allow_weak_sandbox=True) == [True] * 3

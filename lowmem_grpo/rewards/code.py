@@ -408,6 +408,7 @@ class Judging:
     expected: Any = None
     literal_first: bool = False
     around: Optional[tuple] = None   # (c, c_first): the side was abs(src - c) (abs(c - src)), taken by the trainer
+    matches: Optional[Any] = None    # in place of `op`: matches(value, expected) -> bool (code_io's function calls)
 
     @property
     def outside(self) -> bool:
@@ -623,7 +624,10 @@ def judge_value(j: Judging, text: str) -> tuple[bool, str]:
         if j.around is not None:   # abs(<value> - c): computed here, on plain data
             c, c_first = j.around
             value = abs(c - value) if c_first else abs(value - c)
-        ok = bool(_OPS[j.op](*((j.expected, value) if j.literal_first else (value, j.expected))))
+        if j.matches is not None:
+            ok = bool(j.matches(value, j.expected))
+        else:
+            ok = bool(_OPS[j.op](*((j.expected, value) if j.literal_first else (value, j.expected))))
     except (TypeError, ValueError, RecursionError, ArithmeticError, MemoryError) as exc:
         return False, type(exc).__name__
     return ok, "" if ok else "AssertionError"
@@ -702,9 +706,10 @@ def get_tests(row: dict, tests_field: str = "tests") -> Optional[list]:
     return list(tests)
 
 
-def run_tests(code: str, tests: Sequence[str], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
+def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
               total_timeout: Optional[float] = None, limits: Optional[SandboxLimits] = None) -> SuiteRun:
-    """Run `code`, then each of `tests`, in one sandboxed program; report which tests passed.
+    """Run `code`, then each of `tests` (sources, or how each is judged: a Judging), in one sandboxed program;
+    report which tests passed.
 
     timeout: seconds allowed for the solution's top level and for each test (SIGALRM inside the program;
         the reporter gives up on the solver 0.5 s later).
@@ -714,7 +719,7 @@ def run_tests(code: str, tests: Sequence[str], *, timeout: float = DEFAULT_TEST_
     limits: the sandbox's limits (memory_mb, max_procs, namespaces, ...); default SandboxLimits().
     """
     tests = list(tests)
-    plans = [judging(t) for t in tests]
+    plans = [t if isinstance(t, Judging) else judging(t) for t in tests]
     nonce = secrets.token_hex(16)
     job = marshal.dumps({"nonce": nonce, "solution": code, "timeout": float(timeout),
                          "tests": [{"kind": p.kind, "src": p.src} for p in plans]})
@@ -820,14 +825,20 @@ def score_in_sandbox(completions, rows, *, name: str, cases, score, workers: int
     return scores
 
 
+def private_run(run: SuiteRun, allow_weak_sandbox: bool, name: str) -> SuiteRun:
+    """`run`, once sure its reporter held its pipe out of the solution's reach (or weak isolation is accepted)."""
+    if not run.channel_private and not allow_weak_sandbox and run.sandbox.stdout:
+        raise SandboxError(f"{name} reward: the harness could not make its reporting process non-dumpable "
+                           "(PR_SET_DUMPABLE), so the solution could reach its pipe; set allow_weak_sandbox: "
+                           "true to accept that explicitly (docs/sandbox.md)")
+    return run
+
+
 def _score_all(completions, rows, *, tests_field, binary, workers, timeout, total_timeout, allow_weak_sandbox,
                sandbox_kwargs):
     def score(code, tests, limits):
-        run = run_tests(code, tests, timeout=timeout, total_timeout=total_timeout, limits=limits)
-        if not run.channel_private and not allow_weak_sandbox and run.sandbox.stdout:
-            raise SandboxError("code reward: the harness could not make its reporting process non-dumpable "
-                               "(PR_SET_DUMPABLE), so the solution could reach its pipe; set allow_weak_sandbox: "
-                               "true to accept that explicitly (docs/sandbox.md)")
+        run = private_run(run_tests(code, tests, timeout=timeout, total_timeout=total_timeout, limits=limits),
+                          allow_weak_sandbox, "code")
         return float(all(run.passed)) if binary else run.fraction
 
     return score_in_sandbox(completions, rows, name="code", cases=lambda row: get_tests(row, tests_field), score=score,

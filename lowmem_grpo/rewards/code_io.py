@@ -14,10 +14,22 @@ of one):
     {"test_cases": [...]}                        the list above inside a wrapper (`verification_info`)
 
 An input or output is text (a list of lines is joined); an input without a final newline is given one, as
-contest input files end. A row whose cases are missing, empty or of another kind (a case whose `"type"` or
-`"testtype"` is not stdin/stdout, e.g. "function_call", "functional"; APPS/TACO's call-based problems with a
-`fn_name`; LiveCodeBench's compressed `private_test_cases`, which are never unpickled) cannot be scored: None
-(skip), never 0.
+contest input files end. A row whose cases are missing, empty or of another kind (a case whose `"type"` is
+"function_call"; LiveCodeBench's compressed `private_test_cases`, which are never unpickled) cannot be scored:
+None (skip), never 0.
+
+Function-call problems (LeetCode style) are judged by calling the function (`get_calls`):
+
+    {"fn_name": "f", "inputs": [[arg, ...], ...], "outputs": [value or [value], ...]}      APPS, TACO
+    [{"input": "<one JSON value per line>", "output": "<JSON>", "testtype": "functional"}]  LiveCodeBench, with
+                                                                                            the row's `metadata`
+                                                                                            {"func_name": ...}
+
+The program's top level runs once, then each case's call, `Solution().f(*args)` where the program defines a
+class Solution, else `f(*args)`, each under `timeout`; only the arguments enter the sandbox, the return value
+comes back as plain data (rewards/code.py, "judged outside") and matches here when it equals the expected one
+with tuples read as lists (as JSON carries them), or, for APPS/TACO, the one element of an expected output they
+store wrapped in a list (as their own judge accepts).
 
 A case passes when the program exits 0 within `timeout` and its output matches: the same lines once trailing
 spaces and trailing blank lines are dropped, or else the same tokens, where whitespace is ASCII's only (space,
@@ -48,6 +60,7 @@ ones. The checker sees the program's output only as data, as a contest's does.
 from __future__ import annotations
 
 import functools
+import json
 import marshal
 import math
 import re
@@ -55,7 +68,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .code import DEFAULT_TEST_TIMEOUT_S, DEFAULT_WORKERS, HARNESS_COMMON, field_value, sandbox_check, score_in_sandbox
+from .code import (DEFAULT_TEST_TIMEOUT_S, DEFAULT_WORKERS, HARNESS_COMMON, Judging, field_value, private_run,
+                   run_tests, sandbox_check, score_in_sandbox)
 from .sandbox import SandboxError, SandboxLimits, run_python
 
 DEFAULT_FLOAT_TOLERANCE = 1e-6
@@ -118,6 +132,101 @@ def get_cases(row: dict, tests_field: str = "tests") -> Optional[list[tuple[str,
     return out
 
 
+@dataclass(frozen=True)
+class Calls:
+    """A function-call problem's cases: the function's name, (arguments, expected return value) per case."""
+    fn_name: str
+    cases: tuple
+    unwrap: bool   # APPS/TACO store a return value as [value]: the value alone matches too
+
+
+def _plain(value, depth: int = 0) -> bool:
+    """JSON's data with finite numbers, not too deep: what repr() writes as a literal the sandbox reads back."""
+    if depth > 100:
+        return False
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _json_lines(text) -> Optional[list]:
+    if not isinstance(text, str):
+        return None
+    try:
+        return [json.loads(line) for line in text.split("\n") if line.strip()]
+    except ValueError:
+        return None
+
+
+def _func_name(row: dict) -> Optional[str]:
+    meta = field_value(row, "metadata")   # LiveCodeBench: a JSON string {"func_name": ...}
+    return meta.get("func_name") if isinstance(meta, dict) else None
+
+
+def get_calls(row: dict, tests_field: str = "tests") -> Optional[Calls]:
+    """The row's function-call cases (module docstring), or None when it has none usable."""
+    cases = field_value(row, tests_field)
+    if isinstance(cases, dict) and "test_cases" in cases:
+        cases = cases["test_cases"]
+    if isinstance(cases, dict) and cases.get("fn_name"):   # APPS, TACO
+        name, inputs, outputs, unwrap = cases["fn_name"], cases.get("inputs"), cases.get("outputs"), True
+        if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+            return None
+    elif isinstance(cases, list) and cases and all(isinstance(c, dict) and c.get("testtype") == "functional"
+                                                     for c in cases):   # LiveCodeBench
+        name, unwrap = _func_name(row), False
+        inputs = [_json_lines(c.get("input")) for c in cases]
+        outputs = [_json_lines(c.get("output")) for c in cases]
+        if any(o is None or len(o) != 1 for o in outputs):
+            return None
+        outputs = [o[0] for o in outputs]
+    else:
+        return None
+    if not isinstance(name, str) or not name.isidentifier() or not inputs:
+        return None
+    if not all(isinstance(args, list) and _plain(args) and _plain(out) for args, out in zip(inputs, outputs)):
+        return None
+    return Calls(name, tuple(zip(inputs, outputs)), unwrap)
+
+
+def _as_json(value):
+    if isinstance(value, (list, tuple)):
+        return [_as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_json(v) for k, v in value.items()}
+    return value
+
+
+def returns_match(value, expected, unwrap: bool = False) -> bool:
+    """Whether a returned value (plain data, decoded) is the expected return value (module docstring)."""
+    got = _as_json(value)
+    return got == expected or (unwrap and isinstance(expected, list) and len(expected) == 1 and got == expected[0])
+
+
+_CLASS_SOLUTION = re.compile(r"^class\s+Solution\b", re.MULTILINE)
+
+
+def call_tests(code: str, calls: Calls) -> list[Judging]:
+    """Each case as a test judged outside: the call enters the sandbox, its value is compared here."""
+    callee = f"Solution().{calls.fn_name}" if _CLASS_SOLUTION.search(code) else calls.fn_name
+    match = functools.partial(returns_match, unwrap=calls.unwrap)
+    return [Judging("value", f"{callee}(*{args!r})", expected=out, matches=match) for args, out in calls.cases]
+
+
+def run_calls(code: str, calls: Calls, *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
+              limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> list[bool]:
+    """Run the program once, then each case's call, in one sandboxed program (rewards/code.py's); one bool per
+    case, judged here on the value it returns."""
+    return private_run(run_tests(code, call_tests(code, calls), timeout=timeout, limits=limits), allow_weak_sandbox,
+                       "code_io").passed
+
+
 @functools.lru_cache(maxsize=1024)   # a row's checker comes back every epoch
 def _compiles(source: str) -> bool:
     try:   # compiled, never run, here: the checker runs only in the sandbox
@@ -145,12 +254,15 @@ class CaseCounts:
     cases: int
     checkers: int = 0         # rows with cases whose checker judges what is not the expected output
     broken_checkers: int = 0  # rows with cases skipped because their checker is not a Python program
+    calls: int = 0            # rows of function-call cases
 
     def describe(self, source: str = "the data") -> str:
         judged = self.rows - self.rows_without_cases - self.broken_checkers
         line = f"stdin/stdout cases in {source}: {self.cases} cases in {judged} rows, all judged outside the sandbox"
-        if self.checkers:
-            line += f" ({self.checkers} rows by their checker, in a sandbox of its own)"
+        kinds = [f"{self.calls} rows of function calls"] if self.calls else []
+        kinds += [f"{self.checkers} rows by their checker, in a sandbox of its own"] if self.checkers else []
+        if kinds:
+            line += f" ({'; '.join(kinds)})"
         if self.rows_without_cases:
             line += f"; {self.rows_without_cases} rows without usable cases (skipped, not scored)"
         if self.broken_checkers:
@@ -160,19 +272,23 @@ class CaseCounts:
 
 def count_cases(rows: Iterable[dict], tests_field: str = "tests", checker_field: Optional[str] = None) -> CaseCounts:
     """The cases of `rows`, and how many rows have none the reward can run (for `lowmem-grpo validate`)."""
-    n = missing = cases = checkers = broken = 0
+    n = missing = cases = checkers = broken = calls = 0
     for row in rows:
         n += 1
         found = get_cases(row, tests_field)
         usable, checker = row_checker(row, checker_field)
-        if found is None:
+        called = get_calls(row, tests_field) if found is None else None
+        if called is not None:
+            calls += 1
+            cases += len(called.cases)
+        elif found is None:
             missing += 1
         elif not usable:
             broken += 1
         else:
             cases += len(found)
             checkers += checker is not None
-    return CaseCounts(n, missing, cases, checkers, broken)
+    return CaseCounts(n, missing, cases, checkers, broken, calls)
 
 
 def _lines(text: str) -> list[str]:
@@ -653,15 +769,20 @@ def _score_all(completions, rows, *, binary: bool, tests_field: str, workers: in
                allow_weak_sandbox: bool, sandbox_kwargs: dict):
     def cases(row):
         found = get_cases(row, tests_field)
+        if found is None:
+            calls = get_calls(row, tests_field)
+            return calls and Calls(calls.fn_name, calls.cases[:max_cases] if max_cases else calls.cases, calls.unwrap)
         usable, checker = row_checker(row, checker_field)
-        if found is None or not usable:   # (a checker that cannot run cannot tell a right answer from a wrong one)
+        if not usable:   # (a checker that cannot run cannot tell a right answer from a wrong one)
             return None
         return found[:max_cases] if max_cases else found, checker
 
     def score(code, job, limits):
-        cases, checker = job
-        passed = run_cases(code, cases, timeout=timeout, float_tolerance=float_tolerance, limits=limits,
-                           allow_weak_sandbox=allow_weak_sandbox, checker=checker, checker_timeout=checker_timeout)
+        if isinstance(job, Calls):
+            passed = run_calls(code, job, timeout=timeout, limits=limits, allow_weak_sandbox=allow_weak_sandbox)
+        else:
+            passed = run_cases(code, job[0], timeout=timeout, float_tolerance=float_tolerance, limits=limits,
+                               allow_weak_sandbox=allow_weak_sandbox, checker=job[1], checker_timeout=checker_timeout)
         return float(all(passed)) if binary else sum(passed) / len(passed)
 
     return score_in_sandbox(completions, rows, name="code_io", cases=cases, score=score, workers=workers,

@@ -102,7 +102,8 @@ class CodeIOOptions(_SandboxedOptions):
 
     tests_field: str = Field("tests", description="Row field holding the input/output cases: {inputs, outputs} or "
                              "{input, output} lists, a list of {input, output} mappings, {test_cases: [...]}, or a "
-                             "JSON string of one (rewards/code_io.py).")
+                             "JSON string of one; function-call cases: APPS/TACO's {fn_name, inputs, outputs}, "
+                             "LiveCodeBench's functional cases (rewards/code_io.py).")
     timeout: float = Field(_code.DEFAULT_TEST_TIMEOUT_S, gt=0, description="Seconds allowed for one run of the program on one case.")
     float_tolerance: float = Field(_code_io.DEFAULT_FLOAT_TOLERANCE, ge=0, description="Two numbers match within this "
                                    "(relative, or absolute below 1) where the expected one has a decimal point or an "
