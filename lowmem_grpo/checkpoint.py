@@ -108,6 +108,15 @@ def latest(run_dir) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def earlier_run(run_dir) -> Optional[str]:
+    """What of a run `run_dir` already holds ("checkpoints up to step-000040", "its metrics.jsonl"), or None: a
+    fresh run there would append to its metrics and resume or export from its checkpoints."""
+    last = latest(run_dir)
+    if last is not None:
+        return f"checkpoints up to {last.name}"
+    return "its metrics.jsonl" if (Path(run_dir) / "metrics.jsonl").is_file() else None
+
+
 def rng_states(saved: dict) -> list:
     """The RNG states of a loaded trainer state, one per process that wrote it (older checkpoints: one)."""
     return saved.get("rng_per_process") or [saved["rng"]]

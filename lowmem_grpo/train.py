@@ -145,6 +145,10 @@ class Trainer:
                                 f"{self.world.size} processes: each takes an equal share of a step's prompts; "
                                 f"use a multiple of {self.world.size}")
         self.run_dir = Path(run_dir or recipe.output.dir)
+        if not resume and (held := ckpt.earlier_run(self.run_dir)):
+            raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `lowmem-grpo train "
+                                f"--resume {self.run_dir}`, or train into another folder (--set output.dir=...), or "
+                                "delete that one")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(recipe.seed)
         start_ckpt = ckpt.latest(self.run_dir) if resume else None

@@ -17,14 +17,18 @@ is an ordinary run (`lowmem-grpo report`, `eval`, `export`). The reward function
 
 TRL's step counts are optimizer updates (num_iterations per generation batch; below 1, a share of the run), a step
 here is one generation batch: max_steps, save_steps, logging_steps and eval_steps are converted. `save_model` writes
-the tokenizer next to the adapter, as TRL's does.
+the tokenizer next to the adapter, as TRL's does. After train(), `state` (transformers' TrainerState: global_step,
+log_history) reads the run's metrics.jsonl, `model` is the trained policy, and `evaluate()` runs the project's own
+greedy eval (lowmem_grpo/evaluate.py) on the eval set, returning eval_-prefixed metrics; the run itself evaluates
+only where eval_strategy asks, as TRL's does. A 4-bit NF4 `quantization_config` is read (its nested quantization).
 
 What does not carry over is refused, naming it: a GRPOConfig setting with no equivalent here that the script
 sets to something other than TRL's default (among them a generation batch that TRL would split into several
 optimizer steps, push_to_hub, a report_to other than tensorboard or wandb), a model object (pass its id or
 folder: the base is loaded in 4-bit here), a reward model given by name or as a model object, a processing_class
-whose chat template differs from the model folder's (the trainer loads the folder's), a dataset column that is
-not JSON data, a dict of datasets, peft options other than r, alpha, dropout and target modules. Training is
+whose chat template (or vocabulary, or eos token) differs from the model folder's (the trainer loads the folder's),
+a dataset column that is not JSON data, a dict of datasets, peft options other than r, alpha, dropout and target
+modules, callbacks, an 8-bit or FP4 quantization_config, a fresh train() into an output_dir holding a run. Training is
 LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers). Resuming a run goes
 through the same script (its functions are not importable from the recipe file).
 """
@@ -66,11 +70,12 @@ TRL_DEFAULTS: dict[str, Any] = {
     "vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": 3.0,
     "generation_batch_size": None, "steps_per_generation": None, "chat_template_kwargs": None,
     "shuffle_dataset": True, "report_to": "none", "trust_remote_code": False,
-    "push_to_hub": False,
+    "push_to_hub": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
 }
 # Settings of earlier TRL (0.x) that 1.16's GRPOConfig dropped, still read from the scripts written for it: their
-# value when unset is this module's (no limit, as 1.16 has none)
-EARLIER_TRL: dict[str, Any] = {"max_prompt_length": None}
+# value when unset is this module's (no limit, as 1.16 has none). warmup_ratio is earlier transformers' (4.x; 5
+# dropped it for warmup_steps below 1), which the tutorials written for TRL 0.x set.
+EARLIER_TRL: dict[str, Any] = {"max_prompt_length": None, "warmup_ratio": None}
 # Settings that change nothing about training here (logging, hub, the dataloader, what TRL's own __post_init__
 # fills in): accepted whatever their value.
 IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", "report_to", "disable_tqdm",
@@ -80,7 +85,11 @@ IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", 
            "pad_to_multiple_of", "save_strategy", "overwrite_output_dir", "do_train", "do_eval", "use_cpu",
            "ddp_find_unused_parameters", "ddp_timeout", "save_only_model", "save_safetensors", "bf16_full_eval",
            "tf32", "gradient_checkpointing_kwargs", "model_init_kwargs", "cast_lm_head_to_fp32", "log_on_each_node",
-           "per_device_eval_batch_size", "num_generations_eval"}
+           "per_device_eval_batch_size", "num_generations_eval",
+           # transformers' Trainer does not read resume_from_checkpoint (it is for scripts: train()'s argument
+           # resumes); TRL's RepeatSampler draws with seed, not data_seed; with eval_strategy steps or epoch the run
+           # evaluates at step 0 anyway; vLLM always sleeps between rollouts on CUDA here (the README's table)
+           "resume_from_checkpoint", "data_seed", "eval_on_start", "vllm_enable_sleep_mode"}
 # TRL's loss_type -> (algorithm.aggregation, algorithm.clip)
 LOSS_TYPES = {"grpo": ("sequence_mean", "ratio"), "dapo": ("token_mean", "ratio"), "bnpo": ("token_mean", "ratio"),
               "dr_grpo": ("constant", "ratio"), "sapo": ("sequence_mean", "sapo"), "cispo": ("token_mean", "cispo")}
@@ -116,13 +125,17 @@ OPTIMIZERS = {"default_optim": "adamw", "adamw_torch": "adamw", "adamw_torch_fus
 class GRPOConfig:
     """TRL's GRPOConfig by its field names: what is given is kept, everything else is TRL's default."""
 
-    def __init__(self, **settings):
-        self._given = dict(settings)
-        for name, value in {**TRL_DEFAULTS, **settings}.items():
+    def __init__(self, output_dir: Optional[str] = None, **settings):
+        # output_dir may come first by position, as in TRL's own GRPOConfig(f"{model_name}-GRPO")
+        self._given = {**({"output_dir": output_dir} if output_dir is not None else {}), **settings}
+        for name, value in {**TRL_DEFAULTS, **self._given}.items():
             setattr(self, name, value)
 
     def given(self) -> dict:
-        return dict(self._given)
+        """The settings given, as they are now: a script that changes one after making the config
+        (args.max_steps = 10) means the new value, and one it adds is read (or refused) like the rest."""
+        now = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return {k: v for k, v in now.items() if k in self._given or k not in TRL_DEFAULTS or v != TRL_DEFAULTS[k]}
 
 
 def _given_settings(args) -> dict:
@@ -154,7 +167,7 @@ def _generation_batch(s: dict) -> int:
 
 
 def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs: list[dict],
-                    eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0) -> dict:
+                    eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0) -> dict:
     """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
     TRL's defaults standing in for the rest. Raises TRLCompatError naming each setting that cannot be carried over."""
     unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED)
@@ -201,6 +214,14 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     if s["push_to_hub"]:   # TRL uploads each save; here nothing would reach the hub
         problems.append("push_to_hub: not here; after trainer.save_model(), upload output_dir yourself "
                         "(huggingface_hub.upload_folder(repo_id=..., folder_path=output_dir))")
+    if s["vllm_mode"] != "colocate":   # (TRL reads it only with use_vllm; a script that sets it means to use it)
+        problems.append(f"vllm_mode: {s['vllm_mode']!r} is not here (a vLLM server in another process); use_vllm runs "
+                        "vLLM in the trainer's own process, on its modules (TRL's 'colocate'): drop vllm_mode or set "
+                        "it to 'colocate'")
+    if s["vllm_gpu_memory_utilization"] != TRL_DEFAULTS["vllm_gpu_memory_utilization"]:
+        problems.append(f"vllm_gpu_memory_utilization ({s['vllm_gpu_memory_utilization']}): vLLM's memory is not a "
+                        "share of the GPU here: it shares the trainer's weights, and its KV cache is a size in bytes "
+                        "(the recipe key generation.kv_cache_memory_bytes, 1 GiB by default); drop the setting")
     if not s["shuffle_dataset"]:
         problems.append("shuffle_dataset: false is not here (the prompts are drawn in seeded epochs)")
     if problems:
@@ -255,7 +276,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         "model": {"name_or_path": model, "compute_dtype": dtype, "gradient_checkpointing": s["gradient_checkpointing"],
                   "autocast": dtype == "bfloat16", "trust_remote_code": bool(s["trust_remote_code"])},
         "lora": lora or {},
-        "data": {"train_path": train_path, "eval_path": eval_path, "prompt_field": "prompt",
+        # eval_strategy "no" (TRL's default): the run evaluates nothing, as TRL's; trainer.evaluate() still can
+        "data": {"train_path": train_path, "eval_path": eval_path if s["eval_strategy"] != "no" else "",
+                 "prompt_field": "prompt",
                  # earlier TRL cut a longer prompt from the left; here it is an error naming it
                  "max_prompt_tokens": s["max_prompt_length"] or 32768,
                  **({"chat_template_kwargs": s["chat_template_kwargs"]} if s["chat_template_kwargs"] else {})},
@@ -267,12 +290,13 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         "algorithm": algorithm,
         "optimizer": {"name": OPTIMIZERS[str(s["optim"])], "lr": s["learning_rate"],
                       "schedule": SCHEDULES[s["lr_scheduler_type"]],
-                      "warmup_steps": math.ceil(updates * s["warmup_steps"]) if 0 < s["warmup_steps"] < 1
-                      else int(s["warmup_steps"]),   # transformers 5: below 1, a share of the run (was warmup_ratio)
+                      "warmup_steps": _warmup(s, updates),
                       "weight_decay": s["weight_decay"], "betas": [s["adam_beta1"], s["adam_beta2"]],
                       "max_grad_norm": s["max_grad_norm"]},
         "train": {"steps": steps, "prompts_per_step": prompts_per_step, "micro_batch_size": s["per_device_train_batch_size"],
-                  "eval_every": evaluate_every},
+                  "eval_every": evaluate_every,
+                  # TRL evaluates every row of eval_dataset (the recipe's default: the first 200)
+                  **({"eval_max_prompts": eval_rows} if eval_rows else {})},
         "output": {"dir": s["output_dir"] or "trainer_output", "save_every": every(s["save_steps"]),
                    "keep_last": s["save_total_limit"] or 1_000_000, "log_every": every(s["logging_steps"]),
                    "tensorboard": "auto" if "all" in report else "tensorboard" in report,
@@ -280,6 +304,16 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                    "wandb_project": (os.environ.get("WANDB_PROJECT") or "huggingface") if wandb else ""},
         "seed": s["seed"],
     }
+
+
+def _warmup(s: dict, updates: int) -> int:
+    """Warm-up updates: transformers 5 reads a warmup_steps below 1 as a share of the run; transformers 4's
+    warmup_ratio (a share) applies when warmup_steps is 0, as there."""
+    if 0 < s["warmup_steps"] < 1:
+        return math.ceil(updates * s["warmup_steps"])
+    if not s["warmup_steps"] and s["warmup_ratio"]:
+        return math.ceil(updates * s["warmup_ratio"])
+    return int(s["warmup_steps"])
 
 
 def _lora_section(peft_config, model: str) -> dict:
@@ -370,6 +404,19 @@ def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]
     return specs, None
 
 
+def _check_reward_processing_classes(classes, reward_funcs) -> None:
+    """TRL matches reward_processing_classes to reward_funcs one to one and ignores the entries of reward functions
+    (they are for reward models, refused here), so all of them are ignored here; a count that does not match is
+    TRL's error."""
+    if classes is None:
+        return
+    classes = classes if isinstance(classes, list) else [classes]
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if len(classes) != len(funcs):
+        raise TRLCompatError(f"reward_processing_classes: {len(classes)} for {len(funcs)} reward functions (TRL "
+                             "requires one per reward function; a function's entry is not used)")
+
+
 def _is_model(fn) -> bool:
     """A torch module (a loaded reward model): callable, but not with TRL's reward-function keywords."""
     torch = sys.modules.get("torch")
@@ -387,16 +434,98 @@ def _chat_template_problem(processing_class, model: str, trust_remote_code: bool
         return "its chat template"
     if len(given) != len(own):
         return f"its vocabulary ({len(given)} tokens, the folder's {len(own)})"
+    if getattr(given, "eos_token_id", None) != getattr(own, "eos_token_id", None):   # where generation stops
+        return f"its eos token ({given.eos_token!r}, the folder's {own.eos_token!r})"
     return None
 
 
 class TrainOutput(dict):
     """What train() returns: the trainer's summary (a dict) that also reads as transformers' TrainOutput:
-    .global_step (optimizer updates, as TRL counts them), .training_loss (the mean step loss), .metrics."""
+    .global_step (optimizer updates, as TRL counts them), .training_loss (the mean step loss), .metrics (the
+    summary with transformers' train_loss, train_runtime and epoch)."""
 
-    def __init__(self, summary: dict, global_step: int, training_loss: float):
+    def __init__(self, summary: dict, global_step: int, training_loss: float, runtime: float = 0.0,
+                 epoch: float = 0.0):
         super().__init__(summary)
-        self.global_step, self.training_loss, self.metrics = global_step, training_loss, dict(summary)
+        self.global_step, self.training_loss = global_step, training_loss
+        self.metrics = {**summary, "train_loss": training_loss, "train_runtime": runtime, "epoch": epoch}
+
+
+def _quantization(config, compute_dtype: str) -> dict:
+    """TRL's quantization_config (a transformers BitsAndBytesConfig, or its dict) as the recipe's model keys. The
+    base is always loaded in 4-bit NF4 here: a config asking for that carries its nested quantization over; 8-bit,
+    FP4 or another compute dtype than bf16/fp16 choose is refused."""
+    if config is None:
+        return {}
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    if get("load_in_8bit", False) or not get("load_in_4bit", False):
+        raise TRLCompatError("quantization_config: only 4-bit is here (the base is always loaded in 4-bit NF4): "
+                             "drop quantization_config, or pass BitsAndBytesConfig(load_in_4bit=True, "
+                             "bnb_4bit_quant_type='nf4')")
+    if get("bnb_4bit_quant_type", "fp4") != "nf4":   # (BitsAndBytesConfig's own default is fp4)
+        raise TRLCompatError(f"quantization_config: bnb_4bit_quant_type={get('bnb_4bit_quant_type', 'fp4')!r} is not "
+                             "here: the base is loaded in NF4; set bnb_4bit_quant_type='nf4'")
+    dtype = str(get("bnb_4bit_compute_dtype", None) or "float32").replace("torch.", "")
+    if dtype not in ("float32", compute_dtype):   # float32: BitsAndBytesConfig's default, not a choice
+        raise TRLCompatError(f"quantization_config: bnb_4bit_compute_dtype={dtype} differs from the compute dtype "
+                             f"bf16/fp16 choose ({compute_dtype}); here one dtype does both: set them alike")
+    return {"load_in_4bit": True, "double_quant": bool(get("bnb_4bit_use_double_quant", False))}
+
+
+def _model_init_problem(kwargs: Optional[dict]) -> Optional[str]:
+    """Why model_init_kwargs cannot be carried over (None when they can): TRL passes them to from_pretrained; here
+    the dtype follows bf16/fp16 and the attention implementation changes no result, but another revision would be
+    a different model."""
+    revision = (kwargs or {}).get("revision")
+    if revision not in (None, "main"):
+        return (f"model_init_kwargs: revision={revision!r} is not here (the model folder is loaded as it is): download "
+                "that revision (huggingface_hub.snapshot_download(model_id, revision=...)) and pass its folder as "
+                "model")
+    return None
+
+
+class _Accelerator:
+    """The part of trainer.accelerator that TRL's scripts use (print, is_main_process, wait_for_everyone): this
+    trainer is one process, or one of torchrun's (lowmem-grpo train --nproc)."""
+
+    def __init__(self):
+        self.process_index = int(os.environ.get("RANK", "0"))
+        self.num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+        self.is_main_process = self.is_local_main_process = self.process_index == 0
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        pass   # train() returns once every process has finished the run
+
+
+# TRL's names for the step metrics a script reads from trainer.state.log_history, from this trainer's own
+TRL_LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "lr": "learning_rate", "reward/mean": "reward",
+                "reward/std": "reward_std", "kl": "kl", "entropy": "entropy",
+                "completion/mean_length": "completions/mean_length"}
+
+
+def _log_entry(row: dict, mu: int, epoch: float) -> dict:
+    """One metrics.jsonl row as a log_history entry: every key as written, TRL's name beside the common ones
+    (rewards/<name>/mean for each function's), step in optimizer updates as TRL counts them."""
+    out = dict(row)
+    out.update({trl: row[ours] for ours, trl in TRL_LOG_KEYS.items() if ours in row})
+    for key, value in row.items():
+        name = key[len("reward/"):]
+        if key.startswith("reward/") and name not in ("mean", "std", "skipped") and "/" not in name:
+            out[f"rewards/{name}/mean"] = value
+            if f"{key}/std" in row:
+                out[f"rewards/{name}/std"] = row[f"{key}/std"]
+    out.update(step=row["step"] * mu, epoch=epoch)
+    return out
+
+
+def _eval_entry(row: dict, mu: int, epoch: float, prefix: str = "eval") -> dict:
+    """The eval/* keys of a metrics row as transformers logs an evaluation: eval_accuracy, eval_mean_reward, ..."""
+    return {**{f"{prefix}_{k[len('eval/'):]}": v for k, v in row.items() if k.startswith("eval/")},
+            "step": row["step"] * mu, "epoch": epoch}
 
 
 class GRPOTrainer:
@@ -404,12 +533,13 @@ class GRPOTrainer:
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None, log: Callable = print, **unsupported):
+                 quantization_config=None, peft_config=None, log: Callable = print, **unsupported):
         if unsupported:
             raise TRLCompatError(f"GRPOTrainer: {', '.join(sorted(unsupported))} not supported by lowmem-grpo")
-        for name, value in (("reward_processing_classes", reward_processing_classes), ("callbacks", callbacks)):
-            if value:
-                raise TRLCompatError(f"GRPOTrainer: {name} is not supported by lowmem-grpo")
+        if callbacks:   # transformers' TrainerCallback hooks into its own loop, which is not the one here
+            raise TRLCompatError("GRPOTrainer: callbacks are not supported by lowmem-grpo (its training loop is not "
+                                 "transformers'): every step's metrics are in output_dir/metrics.jsonl (and "
+                                 "trainer.state.log_history after train()); checkpoints follow save_steps")
         if optimizers != (None, None):
             raise TRLCompatError("GRPOTrainer: optimizers is not supported (the recipe's optimizer section is)")
         if not isinstance(model, (str, Path)):
@@ -420,6 +550,12 @@ class GRPOTrainer:
         settings = _given_settings(args)
         if args is None:   # TRL's GRPOConfig(f"{model_name}-GRPO") for a script that passes no args
             settings["output_dir"] = f"{str(model).rstrip('/').split('/')[-1]}-GRPO"
+            args = GRPOConfig(output_dir=settings["output_dir"])
+        _check_reward_processing_classes(reward_processing_classes, reward_funcs)
+        if problem := _model_init_problem(settings.get("model_init_kwargs")):
+            raise TRLCompatError(problem)
+        quantization = quantization_config if quantization_config is not None else \
+            (settings.get("model_init_kwargs") or {}).get("quantization_config")
         out = Path(settings.get("output_dir") or "trainer_output")
         remote = bool(settings.get("trust_remote_code"))
         if processing_class is not None and (problem := _chat_template_problem(processing_class, str(model), remote)):
@@ -433,43 +569,185 @@ class GRPOTrainer:
                 raise TRLCompatError("train_dataset: an IterableDataset needs max_steps (as in TRL)")
             limit = s["max_steps"] * _generation_batch(s) // s["num_generations"]
         n = _write_rows(train_dataset, out / "data" / "train.jsonl", limit=limit)
-        eval_path = ""
+        eval_path, eval_rows = "", 0
         if eval_dataset is not None:
-            _write_rows(eval_dataset, out / "data" / "eval.jsonl", "eval_dataset")
+            eval_rows = _write_rows(eval_dataset, out / "data" / "eval.jsonl", "eval_dataset")
             eval_path = str(out / "data" / "eval.jsonl")
+        self._eval_path, self._eval_rows = eval_path, eval_rows   # evaluate()'s, whatever eval_strategy says
         specs, self._module = _reward_specs(reward_funcs)
         d = recipe_from_trl(settings, model=str(model), train_path=str(out / "data" / "train.jsonl"),
                             eval_path=eval_path, reward_specs=specs, lora=_lora_section(peft_config, str(model)),
-                            train_rows=n)
+                            train_rows=n, eval_rows=eval_rows)
         d["output"]["dir"] = str(out)
+        d["model"].update(_quantization(quantization, d["model"]["compute_dtype"]))
         try:
             self.recipe: Recipe = recipe_from_dict(d)
         except RecipeError as exc:   # named by the script's argument first, then by the recipe key it became
             lines = [f"  {FROM_TRL.get(k, 'reward_weights' if k.endswith('.weight') else k)} ({k}): {m}"
                      for k, m in exc.problems]
             raise TRLCompatError("these arguments cannot be run here:\n" + "\n".join(lines)) from None
-        self.args, self.log, self.output_dir, self.processing_class = args, log, out, processing_class
+        self.args, self.log, self.output_dir, self._processing_class = args, log, out, processing_class
+        self.train_dataset, self.eval_dataset, self.train_rows = train_dataset, eval_dataset, n
+        self.accelerator = _Accelerator()
+        self._model = None      # the policy: loaded on first use of .model, the trained one after train()
+        self._trained = False   # whether output_dir's checkpoints are this trainer's (evaluate's adapter)
+        self._evaluations: tuple[list, list] = ([], [])   # evaluate()'s results before / after train(), for log_history
         if peft_config is None:
             log("[lowmem-grpo] no peft_config: training LoRA with the recipe's defaults (r=16, all linear layers)")
 
+    # -- what a script reads: model, processing_class, state ----------------------------------------------
+
+    @property
+    def processing_class(self):
+        """The script's tokenizer, else the model folder's (as TRL loads it when none is given)."""
+        if self._processing_class is None:
+            from .model import load_tokenizer
+
+            self._processing_class = load_tokenizer(self.recipe.model)
+        return self._processing_class
+
+    @property
+    def model(self):
+        """The policy (a peft model on the 4-bit base): after train(), the trained one; before, as training will
+        start it, loaded on first use (train() loads its own: a change made to this one before train() is not
+        trained on)."""
+        if self._model is None:
+            from . import checkpoint as ckpt
+            from .model import load_policy
+
+            last = ckpt.latest(self.output_dir) if self._trained else None
+            self._model, _ = load_policy(self.recipe.model, self.recipe.lora,
+                                         adapter_path=str(last / "adapter") if last else None)
+        return self._model
+
+    @property
+    def state(self):
+        """transformers' TrainerState of the run as metrics.jsonl has it: global_step and max_steps in optimizer
+        updates (as TRL counts them), log_history with a row per step (see _log_entry) and per evaluation."""
+        from transformers import TrainerState
+
+        from .metrics import read_metrics
+
+        mu, r = self.recipe.algorithm.mu, self.recipe
+        rows = read_metrics(self.output_dir) if self._trained else []
+        epoch = lambda step: step * r.train.prompts_per_step / max(1, self.train_rows)   # noqa: E731
+        history = []
+        for row in rows:
+            if "loss" in row:
+                history.append(_log_entry({k: v for k, v in row.items() if not k.startswith("eval/")}, mu,
+                                          epoch(row["step"])))
+            if any(k.startswith("eval/") for k in row):
+                history.append(_eval_entry(row, mu, epoch(row["step"])))
+        done = max((row["step"] for row in rows), default=0)
+        return TrainerState(epoch=epoch(done), global_step=done * mu, max_steps=r.train.steps * mu,
+                            logging_steps=r.output.log_every * mu, save_steps=r.output.save_every * mu,
+                            eval_steps=(r.train.eval_every or 0) * mu, train_batch_size=r.train.micro_batch_size,
+                            log_history=[*self._evaluations[0], *history, *self._evaluations[1]])
+
+    def is_world_process_zero(self) -> bool:
+        """transformers' Trainer.is_world_process_zero: whether this is the process that writes the run."""
+        return self.accelerator.is_main_process
+
+    def __getattr__(self, name):
+        # (only for names not found otherwise) a TRL/transformers Trainer attribute this one does not have
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"GRPOTrainer.{name}: not in lowmem-grpo's GRPOTrainer, which has train, evaluate, "
+                             "save_model, log_metrics, save_metrics, save_state, is_world_process_zero, model, args, "
+                             "state, processing_class, accelerator, recipe and output_dir")
+
+    # -- train, evaluate, save ---------------------------------------------------------------------------
+
     def train(self, resume_from_checkpoint=None) -> "TrainOutput":
         """Run the recipe; resume_from_checkpoint=True (or the output dir) continues from its last checkpoint."""
+        import time
+
         from . import checkpoint as ckpt
         from .train import Trainer
 
         resume = bool(resume_from_checkpoint)
+        last = ckpt.latest(self.output_dir)
         if isinstance(resume_from_checkpoint, (str, Path)):   # TRL resumes from the checkpoint named; here: the last
-            named, last = Path(resume_from_checkpoint).resolve(), ckpt.latest(self.output_dir)
+            named = Path(resume_from_checkpoint).resolve()
             if named not in (self.output_dir.resolve(), last and last.resolve()):
                 raise TRLCompatError(f"resume_from_checkpoint: {resume_from_checkpoint} is not the last checkpoint of "
                                      f"{self.output_dir} ({last or 'none'}); resuming continues from the last one: "
                                      "pass True, or move the later checkpoints out of the way")
-        summary = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log).fit()
+        if not resume and (held := ckpt.earlier_run(self.output_dir)):
+            # a fresh run there would append to that run's metrics, and save_model() and a resume would take the
+            # last checkpoint, which may be the earlier run's
+            raise TRLCompatError(f"output_dir {self.output_dir} already holds a run ({held}): pass "
+                                 "resume_from_checkpoint=True to continue it, or use another output_dir (or delete "
+                                 "that one)")
+        self._model = None   # the run loads its own policy: free the one .model may hold
+        started = time.monotonic()
+        trainer = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log)
+        self._trained = True
+        summary = trainer.fit()
+        self._model = trainer.model
         from .metrics import read_metrics
 
         losses = [row["loss"] for row in read_metrics(self.output_dir) if isinstance(row.get("loss"), (int, float))]
+        state = self.state
         return TrainOutput(summary, global_step=summary["step"] * self.recipe.algorithm.mu,
-                           training_loss=sum(losses) / len(losses) if losses else float("nan"))
+                           training_loss=sum(losses) / len(losses) if losses else float("nan"),
+                           runtime=time.monotonic() - started, epoch=state.epoch)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Greedy held-out accuracy by the project's own eval (lowmem_grpo/evaluate.py, as `lowmem-grpo eval`, its
+        greedy part what the trainer logs as eval/accuracy), of the policy as it stands: the last checkpoint after
+        train(), the base before. On eval_dataset, else the trainer's. The metrics as transformers names them
+        ({prefix}_accuracy, {prefix}_mean_reward, {prefix}_pass@1, ..., {prefix}_runtime); the completions go to
+        output_dir/eval/."""
+        import time
+
+        from . import checkpoint as ckpt
+        from .evaluate import run_eval
+
+        path, rows = Path(self._eval_path), self._eval_rows
+        if eval_dataset is not None:
+            path = self.output_dir / "data" / f"{metric_key_prefix}.jsonl"
+            rows = _write_rows(eval_dataset, path, "eval_dataset")
+        elif not self._eval_path:
+            raise TRLCompatError("evaluate: no eval_dataset (pass one to GRPOTrainer or to evaluate()), as in TRL")
+        recipe = self.recipe.model_copy(update={
+            "data": self.recipe.data.model_copy(update={"eval_path": str(path)}),
+            "train": self.recipe.train.model_copy(update={"eval_max_prompts": rows})})
+        last = ckpt.latest(self.output_dir) if self._trained else None
+        step = ckpt.step_of(last) if last else 0
+        started = time.monotonic()
+        summary = run_eval(recipe, name=self.output_dir.name, adapter=str(last / "adapter") if last else None,
+                           split="test", ks=(1,), log=self.log,
+                           out_dir=str(self.output_dir / "eval" / f"step-{step:06d}-{metric_key_prefix}"))
+        keys = ("accuracy", "mean_reward", "correct", "n", "prompts", "pass@1")
+        metrics = {f"{metric_key_prefix}_{k}": summary[k] for k in keys if summary.get(k) is not None}
+        metrics[f"{metric_key_prefix}_runtime"] = time.monotonic() - started
+        mu = recipe.algorithm.mu
+        self._evaluations[self._trained].append({**metrics, "step": step * mu})   # [0]: before train(), [1]: after
+        return metrics
+
+    def log_metrics(self, split: str, metrics: dict) -> None:
+        """transformers' Trainer.log_metrics: the metrics, one a line (nested ones as they are)."""
+        self.log(f"***** {split} metrics *****")
+        for key in sorted(metrics):
+            self.log(f"  {key} = {metrics[key]}")
+
+    def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
+        """transformers' Trainer.save_metrics: output_dir/{split}_results.json, and all_results.json merged."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(metrics, indent=4, sort_keys=True, default=str)
+        (self.output_dir / f"{split}_results.json").write_text(text)
+        if combined:
+            path = self.output_dir / "all_results.json"
+            merged = {**(json.loads(path.read_text()) if path.is_file() else {}), **metrics}
+            path.write_text(json.dumps(merged, indent=4, sort_keys=True, default=str))
+
+    def save_state(self) -> None:
+        """transformers' Trainer.save_state: output_dir/trainer_state.json (the state above)."""
+        self.state.save_to_json(str(self.output_dir / "trainer_state.json"))
+
+    def end(self) -> None:
+        """transformers' Trainer.end (5.18+): nothing to finish here (train() closed its sinks and engine)."""
 
     def save_model(self, output_dir: Optional[str] = None) -> Path:
         """The last checkpoint's LoRA adapter files into output_dir (default: the run's output_dir, as TRL saves)."""
@@ -478,17 +756,15 @@ class GRPOTrainer:
         from . import checkpoint as ckpt
         from .export import ExportError, find_adapter
 
+        if ckpt.latest(self.output_dir) is None:   # TRL would save the untrained model; here it is the base as it is
+            raise TRLCompatError(f"save_model: {self.output_dir} has no checkpoint yet (the adapter saved is the "
+                                 "run's last checkpoint): call train() first")
         adapter = find_adapter(self.output_dir)
         if problem := ckpt.adapter_problem(adapter):
             raise ExportError(f"checkpoint {adapter.parent.name} cannot be saved: {problem}")
         target = Path(output_dir) if output_dir else self.output_dir
         shutil.copytree(adapter, target, dirs_exist_ok=True)
         # TRL's save_model writes the tokenizer too (AutoTokenizer.from_pretrained(output_dir) after training)
-        tokenizer = self.processing_class
-        if tokenizer is None:
-            from .model import load_tokenizer
-
-            tokenizer = load_tokenizer(self.recipe.model)
-        tokenizer.save_pretrained(str(target))
+        self.processing_class.save_pretrained(str(target))
         self.log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {target}")
         return target

@@ -106,6 +106,13 @@ def test_cli_train_resume_export(tiny_model_dir, tiny_data, tmp_path):
     p = _cli("train", str(recipe))
     assert p.returncode == 0, p.stderr
     assert "held-out accuracy before:" in p.stdout and "held-out accuracy after:" in p.stdout
+    # the same recipe again: a fresh run would append to this one's metrics and resume from its checkpoints
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    p = _cli("train", str(recipe))
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert f"{tmp_path / 'run'} already holds a run (checkpoints up to step-000002)" in p.stderr
+    assert f"lowmem-grpo train --resume {tmp_path / 'run'}" in p.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
     p = _cli("train", "--resume", str(tmp_path / "run"), "--set", "train.steps=3")
     assert p.returncode == 0, p.stderr
     assert "resumed from" in p.stdout and "step     3" in p.stdout

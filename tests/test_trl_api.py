@@ -60,6 +60,11 @@ def test_a_script_that_sets_nothing_gets_trls_training():
     (dict(adam_beta2=0.99), ("optimizer", "betas"), [0.9, 0.99]),
     (dict(bf16=False), ("model", "compute_dtype"), "float32"),
     (dict(save_total_limit=3), ("output", "keep_last"), 3),
+    # TRL's own default mode and share, as tutorials spell them out: accepted (was "vllm_mode not supported")
+    (dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3), ("generation", "engine"), "vllm"),
+    # transformers 4's warmup_ratio (tutorials for TRL 0.x): a share of the run, as warmup_steps below 1 is now
+    (dict(max_steps=10, warmup_ratio=0.2), ("optimizer", "warmup_steps"), 2),
+    (dict(max_steps=10, warmup_steps=3, warmup_ratio=0.5), ("optimizer", "warmup_steps"), 3),   # steps win, as there
 ])
 def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     section, key = where
@@ -69,7 +74,8 @@ def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
 
 
 @pytest.mark.parametrize("settings, named", [
-    (dict(vllm_mode="server"), "vllm_mode"),
+    (dict(vllm_mode="server"), "vllm_mode: 'server' is not here .* drop vllm_mode"),
+    (dict(use_vllm=True, vllm_gpu_memory_utilization=0.7), r"vllm_gpu_memory_utilization \(0.7\).*kv_cache_memory_bytes"),
     (dict(sync_ref_model=True), "sync_ref_model"),
     (dict(steps_per_generation=4), "steps_per_generation"),
     # TRL: 4 optimizer steps per generation batch of 32 (steps_per_generation = 32 / 8); here one
@@ -276,3 +282,156 @@ def test_a_value_the_recipe_refuses_is_named_by_the_scripts_argument(tiny_model_
                     train_dataset=[{"prompt": "1+1="}])
     with pytest.raises(TRLCompatError, match="num_iterations must be a whole number"):
         _recipe(num_iterations=0)
+
+
+# -- second audit: what TRL-shaped scripts from the docs and tutorials do around train() ------------------------
+
+
+def test_settings_that_change_nothing_in_trls_grpo_are_accepted_as_such():
+    """transformers' Trainer never reads args.resume_from_checkpoint (train()'s argument resumes), TRL's sampler
+    draws with seed, not data_seed, evaluation runs at step 0 here anyway, and vLLM sleeps between rollouts."""
+    same = _recipe(data_seed=7, resume_from_checkpoint="out/checkpoint-5", eval_on_start=True,
+                   vllm_enable_sleep_mode=True)
+    assert same == _recipe()
+
+
+def test_evaluation_is_of_every_eval_row_and_only_where_eval_strategy_asks_as_in_trl():
+    def recipe(**settings):
+        return recipe_from_trl(settings, model="m", train_path="t", eval_path="e", reward_specs=SPEC, train_rows=4,
+                               eval_rows=300)
+    d = recipe(eval_strategy="steps", eval_steps=1)
+    assert (d["data"]["eval_path"], d["train"]["eval_max_prompts"]) == ("e", 300)   # the recipe's default: 200
+    assert recipe()["data"]["eval_path"] == ""   # TRL's eval_strategy "no": the run evaluates nothing (evaluate() can)
+    recipe_from_dict(d)
+
+
+def test_a_config_changed_after_it_was_made_is_read_as_it_is_now():
+    """args.max_steps = 3 after GRPOConfig(...) was silently dropped (only the constructor's were read)."""
+    args = GRPOConfig("out", max_steps=10)   # output_dir by position, as TRL's own GRPOConfig(f"{name}-GRPO")
+    args.max_steps, args.learning_rate, args.warmup_ratio = 3, 2e-5, 0.5
+    given = _given_settings(args)
+    assert [given[k] for k in ("output_dir", "max_steps", "learning_rate", "warmup_ratio")] == ["out", 3, 2e-5, 0.5]
+    d = recipe_from_trl(given, model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+    assert (d["train"]["steps"], d["optimizer"]["lr"], d["optimizer"]["warmup_steps"]) == (3, 2e-5, 2)
+    args.sync_ref_model = True
+    with pytest.raises(TRLCompatError, match="sync_ref_model not supported"):
+        recipe_from_trl(_given_settings(args), model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+
+
+def test_reward_processing_classes_of_functions_are_ignored_as_trl_ignores_them(tiny_model_dir, tmp_path):
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                train_dataset=[{"prompt": "1+1="}], reward_processing_classes=[None])
+    with pytest.raises(TRLCompatError, match="reward_processing_classes: 2 for 1 reward functions"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                    train_dataset=[{"prompt": "1+1="}], reward_processing_classes=[None, None])
+
+
+def test_callbacks_are_refused_saying_where_the_metrics_are(tiny_model_dir, tmp_path):
+    from transformers import TrainerCallback
+
+    with pytest.raises(TRLCompatError, match=r"callbacks .*output_dir/metrics\.jsonl.*log_history"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                    train_dataset=[{"prompt": "1+1="}], callbacks=[TrainerCallback()])
+
+
+def test_a_4bit_quantization_config_is_read_and_any_other_refused(tiny_model_dir, tmp_path):
+    """TRL's own grpo script passes quantization_config (a BitsAndBytesConfig) to GRPOTrainer: was 'not
+    supported'. NF4 is what is loaded here, with the config's nested quantization; 8-bit and FP4 are refused."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    def trainer(quantization=None, **settings):
+        return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path, **settings),
+                           train_dataset=[{"prompt": "1+1="}], quantization_config=quantization)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    model = trainer(nf4, bf16=True).recipe.model
+    assert (model.load_in_4bit, model.double_quant, model.compute_dtype) == (True, False, "bfloat16")
+    with pytest.raises(TRLCompatError, match="bnb_4bit_compute_dtype=bfloat16 differs .*float32"):
+        trainer(nf4)   # bf16=False
+    with pytest.raises(TRLCompatError, match="bnb_4bit_quant_type='fp4' is not here"):
+        trainer(BitsAndBytesConfig(load_in_4bit=True))
+    with pytest.raises(TRLCompatError, match="quantization_config: only 4-bit"):
+        trainer(model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_8bit=True)})
+    with pytest.raises(TRLCompatError, match="model_init_kwargs: revision='v2' is not here"):
+        trainer(model_init_kwargs={"revision": "v2"})
+
+
+def test_a_tokenizer_with_another_eos_token_is_refused(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.eos_token = "x"   # generation would stop elsewhere than the folder's tokenizer has it stop
+    with pytest.raises(TRLCompatError, match="processing_class: its eos token"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                    train_dataset=[{"prompt": "1+1="}], processing_class=tokenizer)
+
+
+def test_a_fresh_train_into_a_folder_holding_a_run_is_refused(tiny_model_dir, tmp_path):
+    """Was: the fresh run appended to the earlier run's metrics.jsonl, and save_model() took the earlier run's
+    step-3 checkpoint as the last one."""
+    def trainer(steps):
+        return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=digit_reward, log=lambda *a: None,
+                           train_dataset=[{"prompt": "1+1=", "answer": "2"}] * 4,
+                           args=_args(tmp_path, max_steps=steps, save_steps=1))
+    trainer(3).train()
+    with pytest.raises(TRLCompatError, match=r"already holds a run \(checkpoints up to step-000003\).*resume_from"):
+        trainer(2).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2, 3]
+
+
+def test_evaluate_state_model_and_the_after_train_calls_of_trls_scripts(tiny_model_dir, tmp_path):
+    """trainer.evaluate() (was missing), .state, .model, .processing_class, log_metrics / save_metrics / save_state,
+    accelerator.print and end(), as TRL's docs and its own grpo script use them; steps are TRL's (x num_iterations)."""
+    from peft import PeftModel
+    from transformers import TrainerState
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
+                          eval_dataset=rows[6:], log=lambda *a: None,
+                          args=_args(tmp_path, num_iterations=2, max_steps=4, logging_steps=1, save_steps=2,
+                                     eval_strategy="steps", eval_steps=2))
+    before = trainer.evaluate()
+    assert set(before) >= {"eval_accuracy", "eval_mean_reward", "eval_pass@1", "eval_runtime"}
+    assert before["eval_prompts"] == 3
+    out = trainer.train()
+    after = trainer.evaluate()
+    final = [r for r in read_metrics(tmp_path / "out") if "eval/accuracy" in r][-1]
+    assert (after["eval_accuracy"], after["eval_mean_reward"]) == (final["eval/accuracy"], final["eval/mean_reward"])
+    assert trainer.evaluate(eval_dataset=rows[:2], metric_key_prefix="test")["test_prompts"] == 2
+    state = trainer.state
+    assert isinstance(state, TrainerState) and (state.global_step, state.max_steps) == (4, 4) == (out.global_step, 4)
+    steps = [e for e in state.log_history if "loss" in e]
+    assert [e["step"] for e in steps] == [2, 4]   # 2 generation batches of 2 updates each
+    assert {"reward", "learning_rate", "rewards/digit_reward/mean", "loss"} <= set(steps[0])
+    evals = [e for e in state.log_history if "eval_accuracy" in e]
+    assert evals[0]["step"] == 0 and evals[0] is state.log_history[0]   # evaluate() before train() comes first
+    assert [e["step"] for e in evals[1:]] == [0, 2, 4, 4]   # the run's (start, eval_steps, end), then evaluate()'s
+    assert "test_accuracy" in state.log_history[-1]
+    assert isinstance(trainer.model, PeftModel) and trainer.processing_class is not None
+    assert out.metrics["train_loss"] == out.training_loss and out.metrics["epoch"] > 0
+    trainer.save_metrics("train", out.metrics)
+    trainer.save_state()
+    assert json.loads((tmp_path / "out" / "trainer_state.json").read_text())["global_step"] == 4
+    assert json.loads((tmp_path / "out" / "all_results.json").read_text())["train_loss"] == out.training_loss
+    trainer.accelerator.print("done")
+    trainer.end()
+    with pytest.raises(AttributeError, match="GRPOTrainer.push_to_hub: not in lowmem-grpo's GRPOTrainer"):
+        trainer.push_to_hub()
+
+
+def test_evaluate_without_an_eval_set_is_trls_error(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                          train_dataset=[{"prompt": "1+1="}], log=lambda *a: None)
+    with pytest.raises(TRLCompatError, match="evaluate: no eval_dataset"):
+        trainer.evaluate()
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                          train_dataset=[{"prompt": "1+1=", "answer": "2"}], log=lambda *a: None,
+                          eval_dataset=[{"prompt": "2+2=", "answer": "4"}])   # eval_strategy "no": evaluate() still can
+    assert trainer.recipe.data.eval_path == "" and trainer.evaluate()["eval_prompts"] == 1
+
+
+def test_save_model_before_train_says_to_train_first(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                          train_dataset=[{"prompt": "1+1=", "answer": "2"}], log=lambda *a: None)
+    with pytest.raises(TRLCompatError, match="save_model: .* has no checkpoint yet .*call train"):
+        trainer.save_model(str(tmp_path / "final"))
