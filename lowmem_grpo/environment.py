@@ -90,6 +90,13 @@ def resolve(name: str) -> type:
     if missing:
         raise EnvError(f"environment {name!r}: class {attr!r} has no {' and no '.join(missing)} method; an environment "
                        "has reset(row) -> first message or None and step(model_text) -> (observation, reward, done)")
+    # An `async def` method returns a coroutine the driver never awaits: every episode would end in a type
+    # error (and a "never awaited" warning) instead of one clear load error.
+    asynchronous = [m for m in ("reset", "step", "counters") if inspect.iscoroutinefunction(getattr(cls, m, None))]
+    if asynchronous:
+        raise EnvError(f"environment {name!r}: class {attr!r} defines {' and '.join(asynchronous)} with async def; the "
+                       "trainer calls an environment's methods as plain functions (each on a thread, bounded by "
+                       "environment.step_timeout_s): write them with def")
     return cls
 
 
@@ -110,11 +117,16 @@ def stop_strings(name: str, cls: type, kwargs: Optional[dict] = None) -> tuple[s
 
 
 def kwargs_problem(name: str, cls: type, kwargs: dict) -> Optional[str]:
-    """Why cls(**kwargs) cannot be called (a kwarg it does not take, a required one missing), or None."""
+    """Why cls(**kwargs) cannot be called (a kwarg it does not take, a required one missing), or None. Names
+    the keyword arguments it does take: a misspelled key (timeout for timeout_s) is fixed at a glance."""
     try:
-        inspect.signature(cls).bind(**kwargs)
+        signature = inspect.signature(cls)
+        signature.bind(**kwargs)
     except TypeError as exc:
-        return f"environment {name!r} cannot be built with these kwargs ({', '.join(kwargs) or 'none'}): {exc}"
+        takes = [p.name for p in signature.parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return (f"environment {name!r} cannot be built with these kwargs ({', '.join(kwargs) or 'none'}): {exc}; "
+                f"it takes: {', '.join(takes) or 'no keyword arguments'}")
     except ValueError:   # no signature to read (a C class): it is tried at the first rollout
         return None
     return None
@@ -165,24 +177,38 @@ def kwargs_type_problems(name: str, cls: type, kwargs: dict) -> list[tuple[str, 
 
 def environment_problems(cfg) -> list[tuple[str, str]]:
     """(recipe key, message) for each reason the recipe's environment (an EnvironmentConfig) cannot be used;
-    [] when it can, or when there is none. Imports the user's module: `lowmem-grpo validate` calls it."""
+    [] when it can, or when there is none. Imports the user's module and runs its startup hook, as the
+    trainer's load does: `lowmem-grpo validate` calls it."""
     if not cfg.name:
         return []
+    return _load(cfg)[0]
+
+
+def _load(cfg) -> tuple[list[tuple[str, str]], Optional[tuple[type, tuple, list]]]:
+    """(problems, None), or ([], (class, stop strings, startup's notes)): each check once, in the order that
+    names the clearest problem first."""
     try:
         cls = resolve(cfg.name)
     except EnvError as exc:
-        return [("environment.name", str(exc))]
+        return [("environment.name", str(exc))], None
     problem = kwargs_problem(cfg.name, cls, dict(cfg.kwargs))
     if problem:
-        return [("environment.kwargs", problem)]
+        return [("environment.kwargs", problem)], None
     typed = kwargs_type_problems(cfg.name, cls, dict(cfg.kwargs))
     if typed:   # (before stop_for and startup, which would fail on the same values less clearly)
-        return typed
+        return typed, None
+    # stop_for and startup read the kwargs (the python tool's call_format, timeout_s): what they refuse is a
+    # kwargs problem, and validate refuses what the trainer's load would.
+    kwargs_key = "environment.kwargs" if callable(getattr(cls, "stop_for", None)) else "environment.name"
     try:
-        stop_strings(cfg.name, cls, dict(cfg.kwargs))
+        stop = stop_strings(cfg.name, cls, dict(cfg.kwargs))
     except EnvError as exc:
-        return [("environment.name", str(exc))]
-    return []
+        return [(kwargs_key, str(exc))], None
+    try:
+        notes = startup_notes(cfg.name, cls, dict(cfg.kwargs))
+    except EnvError as exc:
+        return [("environment.kwargs", str(exc))], None
+    return [], (cls, stop, notes)
 
 
 def startup_notes(name: str, cls: type, kwargs: dict) -> list[str]:
@@ -202,13 +228,11 @@ class EnvironmentFactory:
     """The recipe's environment, loaded once: `make()` builds one instance (one per completion)."""
 
     def __init__(self, cfg):
-        problems = environment_problems(cfg)
+        problems, loaded = _load(cfg)
         if problems:
             raise EnvError("\n".join(f"{key}: {message}" for key, message in problems))
         self.name, self.kwargs = cfg.name, dict(cfg.kwargs)
-        self.cls = resolve(cfg.name)
-        self.stop = stop_strings(cfg.name, self.cls, self.kwargs)
-        self.notes = startup_notes(cfg.name, self.cls, self.kwargs)
+        self.cls, self.stop, self.notes = loaded
 
     def make(self) -> Any:
         """A new instance; what its constructor raises is an EnvOutputError (counted for that completion)."""
@@ -294,7 +318,19 @@ def checked_counters(env) -> dict:
     numbers = {k: _finite(v) for k, v in out.items()} if isinstance(out, dict) else None
     if numbers is None or not all(isinstance(k, str) and k and v is not None for k, v in numbers.items()):
         raise EnvOutputError(f"counters() returned {short_repr(out)}; allowed: a dict of names to finite numbers")
+    taken = sorted(set(numbers) & set(_reserved_counters()))
+    if taken:   # the row's own env/turns etc. win: such a counter would vanish from the log without a word
+        raise EnvOutputError(f"counters() returned {', '.join(map(repr, taken))}: the names of the trainer's own "
+                             f"{', '.join('env/' + t for t in taken)}, which a counter cannot replace; allowed: names "
+                             f"other than {', '.join(_reserved_counters())}")
     return numbers
+
+
+def _reserved_counters() -> tuple[str, ...]:
+    """The env/<name> metrics every row has (diagnostics.STEP_KEYS): a counter may not take their names."""
+    from .diagnostics import STEP_KEYS   # (here: it imports torch, which loading an environment need not)
+
+    return tuple(k[len("env/"):] for k in STEP_KEYS if k.startswith("env/"))
 
 
 def _finite(x) -> Optional[float]:

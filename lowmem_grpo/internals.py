@@ -1,7 +1,7 @@
 """The fences around what lowmem_grpo uses of peft's and bitsandbytes' internals.
 
 Each library's undocumented attributes are read or written in one function here (`peft_internals()`,
-`bnb_internals()`; vLLM's are in `lowmem_grpo.rollout.vllm.vllm_internals()`, which stays there because
+`bnb_internals()`, `experts_internals()` for transformers' mixture-of-experts modules; vLLM's are in `lowmem_grpo.rollout.vllm.vllm_internals()`, which stays there because
 vllm is optional and must be imported after that module sets its environment). Each function records the
 version it was checked against, checks its assumptions every time it is called, and raises
 `InternalsError` naming the library, the installed version, the checked version and what broke. So an
@@ -243,6 +243,57 @@ def bnb_internals() -> SimpleNamespace:
                            disable_cpu_repack=disable_cpu_repack, kernels_logger=BNB_KERNELS_LOGGER)
 
 
+TRANSFORMERS_VERSION_CHECKED = "5.19.0"
+EXPERTS_LAYOUT_FLAGS = ("has_gate", "is_concatenated", "is_transposed", "has_bias")
+
+
+def experts_internals() -> SimpleNamespace:
+    """What experts4bit.py uses of transformers' mixture-of-experts modules beyond its plugin API
+    (ExpertsInterface.register, PreTrainedModel.set_experts_implementation), checked against 5.19.0:
+
+    - `use_experts_implementation` (the decorator of every experts class) sets the layout flags has_gate,
+      is_concatenated, is_transposed and has_bias on each instance, and gives the class `_apply_gate`: act(gate) * up
+      of a concatenated [gate | up] product, which the NF4 forward calls as the eager loop does.
+
+    Checked on every call, on a probe class decorated here: the flags exist, `_apply_gate` computes that.
+    """
+    import torch
+    import transformers
+    from transformers.integrations import moe
+
+    problems: list[str] = []
+    if not callable(getattr(getattr(moe, "ExpertsInterface", None), "register", None)):
+        problems.append("transformers.integrations.moe.ExpertsInterface.register is gone")
+    if not callable(getattr(transformers.PreTrainedModel, "set_experts_implementation", None)):
+        problems.append("PreTrainedModel.set_experts_implementation is gone")
+    decorator = getattr(moe, "use_experts_implementation", None)
+    if decorator is None:
+        problems.append("transformers.integrations.moe.use_experts_implementation is gone")
+    else:
+        class Probe(torch.nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.act_fn = torch.nn.functional.silu
+
+            def forward(self, hidden_states, top_k_index, top_k_weights):
+                return hidden_states
+
+        probe = decorator(Probe)(SimpleNamespace(_experts_implementation="eager"))
+        missing = [f for f in EXPERTS_LAYOUT_FLAGS if not hasattr(probe, f)]
+        if missing:
+            problems.append(f"use_experts_implementation no longer sets {', '.join(missing)} on an experts module")
+        x = torch.tensor([[1.0, -2.0, 3.0, 4.0]])
+        try:
+            gated = probe._apply_gate(x)
+            if gated.shape != (1, 2) or not torch.allclose(gated, torch.nn.functional.silu(x[:, :2]) * x[:, 2:]):
+                problems.append("an experts module's _apply_gate no longer computes act(gate) * up of [gate | up]")
+        except Exception as exc:   # noqa: BLE001 (any failure of the probe is the fence's finding)
+            problems.append(f"an experts module's _apply_gate fails ({type(exc).__name__}: {exc})")
+    raise_if_broken("transformers", transformers.__version__, TRANSFORMERS_VERSION_CHECKED, problems)
+    return SimpleNamespace(version=transformers.__version__, checked=TRANSFORMERS_VERSION_CHECKED,
+                           ExpertsInterface=moe.ExpertsInterface, layout_flags=EXPERTS_LAYOUT_FLAGS)
+
+
 class AbsentKernelsFilter(logging.Filter):
     """Drops bitsandbytes' warning "Failed to load CPU gemm_4bit_forward from kernels-community: No module
     named 'kernels'": `kernels` is an optional package; without it bitsandbytes uses its built-in CPU
@@ -263,6 +314,6 @@ def quiet_bitsandbytes_kernels_warning() -> None:
         log.addFilter(AbsentKernelsFilter())
 
 
-__all__ = ["InternalsError", "peft_internals", "bnb_internals", "quiet_bitsandbytes_kernels_warning",
+__all__ = ["InternalsError", "peft_internals", "bnb_internals", "experts_internals", "quiet_bitsandbytes_kernels_warning",
            "fence_error", "raise_if_broken", "names_used", "LoraState", "LoraBranch", "PEFT_VERSION_CHECKED",
            "BNB_VERSION_CHECKED"]

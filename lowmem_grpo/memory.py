@@ -203,6 +203,7 @@ class Workload:
     # dense models.
     lora_params: Optional[int] = None
     lora_on_experts: bool = False  # then each MoE layer's forward holds its experts merged with their LoRA delta
+    experts_nf4: bool = False      # the routed experts in NF4 (experts4bit.py), found on the model as lora_params is
 
 
 @dataclass
@@ -262,7 +263,8 @@ def base_weight_bytes(s: ModelShape, w: Workload) -> int:
     """Linear layers at 4 bits (+ one absmax per 64 weights: fp32, or 8-bit plus a second-level fp32 per 256
     blocks with double quantization), everything else (embeddings, an untied head, norms, a mixture's routers
     and routed experts) in compute dtype. The experts are 3-D tensors, not linear layers, so bitsandbytes leaves
-    them unquantized (transformers 5.19, bitsandbytes 0.50.2; tests/test_memory.py checks it on a loaded model)."""
+    them unquantized (transformers 5.19, bitsandbytes 0.50.2; tests/test_memory.py checks it on a loaded model),
+    unless experts4bit.py stores them in NF4: 4 bits and an fp32 absmax per 64 weights."""
     linear = sum(l.n_in * l.n_out * s.layers(l.kind) for l in s.linears())
     if w.quantized:
         absmax = linear / 64 * (1 + 4 / 256) if w.double_quant else linear / 64 * 4
@@ -273,7 +275,12 @@ def base_weight_bytes(s: ModelShape, w: Workload) -> int:
     bias = s.num_layers * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim if s.attention_bias else 0
     routers = s.moe_layers * s.experts * s.hidden_size
     other = s.vocab_size * s.hidden_size + head + (2 * s.num_layers + 1) * s.hidden_size + bias + routers
-    return int(linear_b + (other + s.expert_params()) * w.compute_bytes)
+    return int(linear_b + other * w.compute_bytes + experts_bytes(s, w))
+
+
+def experts_bytes(s: ModelShape, w: Workload) -> float:
+    """The routed experts' weights: in compute dtype, or NF4 (experts4bit.py: 4 bits, an fp32 absmax per 64)."""
+    return s.expert_params() * ((0.5 + 4 / 64) if w.experts_nf4 else w.compute_bytes)
 
 
 def lora_targeted(w: Workload, linear: Linear) -> bool:
@@ -300,23 +307,28 @@ def merged_experts_bytes(s: ModelShape, w: Workload) -> int:
     return s.experts * 3 * s.hidden_size * s.expert_intermediate * w.compute_bytes if w.lora_on_experts else 0
 
 
-def lora_census(model) -> tuple[int, bool]:
-    """A peft model's trainable parameters, and whether any of them adapts a routed expert."""
+def experts_census(model) -> dict:
+    """Of a peft model on a mixture of experts: its trainable parameters, whether any of them adapts a routed
+    expert, whether its experts are in NF4 (the Workload fields lora_params, lora_on_experts, experts_nf4)."""
     found = [(name, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
-    return sum(n for _, n in found), any(".experts." in name for name, _ in found)
+    return {"lora_params": sum(n for _, n in found), "lora_on_experts": any(".experts." in name for name, _ in found),
+            "experts_nf4": any(hasattr(m, "nf4_shapes") for m in model.modules())}
 
 
-def lora_census_from_config(config, lora_cfg, trust_remote_code: bool = False) -> tuple[int, bool]:
-    """`lora_census` of the recipe's adapters on a copy of the model built on the meta device (no memory, no
-    weights): for a mixture of experts, whose adapters peft decides."""
+def experts_census_from_config(config, model_cfg, lora_cfg) -> dict:
+    """`experts_census` of the recipe's model on a copy built on the meta device (no memory, no weights), its
+    experts stored as loading stores them: for a mixture of experts, whose adapters peft decides."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .experts4bit import quantize_experts
     from .model import attach_lora
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    return lora_census(attach_lora(model, lora_cfg, gradient_checkpointing=False))
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    if model_cfg.load_in_4bit and model_cfg.quantize_experts:
+        quantize_experts(model)
+    return experts_census(attach_lora(model, lora_cfg, gradient_checkpointing=False))
 
 
 def kv_cache_bytes(s: ModelShape, w: Workload, seqs: int, tokens: int) -> int:
@@ -423,7 +435,7 @@ def static_terms(s: ModelShape, w: Workload) -> dict[str, int]:
     static = {}
     if w.device == "cpu":
         static["runtime (python + torch, CPU RSS)"] = CPU_RUNTIME_BYTES
-    kept = ", experts unquantized" if s.experts else ""
+    kept = (", experts NF4" if w.experts_nf4 else ", experts unquantized") if s.experts else ""
     static["base weights" + (f" (NF4 linears{kept})" if w.quantized else "")] = base_weight_bytes(s, w)
     static[f"LoRA parameters ({n_lora / 1e6:.1f}M, fp32)"] = n_lora * 4
     static[f"optimizer state ({w.optimizer})"] = int(n_lora * optimizer_bytes_per_param(w.optimizer))
@@ -560,8 +572,7 @@ def model_workload(recipe, model, prompt_tokens: int, device: str, processes: in
     shape = ModelShape.from_config(model.config)
     workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
     if shape.experts:   # peft decided what its adapters are
-        n_lora, on_experts = lora_census(model)
-        workload = replace(workload, lora_params=n_lora, lora_on_experts=on_experts)
+        workload = replace(workload, **experts_census(model))
     return shape, workload
 
 
@@ -757,8 +768,7 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
         prompt_tokens, note = longest_prompt(recipe)
     workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
     if shape.experts:
-        n_lora, on_experts = lora_census_from_config(config, recipe.lora, recipe.model.trust_remote_code)
-        workload = replace(workload, lora_params=n_lora, lora_on_experts=on_experts)
+        workload = replace(workload, **experts_census_from_config(config, recipe.model, recipe.lora))
     est = estimate(shape, workload, budget)
     if note:
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
@@ -773,9 +783,13 @@ def experts_note(s: ModelShape, w: Workload) -> str:
     """What a mixture of experts costs that a dense model does not, for `estimate` and the trainer's start-up."""
     dtype = {4: "float32", 2: "16-bit"}[w.compute_bytes]
     text = (f"a mixture of {s.experts} experts, {s.experts_per_token} per token, in {s.moe_layers} of {s.num_layers} layers: "
-            f"the routed experts hold {fmt(s.expert_params() * w.compute_bytes)}")
-    if w.quantized:
-        text += f" in {dtype}: transformers stores them as 3-D tensors, which bitsandbytes does not quantize"
+            f"the routed experts hold {fmt(experts_bytes(s, w))}")
+    if w.experts_nf4:
+        text += (" in NF4 (model.quantize_experts), frozen: LoRA trains attention, the router and the dense and "
+                 "shared MLPs")
+    elif w.quantized:
+        text += (f" in {dtype}: transformers stores them as 3-D tensors, which bitsandbytes does not quantize, and "
+                 "model.quantize_experts is off or this layout is not one lowmem_grpo/experts4bit.py handles")
     if w.lora_on_experts:
         text += (f"; peft adapts them too ({lora_params(s, w) / 1e6:.1f}M LoRA parameters in all), and each MoE layer's "
                  f"forward builds its experts merged with LoRA ({fmt(merged_experts_bytes(s, w))}). To train attention "

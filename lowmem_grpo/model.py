@@ -68,6 +68,12 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
     quantized = cfg.load_in_4bit if quantized is None else quantized
     dtype = DTYPES[cfg.compute_dtype]
     kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    if problem := _not_a_folder(cfg.name_or_path):
+        raise ModelLoadError(problem)
+    target = device or default_device()
+    # A mixture's routed experts load in compute dtype (3-D tensors, which bitsandbytes leaves) and are stored in
+    # NF4 only then (experts4bit.py): they are staged in host memory, so that the device never holds them unquantized.
+    staged = quantized and cfg.quantize_experts and _routed_experts(cfg)
     if quantized:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -75,18 +81,35 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_use_double_quant=cfg.double_quant,
         )
-        kwargs["device_map"] = {"": device or default_device()}
-    if problem := _not_a_folder(cfg.name_or_path):
-        raise ModelLoadError(problem)
+        kwargs["device_map"] = {"": "cpu" if staged else target}
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model ({exc})") from None
+    if staged:
+        from .experts4bit import quantize_experts
+
+        quantize_experts(model, device=target)   # (a layout it does not handle stays: memory.experts_note says so)
+        if target != "cpu":   # GPU-only path (bitsandbytes moves 4-bit weights as they are): not run in CI
+            model.to(target)
     if quantized:
         disable_cpu_4bit_repack(model)
     elif device:
         model.to(device)
     return model
+
+
+def _routed_experts(cfg: ModelConfig) -> bool:
+    """Whether the model's config declares routed experts (memory.ModelShape reads them), before loading it."""
+    from transformers import AutoConfig
+
+    from .memory import ModelShape
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return ModelShape.from_config(config).experts > 0
+    except Exception:   # (a config the memory model cannot read: the load below says what is wrong)
+        return False
 
 
 def default_device() -> str:

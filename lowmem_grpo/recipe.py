@@ -36,6 +36,11 @@ class ModelConfig(_Section):
         "(docs/algorithm.md §24). No effect with float32, nor with float16, whose LoRA gradients would need loss "
         "scaling. Default true.")
     double_quant: bool = Field(True, description="bitsandbytes nested quantization of the 4-bit scales (saves ~0.4 bit/param).")
+    quantize_experts: bool = Field(
+        True, description="With load_in_4bit, a mixture of experts' routed experts in NF4 too (transformers keeps them "
+        "as 3-D tensors, which bitsandbytes leaves in compute_dtype: most of an MoE's bytes); they are then frozen, and "
+        "LoRA trains attention, the router and the dense/shared MLPs (lowmem_grpo/experts4bit.py). false: experts in "
+        "compute_dtype, adapted by LoRA where lora.target_modules reaches them.")
     gradient_checkpointing: bool = Field(True, description="Recompute decoder activations in backward instead of storing them.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
     backend: Literal["transformers", "unsloth"] = Field(

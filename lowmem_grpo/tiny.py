@@ -426,3 +426,27 @@ def save_arch_model(kind: str, path: Path, **sizes) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# Tiny mixtures of experts in transformers 5's three layouts (tests/test_memory.py, tests/test_experts4bit.py):
+# Qwen3-MoE with a dense layer among the MoE ones (mlp_only_layers), Qwen2-MoE with a shared expert and its gate,
+# Mixtral (every layer MoE, intermediate_size is the expert's width).
+MOE_LAYOUTS = {"Qwen3MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+               "Qwen2MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=48),
+               "MixtralConfig": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+def save_moe_model(cls: str, path: Path, **sizes) -> Path:
+    """A random 3-layer mixture of MOE_LAYOUTS[cls] (updated by `sizes`) with the char tokenizer, saved in bf16."""
+    import transformers
+
+    tok = build_tokenizer()
+    values = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2200, pad_token_id=tok.pad_token_id,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **MOE_LAYOUTS[cls])
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(**{**values, **sizes})
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

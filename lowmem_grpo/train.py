@@ -603,8 +603,8 @@ class Trainer:
         return model_workload(self.recipe, self.model, prompt_tokens, self.device_type, self.world.size)
 
     def _note_experts(self) -> None:
-        """For a mixture of experts, what its experts cost (memory.experts_note): they stay unquantized, and peft
-        may adapt them."""
+        """For a mixture of experts, what its experts cost (memory.experts_note): NF4 and frozen, or in compute
+        dtype and perhaps adapted by peft."""
         try:
             shape, workload = self.memory_model(1)
         except MemoryModelError:

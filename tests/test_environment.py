@@ -292,6 +292,69 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized():
     assert [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e] == ids("12345678")
 
 
+def test_an_observation_that_would_fill_the_completion_is_not_appended():
+    """An observation that leaves no room for a model turn ends the episode (truncated) without being appended:
+    else the completion would end in the environment's text, which a reward function reads as the model's last
+    words (here a number, as the math reward reads one)."""
+    limits = TurnLimits(max_turns=4, max_total_tokens=10, observation_max_tokens=16, observation_template="{observation}")
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:NeverDone", observation="4242424242"), limits)
+    for c in out:
+        assert c.token_ids == ids("12") + [EOS] and not any(c.env_mask), TOK.decode(c.token_ids)
+        assert (c.env.turns, c.env.env_tokens, c.truncated, c.env.error) == (1, 0, True, None)
+    # one token of room left after it: appended, and the model's turn follows
+    limits = dataclasses_replace(limits, max_total_tokens=9, observation_max_tokens=5)
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=1, max_new_tokens=8),
+                       factory("toy_envs:NeverDone", observation="4242424242"), limits)
+    assert out[0].token_ids == ids("12") + [EOS] + ids("42424") + ids("1") and out[0].truncated
+
+
+class _ContextEngine(FakeEngine):
+    """FakeEngine over a model whose context is `context` tokens (as the engines say: context_tokens())."""
+
+    def __init__(self, context, **kwargs):
+        super().__init__(**kwargs)
+        self.context = context
+
+    def context_tokens(self):
+        return self.context
+
+
+def test_episodes_end_where_the_models_context_ends():
+    """max_total_tokens may exceed what the model takes after its prompt: the episode ends (truncated) where the
+    context does, never asking the engine past it (vLLM refuses such a prompt with a traceback mid-run; the
+    transformers engine would read positions the model never saw)."""
+    limits = TurnLimits(max_turns=9, max_total_tokens=64, observation_max_tokens=16, observation_template="{observation}")
+    engine = _ContextEngine(16, turn="12")
+    out = run_episodes(engine, TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:NeverDone", observation="00"), limits)
+    for prompts, params in engine.calls:
+        assert all(len(p) + params.max_new_tokens <= 16 for p in prompts), [len(p) for p in prompts]
+    for c, e in zip(out, [e for e in examples(2) for _ in range(2)]):
+        assert len(e.prompt_ids) + len(c.token_ids) == 16 and c.truncated and c.env.turns == 3
+        assert c.token_ids == (ids("12") + [EOS] + ids("00")) * 2 + ids("1")
+    # a prompt that fills the context: no turn at all, an error that says why (not a silent empty episode)
+    out = run_episodes(_ContextEngine(5), TOK, examples(1), SamplingParams(n=1, max_new_tokens=8),
+                       factory("toy_envs:NeverDone"), limits)
+    assert (out[0].token_ids, out[0].env.turns) == ([], 0)
+    assert "the prompt is 5 tokens and fills the model's context (5 tokens)" in out[0].env.error
+
+
+def test_counters_may_not_take_the_name_of_a_built_in_env_metric():
+    """A counter named turns (or tokens, errors, truncated) would vanish from the row, whose own env/turns wins:
+    an error naming it, not a silently missing metric."""
+    from lowmem_grpo.environment import EnvOutputError, checked_counters
+
+    class Env:
+        def counters(self):
+            return {"turns": 9, "calls": 1}
+
+    with pytest.raises(EnvOutputError, match="counters\\(\\) returned 'turns': the names of the trainer's own env/turns, "
+                                             "which a counter cannot replace; allowed: names other than turns, tokens, "
+                                             "errors, truncated"):
+        checked_counters(Env())
+
+
 def test_first_message_replaces_the_prompt():
     from toy_envs import Scripted
 
@@ -529,7 +592,8 @@ def test_recipe_errors_name_the_field(tiny_model_dir, tiny_data, tmp_path):
     for name, kwargs, key, words in [("toy_envs:Nope", {}, "environment.name", "has no class 'Nope'"),
                                      ("no_such_module:X", {}, "environment.name", "cannot import module"),
                                      ("toy_envs:NoStep", {}, "environment.name", "no step method"),
-                                     ("toy_envs:TwoTurns", {"bogus": 1}, "environment.kwargs", "bogus")]:
+                                     ("toy_envs:TwoTurns", {"bogus": 1}, "environment.kwargs", "bogus"),
+                                     ("toy_envs:AsyncStep", {}, "environment.name", "defines step with async def")]:
         problems = dict(environment_problems(EnvironmentConfig(name=name, kwargs=kwargs)))
         assert words in problems[key], problems
         with pytest.raises(EnvError, match=key):
@@ -795,6 +859,22 @@ def test_validate_checks_kwargs_against_simple_annotations():
     assert "takes timeout_s as float, got '5s' (str)" in problems("python", timeout_s="5s")["environment.kwargs.timeout_s"]
     with pytest.raises(EnvError, match="environment.kwargs.max_output_chars"):
         factory("python", max_output_chars="many", allow_weak_sandbox=True)
+
+
+def test_validate_runs_the_checks_the_trainer_load_runs():
+    """What the trainer's load refuses, validate refuses under the recipe key that holds it: a startup hook's
+    refusal (the python tool's timeout_s), a call_format stop_for refuses; a key the constructor does not take
+    names the keys it does."""
+    def problems(env, **kwargs):
+        return dict(environment_problems(EnvironmentConfig(name=env, kwargs=kwargs)))
+
+    p = problems("python", timeout_s=-1, allow_weak_sandbox=True)
+    assert "timeout_s must be a finite number > 0" in p["environment.kwargs"], p
+    p = problems("python", call_format="json", allow_weak_sandbox=True)
+    assert "call_format 'json' is unknown; allowed: tags, tool_call" in p["environment.kwargs"], p
+    p = problems("python", timeout=5)
+    assert "it takes: timeout_s, max_output_chars, memory_mb, allow_weak_sandbox, call_format" in p["environment.kwargs"]
+    assert problems("python", allow_weak_sandbox=True) == {}
 
 
 def test_validate_names_a_kwarg_of_the_wrong_type(tiny_model_dir, tiny_data, tmp_path):

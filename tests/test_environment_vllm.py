@@ -218,6 +218,23 @@ def test_python_tool_rollouts_are_token_equal_between_engines(engines):
         assert env_text.replace(" ", "").isdigit() or not env_text
 
 
+def test_episodes_longer_than_the_models_context_end_there_in_both_engines(engines):
+    """environment.max_total_tokens past the model's context (256 here, vLLM's max_model_len): each episode ends,
+    truncated, where prompt + completion fill the context; vLLM is never handed a longer prompt (it raised
+    VLLMValidationError mid-run), and greedy episodes stay token for token the same through either engine."""
+    hf, v = engines
+    factory = EnvironmentFactory(EnvironmentConfig(name="toy_envs:NeverDone", kwargs={"observation": "0123456789" * 10}))
+    limits = TurnLimits(max_turns=9, max_total_tokens=1000, observation_max_tokens=60, observation_template=" {observation} ")
+    params = SamplingParams(n=1, max_new_tokens=24, greedy=True)
+    by_vllm = run_episodes(v, TOK, _examples(2), params, factory, limits)
+    by_hf = run_episodes(hf, TOK, _examples(2), params, factory, limits)
+    assert [_key(c) for c in by_vllm] == [_key(c) for c in by_hf]
+    for c, prompt in zip(by_vllm, PROMPTS):
+        assert len(prompt) + len(c.token_ids) <= 256 and c.truncated and c.env.error is None
+        # it ran into the context: no room left for a turn and an observation (60 tokens) more
+        assert len(prompt) + len(c.token_ids) > 256 - 24 - 60 and c.env.turns >= 3
+
+
 def test_two_turn_environment_trains_through_vllm(vllm_model_dir, tiny_data, tmp_path):
     """generation.engine: vllm with an environment (two turns, "=" ends a turn): two steps with eval, the env/
     metrics as with transformers, and the engine's log-probs (model tokens only) agree with the trainer's."""

@@ -231,3 +231,15 @@ def test_a_completion_ends_at_any_eos_the_models_generation_config_lists(model_t
     # the cut is at the first of the ids, and a stop string after it does not count
     assert _cut([5, 7, 9, 7], (9, 7), (4, "x")) == ([5, 7], False, None)
     assert _cut([5, 6], (9, 7), None) == ([5, 6], True, None)
+
+
+def test_the_engine_says_how_many_tokens_its_model_takes(tiny_model_dir):
+    """rollout/turns.py ends an episode where the model's context does: the transformers engine reads it from the
+    model's config (max_position_embeddings)."""
+    from lowmem_grpo.recipe import ModelConfig
+    from lowmem_grpo.rollout.hf import HFEngine
+    from lowmem_grpo.model import load_base_model, load_tokenizer
+
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), compute_dtype="float32")
+    model = load_base_model(cfg, quantized=False)
+    assert HFEngine(model, load_tokenizer(cfg)).context_tokens() == model.config.max_position_embeddings > 0

@@ -193,6 +193,72 @@ def test_bnb_fence_fails_when_the_kernels_logger_moves(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
+# transformers' mixture-of-experts modules (experts4bit.py)
+# ----------------------------------------------------------------------------------------------------
+
+def _experts_fence(*fragments: str) -> str:
+    import transformers
+
+    from lowmem_grpo.internals import TRANSFORMERS_VERSION_CHECKED, experts_internals
+
+    return _assert_fence(experts_internals, "transformers", transformers.__version__, TRANSFORMERS_VERSION_CHECKED,
+                         *fragments)
+
+
+def test_experts_fence_passes():
+    from transformers.integrations.moe import ExpertsInterface
+
+    from lowmem_grpo.internals import experts_internals
+
+    fence = experts_internals()
+    assert fence.ExpertsInterface is ExpertsInterface and fence.layout_flags == ("has_gate", "is_concatenated",
+                                                                                  "is_transposed", "has_bias")
+
+
+def test_experts_fence_fails_when_the_decorator_stops_setting_a_layout_flag(monkeypatch):
+    from transformers.integrations import moe
+
+    original = moe.use_experts_implementation
+
+    def without_has_gate(cls=None, **kwargs):
+        decorated = original(cls, **kwargs)
+        init = decorated.__init__
+
+        def __init__(self, *args, **kw):
+            init(self, *args, **kw)
+            del self.has_gate
+        decorated.__init__ = __init__
+        return decorated
+
+    monkeypatch.setattr(moe, "use_experts_implementation", without_has_gate)
+    _experts_fence("use_experts_implementation no longer sets has_gate")
+
+
+def test_experts_fence_fails_when_apply_gate_computes_something_else(monkeypatch):
+    from transformers.integrations import moe
+
+    monkeypatch.setattr(moe, "_default_apply_gate", lambda self, x: x.chunk(2, dim=-1)[1])
+    _experts_fence("_apply_gate no longer computes act(gate) * up")
+    # and quantizing experts, which registers through the fence, refuses rather than running a wrong gate
+    import transformers
+
+    from lowmem_grpo import experts4bit, tiny
+
+    config = transformers.Qwen3MoeConfig(**{**tiny.ARCH_SIZES, **tiny.MOE_LAYOUTS["Qwen3MoeConfig"]})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(InternalsError, match="transformers"):
+        experts4bit.quantize_experts(model)
+
+
+def test_experts_fence_fails_when_the_registry_is_gone(monkeypatch):
+    from transformers.integrations import moe
+
+    monkeypatch.setattr(moe.ExpertsInterface, "register", None)   # (inherited from GeneralInterface)
+    _experts_fence("ExpertsInterface.register is gone")
+
+
+# ----------------------------------------------------------------------------------------------------
 # bitsandbytes' "kernels" warning
 # ----------------------------------------------------------------------------------------------------
 

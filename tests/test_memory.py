@@ -561,51 +561,42 @@ def test_the_update_per_token_matches_a_tensor_level_trace(tmp_path, autocast):
     assert abs(predicted - traced) <= 0.2 * traced, (predicted, traced)
 
 
-# Tiny mixtures in transformers 5's three layouts: Qwen3-MoE with a dense layer among the MoE ones (mlp_only_layers),
-# Qwen2-MoE with a shared expert and its gate, Mixtral (every layer MoE, intermediate_size is the expert's width).
-MOE_CONFIGS = {"Qwen3MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
-               "Qwen2MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=48),
-               "MixtralConfig": dict(num_local_experts=4, num_experts_per_tok=2)}
-
-
-def _save_moe(cls: str, path, **sizes):
-    import transformers
-
-    tok = tiny.build_tokenizer()
-    values = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2200, pad_token_id=tok.pad_token_id,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **MOE_CONFIGS[cls])
-    torch.manual_seed(0)
-    config = getattr(transformers, cls)(**{**values, **sizes})
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+MOE_CONFIGS = tiny.MOE_LAYOUTS
+_save_moe = tiny.save_moe_model
 
 
 @pytest.mark.parametrize("cls", list(MOE_CONFIGS))
 def test_a_mixture_of_experts_is_counted_as_it_loads(tmp_path, cls):
     """The routed experts are 3-D tensors that bitsandbytes leaves in compute dtype (checked on the loaded model:
     this fails when a bitsandbytes or transformers release starts quantizing them, and the memory model must
-    follow), and the adapters peft puts on experts and routers are counted on the meta-device copy as on the model."""
+    follow), or NF4 where experts4bit.py stores them so; and the adapters peft puts on experts and routers are
+    counted on the meta-device copy as on the model, either way."""
     _save_moe(cls, tmp_path)
     shape, config = _shape_and_config(tmp_path)
     assert shape.experts == 4 and shape.moe_layers == (2 if cls == "Qwen3MoeConfig" else 3)
-    model = load_base_model(ModelConfig(name_or_path=str(tmp_path), compute_dtype="float32"), quantized=True, device="cpu")
-    experts = [p for name, p in model.named_parameters() if ".experts." in name]
-    assert experts and all(p.dtype == torch.float32 and p.dim() == 3 for p in experts)
-    real = sum(p.numel() * p.element_size() for p in model.parameters())
-    real += sum(m.weight.quant_state.absmax.numel() * 4 for m in model.modules()
-                if getattr(getattr(m, "weight", None), "quant_state", None) is not None)
-    predicted = mm.base_weight_bytes(shape, mm.Workload(quantized=True, double_quant=True, compute_bytes=4))
-    assert abs(predicted - real) <= 0.03 * real, (predicted, real)   # Qwen3's q/k norms are not counted
-    for targets in ("all-linear", ["q_proj", "k_proj", "v_proj", "o_proj"], ["q_proj", "down_proj"]):
-        lora = LoraConfig(r=4, target_modules=targets)
-        policy, _ = load_policy(ModelConfig(name_or_path=str(tmp_path), compute_dtype="float32"), lora)
-        census = mm.lora_census(policy)
-        assert mm.lora_census_from_config(config, lora) == census, targets
-        if targets == "all-linear" and cls != "Qwen2MoeConfig":   # peft 0.21 maps these two onto the experts
-            assert census[1] and census[0] > mm.lora_params(shape, mm.Workload(lora_r=4, lora_targets=("all-linear",)))
+    for nf4 in (False, True):
+        cfg = ModelConfig(name_or_path=str(tmp_path), compute_dtype="float32", quantize_experts=nf4)
+        model = load_base_model(cfg, quantized=True, device="cpu")
+        experts = [p for name, p in model.named_parameters() if ".experts." in name]
+        assert bool(experts) is not nf4 and all(p.dtype == torch.float32 and p.dim() == 3 for p in experts)
+        real = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
+        for qs in [getattr(getattr(m, "weight", None), "quant_state", None) for m in model.modules()]:
+            if qs is not None:   # the 4-bit linears' scales: 8-bit absmax plus an fp32 one per 256 (double quant)
+                real += qs.absmax.numel() * qs.absmax.element_size()
+                real += qs.state2.absmax.numel() * 4 if qs.nested else 0
+        predicted = mm.base_weight_bytes(shape, mm.Workload(quantized=True, double_quant=True, compute_bytes=4,
+                                                            experts_nf4=nf4))
+        assert abs(predicted - real) <= 0.03 * real, (nf4, predicted, real)   # Qwen3's q/k norms are not counted
+        for targets in ("all-linear", ["q_proj", "k_proj", "v_proj", "o_proj"], ["q_proj", "down_proj"]):
+            lora = LoraConfig(r=4, target_modules=targets)
+            policy, _ = load_policy(cfg, lora)
+            census = mm.experts_census(policy)
+            assert mm.experts_census_from_config(config, cfg, lora) == census, (nf4, targets)
+            assert census["experts_nf4"] is nf4
+            if targets == "all-linear" and cls != "Qwen2MoeConfig":   # peft 0.21 maps these two onto bf16 experts
+                assert census["lora_on_experts"] is not nf4
+                if not nf4:
+                    assert census["lora_params"] > mm.lora_params(shape, mm.Workload(lora_r=4, lora_targets=("all-linear",)))
 
 
 @pytest.mark.slow(15)
@@ -618,11 +609,12 @@ def test_a_mixture_of_experts_update_matches_a_tensor_level_trace(tmp_path):
     trace = _trace_module()
 
     def traced_and_predicted(folder, targets, lengths):
-        model, tok = load_policy(ModelConfig(name_or_path=str(folder), compute_dtype="bfloat16"),
+        model, tok = load_policy(ModelConfig(name_or_path=str(folder), compute_dtype="bfloat16", quantize_experts=False),
                                  LoraConfig(r=16, alpha=32, target_modules=targets))
         model.train()
-        n, on_experts = mm.lora_census(model)
-        w = mm.Workload(micro_batch_size=1, prompt_tokens=3, device="cpu", lora_params=n, lora_on_experts=on_experts)
+        census = mm.experts_census(model)
+        n, on_experts = census["lora_params"], census["lora_on_experts"]
+        w = mm.Workload(micro_batch_size=1, prompt_tokens=3, device="cpu", **census)
         shape, rows = mm.ModelShape.from_config(model.config), []
         for t in lengths:
             ids = torch.randint(4, 200, (t,), generator=torch.Generator().manual_seed(t)).tolist()
@@ -653,12 +645,17 @@ def test_a_mixture_of_experts_update_matches_a_tensor_level_trace(tmp_path):
 def test_estimate_says_what_a_mixture_of_experts_costs(tmp_path, tiny_data):
     from lowmem_grpo.tiny import save_arch_model
 
-    for kind, moe in (("qwen3_moe", True), ("llama", False)):
+    for kind, moe, nf4 in (("qwen3_moe", True, True), ("qwen3_moe", True, False), ("llama", False, True)):
         d = recipe_dict(save_arch_model(kind, tmp_path / kind), tiny_data, tmp_path / "run")
+        d["model"]["quantize_experts"] = nf4
         est, shape, w = mm.estimate_recipe(recipe_from_dict(d), "cuda")
         said = [n for n in est.notes if "a mixture of 4 experts, 2 per token" in n]
         assert bool(said) is moe, (kind, est.notes)
-        if moe:   # the recipe's default: 4-bit, all-linear LoRA, which peft puts on the experts too
+        if moe and nf4:   # the recipe's default: 4-bit experts too, frozen, all-linear LoRA on the rest
+            assert "in NF4 (model.quantize_experts), frozen" in said[0] and "peft adapts" not in said[0], said
+            assert w.experts_nf4 and not w.lora_on_experts and mm.merged_experts_bytes(shape, w) == 0
+            assert any("experts NF4" in name for name in est.static), est.static
+        elif moe:   # experts in compute dtype: peft puts all-linear LoRA on them too
             assert "bitsandbytes does not quantize" in said[0] and "peft adapts them too" in said[0], said
             assert w.lora_on_experts and mm.merged_experts_bytes(shape, w) > 0
             assert any("merged with LoRA" in name for name in est.phases["rollout"]), est.phases["rollout"]
@@ -666,9 +663,10 @@ def test_estimate_says_what_a_mixture_of_experts_costs(tmp_path, tiny_data):
 
 @pytest.mark.slow(10)
 def test_the_readmes_figures_for_qwen3_30b_a3b():
-    """The README's Models paragraph quotes these for Qwen3-30B-A3B's shape (its config.json's numbers): the routed
-    experts in bf16, peft's LoRA at r = 16 on all linear layers (experts and routers included), and one layer's
-    experts merged with LoRA."""
+    """The README's Models paragraph quotes these for Qwen3-30B-A3B's shape (its config.json's numbers): with the
+    experts in NF4 (the default) the base weights and the predicted peak at G = 8 and 512 completion tokens;
+    with them in bf16 the experts' bytes, peft's LoRA at r = 16 on all linear layers (experts and routers
+    included), and one layer's experts merged with LoRA."""
     import transformers
     from pathlib import Path
 
@@ -676,9 +674,14 @@ def test_the_readmes_figures_for_qwen3_30b_a3b():
                                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                                          num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False)
     shape = mm.ModelShape.from_config(config)
-    n_lora, on_experts = mm.lora_census_from_config(config, LoraConfig(r=16, alpha=32))
-    w = mm.Workload(lora_params=n_lora, lora_on_experts=on_experts)
+    lora = LoraConfig(r=16, alpha=32)
+    bf16 = mm.Workload(**mm.experts_census_from_config(config, ModelConfig(name_or_path="m", quantize_experts=False), lora))
+    nf4 = mm.Workload(**mm.experts_census_from_config(config, ModelConfig(name_or_path="m"), lora),
+                      prompt_tokens=256, completion_tokens=512, num_generations=8, prompts_per_step=1, micro_batch_size=1)
+    peak = mm.estimate(shape, nf4).peak
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    figures = (f"experts are {shape.expert_params() * 2 / mm.GiB:.0f} GiB in bf16", f"({n_lora / 1e6:.1f}M LoRA parameters",
-               f"({mm.fmt(mm.merged_experts_bytes(shape, w))} a layer")
+    figures = (f"experts are {shape.expert_params() * 2 / mm.GiB:.0f} GiB in bf16",
+               f"({bf16.lora_params / 1e6:.1f}M LoRA parameters", f"({mm.fmt(mm.merged_experts_bytes(shape, bf16))} a layer",
+               f"base weights {mm.fmt(mm.base_weight_bytes(shape, nf4))}", f"predicted peak {mm.fmt(peak)}",
+               f"{nf4.lora_params / 1e6:.1f}M LoRA parameters on attention and routers")
     assert [f for f in figures if f not in " ".join(readme.split())] == [], figures

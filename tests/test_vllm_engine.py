@@ -171,6 +171,8 @@ def test_vllm_internals_are_where_we_expect(dense):
     assert hasattr(internals.parallel_state, "_WORLD") and hasattr(internals.parallel_state, "_NODE_COUNT")
     assert internals.cache_config(engine.llm).kv_cache_memory_bytes == 64 << 20  # the KV cache is sized by us
     assert internals.scheduler_config(engine.llm).max_num_seqs == 256  # no recipe, no max_num_seqs: vLLM's CPU default
+    assert engine.context_tokens() == internals.model_config(engine.llm).max_model_len == \
+        engine.model.config.max_position_embeddings   # (vLLM derives it from the config)
     assert [m.padded_vocab for m in engine.binding.embedding_methods] == [64, 64]  # 21 tokens padded to 64
     assert internals.implementation("Qwen2ForCausalLM") == "vllm.model_executor.models.qwen2"
     assert internals.implementation("PhiForCausalLM").startswith(V.TRANSFORMERS_BACKEND)   # (as of vllm 0.32)

@@ -155,3 +155,13 @@ class Typed:
 
     def step(self, model_text):
         return None, None, True
+
+
+class AsyncStep:
+    """A step written with async def (as some agent frameworks have it): a load error, not a coroutine per turn."""
+
+    def reset(self, row):
+        return None
+
+    async def step(self, model_text):
+        return None, 1.0, True

@@ -150,6 +150,11 @@ class HFEngine:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_sequences = max_batch_sequences  # sequences per generate call (a wave); None: all at once
 
+    def context_tokens(self) -> Optional[int]:
+        """The model's positions (max_position_embeddings), or None where its config does not say."""
+        most = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return most if isinstance(most, int) and most > 0 else None
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One generate call when len(prompts) x n fits max_batch_sequences (or there is no cap); else the calls
         of base.wave_plan: whole prompts with their n samples (n <= cap), or one prompt's samples over several

@@ -6,10 +6,13 @@ decode together: each round is one engine.generate call over the episodes still 
 prompt + everything so far, n = 1 each); a model turn ends at EOS, at one of the environment's stop strings,
 or at generation.max_new_tokens. Then env.step(turn text) gives (observation, reward, done), and the episode
 goes on until the environment says done, max_turns model turns were taken, or max_total_tokens tokens
-(model + environment) fill the completion.
+(model + environment) fill the completion; or fewer, where the model's context (prompt + completion: vLLM's
+max_model_len, else max_position_embeddings) ends first.
 
-An observation is appended only when a model turn follows it; it is tokenized without special tokens (text
-in it that spells one, say EOS, stays text) and cut to observation_max_tokens and to the room left.
+An observation is appended only when a model turn follows it: not after the last turn, and not when it would
+leave no room for one (a completion never ends in the environment's text, which reward functions would read
+as the model's). It is tokenized without special tokens (text in it that spells one, say EOS, stays text) and
+cut to observation_max_tokens.
 Environment tokens carry env_mask True and a NaN sampler log-prob: context for the model, never trained
 (batch.pack).
 
@@ -75,6 +78,7 @@ class _Episode:
     truncated: bool = False
     stopped_by: Optional[str] = None
     counters: dict = field(default_factory=dict)
+    cap: int = 0                     # the most completion tokens: max_total_tokens, less where the context ends
 
     def end(self, truncated: bool = False, error: Optional[str] = None) -> None:
         self.done, self.truncated, self.error = True, self.truncated or truncated, error
@@ -125,7 +129,21 @@ def _own_row(row: dict) -> dict:
 
 
 def _room(ep: _Episode, limits: TurnLimits) -> int:
-    return limits.max_total_tokens - len(ep.tokens)
+    return ep.cap - len(ep.tokens)
+
+
+def context_tokens(engine) -> Optional[int]:
+    """The most tokens (prompt + completion) the engine's model takes, or None when it does not say: vLLM's
+    max_model_len (it refuses a longer prompt: a later round would raise), the transformers engine's
+    max_position_embeddings (past it the model reads positions it never saw, and the two engines would no longer
+    give the same episodes)."""
+    own = getattr(engine, "context_tokens", None)
+    return own() if callable(own) else None
+
+
+def _cap(ep: _Episode, limits: TurnLimits, context: Optional[int]) -> int:
+    """max_total_tokens, or less where the model's context ends first (its prompt: the example's or reset()'s)."""
+    return limits.max_total_tokens if context is None else min(limits.max_total_tokens, context - len(ep.prompt_ids))
 
 
 def _model_turn(ep: _Episode, c: Completion, limits: TurnLimits) -> tuple[list, bool]:
@@ -146,12 +164,19 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
     """Append the observation as environment tokens (template, observation_max_tokens, the room left)."""
     if observation is None:
         return
-    most = min(limits.observation_max_tokens, _room(ep, limits))
+    room = _room(ep, limits)
+    most = min(limits.observation_max_tokens, room)
     observation = observation[: OBS_CHARS_FLOOR + OBS_CHARS_PER_TOKEN * most]
     try:
         ids = _observation_ids(tokenizer, limits.observation_template, observation)[:most]
     except Exception as exc:  # the tokenizer refused it: that episode's error, not the run's
         ep.end(error=f"the observation cannot be tokenized: {type(exc).__name__}: {exc}")
+        return
+    if len(ids) >= room:
+        # It would fill the completion: no model turn could follow it, and the completion would end in the
+        # environment's text, which reward functions read as the model's last words. Not appended; a limit
+        # ended the episode.
+        ep.end(truncated=True)
         return
     ep.tokens += ids
     ep.env_mask += [True] * len(ids)
@@ -200,8 +225,7 @@ def _bounded(call: Callable, timeout_s: float, what: str):
     worker.start()
     worker.join(timeout_s)
     if not box:
-        return EnvOutputError(f"{what} did not return within environment.step_timeout_s={timeout_s:g} s; "
-                              "the episode ends there")
+        return EnvOutputError(f"{what} did not return within environment.step_timeout_s={timeout_s:g} s")
     return box[0]
 
 
@@ -243,8 +267,6 @@ def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits)
         ep.end(truncated=True)
     else:
         _observe(ep, observation, tokenizer, limits)
-        if not ep.done and _room(ep, limits) <= 0:   # the observation filled the completion: no room for a model turn
-            ep.end(truncated=True)
 
 
 def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, factory, limits: TurnLimits,
@@ -254,6 +276,12 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
     renders reset()'s first message as the dataset prompt would be (an Example), when one is given."""
     episodes = [_start(i, e, factory, render, limits.step_timeout_s) for i, e in enumerate(examples)
                 for _ in range(params.n)]
+    context = context_tokens(engine)
+    for ep in episodes:
+        ep.cap = _cap(ep, limits, context)
+        if not ep.done and ep.cap <= 0:   # an error, not a limit: it would pass as a silent zero-turn episode
+            ep.end(error=f"the prompt is {len(ep.prompt_ids)} tokens and fills the model's context ({context} tokens): "
+                         "no model turn fits; shorten reset()'s first message or lower data.max_prompt_tokens")
     while True:
         active = [ep for ep in episodes if not ep.done]
         if not active:

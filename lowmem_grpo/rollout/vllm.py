@@ -136,6 +136,7 @@ def vllm_internals() -> SimpleNamespace:
       resets the module's `_WORLD` and `_NODE_COUNT`.
     - `cache_config(llm)`: the engine's CacheConfig (llm.llm_engine.vllm_config.cache_config).
     - `scheduler_config(llm)`: its SchedulerConfig (llm.llm_engine.vllm_config.scheduler_config).
+    - `model_config(llm)`: its ModelConfig (llm.llm_engine.vllm_config.model_config: max_model_len).
     - `implementation(architecture)`: the module vLLM's model registry builds that architecture from
       (ModelRegistry.models[arch].module_name), or None for one it does not list. vLLM registers some
       architectures to its Transformers backend (vllm.model_executor.models.transformers), which wraps
@@ -205,7 +206,8 @@ def vllm_internals() -> SimpleNamespace:
     return SimpleNamespace(version=vllm.__version__, checked=VLLM_VERSION_CHECKED, parallel_state=ps,
                            engine_core=engine_core, keep_default_group=keep_default_group, implementation=implementation,
                            cache_config=lambda llm: follow(llm, "llm_engine.vllm_config.cache_config"),
-                           scheduler_config=lambda llm: follow(llm, "llm_engine.vllm_config.scheduler_config"))
+                           scheduler_config=lambda llm: follow(llm, "llm_engine.vllm_config.scheduler_config"),
+                           model_config=lambda llm: follow(llm, "llm_engine.vllm_config.model_config"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -687,6 +689,10 @@ class VLLMEngine:
         if self.cuda and self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
+
+    def context_tokens(self) -> int:
+        """The most tokens (prompt + completion) vLLM takes for one sequence: it refuses a longer prompt."""
+        return int(vllm_internals().model_config(self.llm).max_model_len)
 
     # -- generation ------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 them); scripts/gpu_check.py runs them on a GPU machine and docs/benchmarks.md holds what they showed.
 
 Each mirrors a CPU test where one exists: NF4 + LoRA backward against the dequantized twin (tests/test_model.py),
+a mixture's NF4 experts loaded onto the GPU against their dequantized twin (tests/test_experts4bit.py),
 the chunked log-prob kernel against log_softmax + gather (tests/test_logprobs.py), activation offload
 (tests/test_offload.py), preflight's advice and rollout waves on a small card (tests/test_memory.py) and the
 quickstart learning."""
@@ -86,6 +87,54 @@ def test_nf4_lora_backward_on_cuda_equals_the_dequantized_twin(tiny_model_dir):
     assert g_q.keys() == g_t.keys() and len(g_q) > 0
     for n in g_t:
         assert _rel(g_q[n], g_t[n]) < 1e-4, (n, _rel(g_q[n], g_t[n]))
+
+
+# ------------------------------------------------------------------------------------------------------
+# A mixture's experts in NF4 on CUDA (experts4bit.py): staged loading, and the layer against the twin
+# ------------------------------------------------------------------------------------------------------
+
+@needs_bnb
+def test_nf4_experts_load_staged_onto_cuda_and_equal_the_dequantized_twin(tmp_path):
+    """The loader stages a mixture in host memory, stores its experts in NF4 on the GPU and moves the rest there
+    (model.load_base_model: the path CI cannot run); fp32, so the NF4 layer's outputs are within 1e-5 (relative,
+    norm) of transformers' own layer on the dequantized weights, and LoRA's gradients within 1e-4."""
+    import copy
+
+    from lowmem_grpo import experts4bit as e4
+    from lowmem_grpo import tiny
+    from lowmem_grpo.model import attach_lora, hidden_states, load_base_model
+    from lowmem_grpo.recipe import LoraConfig, ModelConfig
+
+    folder = tiny.save_moe_model("Qwen3MoeConfig", tmp_path / "moe")
+    model = load_base_model(ModelConfig(name_or_path=str(folder), compute_dtype="float32"), device="cuda")
+    experts = [m for m in model.modules() if e4.is_experts(m)]
+    assert experts and all(m.gate_up_proj_nf4.is_cuda for m in experts) and all(p.is_cuda for p in model.parameters())
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if hasattr(m, "nf4_shapes"):
+            for proj in e4.PROJECTIONS:
+                m.register_parameter(proj, torch.nn.Parameter(e4.dequantized(m, proj), requires_grad=False))
+                delattr(m, f"{proj}_nf4"), delattr(m, f"{proj}_absmax")
+            del m.nf4_shapes
+    twin.set_experts_implementation("eager")
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    policy, reference = attach_lora(model, lora, False), attach_lora(twin, lora, False)
+    g = torch.Generator().manual_seed(0)
+    for (name, p), q in zip(policy.named_parameters(), reference.parameters()):
+        if "lora_" in name:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.05)
+                q.copy_(p)
+    ids = torch.randint(3, 20, (2, 24), generator=g).cuda()
+
+    def run(m):
+        h = hidden_states(m, ids)
+        h.pow(2).mean().backward()
+        return h.detach(), [p.grad for n, p in m.named_parameters() if "lora_" in n]
+
+    (h_q, g_q), (h_t, g_t) = run(policy), run(reference)
+    assert _rel(h_q, h_t) < 1e-5 and len(g_q) == len(g_t) > 0
+    assert all(_rel(a, b) < 1e-4 for a, b in zip(g_q, g_t))
 
 
 # ------------------------------------------------------------------------------------------------------
