@@ -29,6 +29,15 @@ BLOCKSIZE = 64
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
+# Where configs give their number of routed experts (Qwen-MoE, Mixtral, DeepSeek)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routed_experts(config) -> int:
+    """The routed experts per MoE layer a config declares; 0 (or 1) for a dense model."""
+    return max(int(getattr(config, key, 0) or 0) for key in EXPERT_COUNT_KEYS)
+
+
 def is_experts(module: torch.nn.Module) -> bool:
     """A module of routed experts as transformers 5 writes them: its class decorated by use_experts_implementation
     (which sets the layout flags) and its experts as 3-D parameters, or already quantized here."""

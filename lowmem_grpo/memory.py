@@ -156,7 +156,9 @@ class ModelShape:
 def _experts(config) -> dict:
     """ModelShape's mixture-of-experts fields from a config (empty for a dense model). Which layers are MoE:
     Qwen2/3-MoE's mlp_only_layers and decoder_sparse_step, GLM-4-MoE's first_k_dense_replace."""
-    experts = max(int(getattr(config, key, 0) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    from .experts4bit import routed_experts
+
+    experts = routed_experts(config)
     if experts <= 1:
         return {}
     width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size

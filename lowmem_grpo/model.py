@@ -100,16 +100,16 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
 
 
 def _routed_experts(cfg: ModelConfig) -> bool:
-    """Whether the model's config declares routed experts (memory.ModelShape reads them), before loading it."""
+    """Whether the model's config declares routed experts, before loading it."""
     from transformers import AutoConfig
 
-    from .memory import ModelShape
+    from .experts4bit import routed_experts
 
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-        return ModelShape.from_config(config).experts > 0
-    except Exception:   # (a config the memory model cannot read: the load below says what is wrong)
+    except (OSError, ValueError):   # the load below says what is wrong
         return False
+    return routed_experts(getattr(config, "text_config", None) or config) > 1
 
 
 def default_device() -> str:

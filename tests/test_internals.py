@@ -235,18 +235,19 @@ def test_experts_fence_fails_when_the_decorator_stops_setting_a_layout_flag(monk
 
 
 def test_experts_fence_fails_when_apply_gate_computes_something_else(monkeypatch):
-    from transformers.integrations import moe
-
-    monkeypatch.setattr(moe, "_default_apply_gate", lambda self, x: x.chunk(2, dim=-1)[1])
-    _experts_fence("_apply_gate no longer computes act(gate) * up")
-    # and quantizing experts, which registers through the fence, refuses rather than running a wrong gate
     import transformers
+    from transformers.integrations import moe
 
     from lowmem_grpo import experts4bit, tiny
 
+    # (the model first: its experts class is decorated when its module is imported, which must not happen under
+    # the patch, or the class would keep the wrong gate for the rest of this process)
     config = transformers.Qwen3MoeConfig(**{**tiny.ARCH_SIZES, **tiny.MOE_LAYOUTS["Qwen3MoeConfig"]})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
+    monkeypatch.setattr(moe, "_default_apply_gate", lambda self, x: x.chunk(2, dim=-1)[1])
+    _experts_fence("_apply_gate no longer computes act(gate) * up")
+    # and quantizing experts, which registers through the fence, refuses rather than running a wrong gate
     with pytest.raises(InternalsError, match="transformers"):
         experts4bit.quantize_experts(model)
 
