@@ -145,6 +145,7 @@ class Trainer:
                                 f"{self.world.size} processes: each takes an equal share of a step's prompts; "
                                 f"use a multiple of {self.world.size}")
         self.run_dir = Path(run_dir or recipe.output.dir)
+        self.stop_requested = False   # set (by code, not a signal) to end the run after the current step, checkpointed
         if not resume and (held := ckpt.earlier_run(self.run_dir)):
             raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `lowmem-grpo train "
                                 f"--resume {self.run_dir}`, or train into another folder (--set output.dir=...), or "
@@ -751,7 +752,8 @@ class Trainer:
                         "checkpoint: " + (f"{last} (resume with: {self.resume_command})" if last else "none")
                         + ". Try a lower optimizer.lr, or optimizer.max_grad_norm > 0.")
                 # A skipped (non-finite) step writes no checkpoint: the latest one stays the last good step's.
-                stopping = distributed.any_true(stop.requested, self.world)   # a Ctrl-C that reached any process
+                # a Ctrl-C that reached any process, or a request in code (stop_requested: TRL-API callbacks)
+                stopping = distributed.any_true(stop.requested or self.stop_requested, self.world)
                 if not bad and (stopping or self.step % r.output.save_every == 0 or self.step == r.train.steps):
                     self.save()
                 elif bad:

@@ -21,6 +21,7 @@ the tokenizer next to the adapter, as TRL's does. After train(), `state` (transf
 log_history) reads the run's metrics.jsonl, `model` is the trained policy, and `evaluate()` runs the project's own
 greedy eval (lowmem_grpo/evaluate.py) on the eval set, returning eval_-prefixed metrics; the run itself evaluates
 only where eval_strategy asks, as TRL's does. A 4-bit NF4 `quantization_config` is read (its nested quantization).
+transformers' TrainerCallbacks are called from the run's metrics (_CallbackSink: which events, and which not).
 
 What does not carry over is refused, naming it: a GRPOConfig setting with no equivalent here that the script
 sets to something other than TRL's default (among them a generation batch that TRL would split into several
@@ -28,7 +29,7 @@ optimizer steps, push_to_hub, a report_to other than tensorboard or wandb), a mo
 folder: the base is loaded in 4-bit here), a reward model given by name or as a model object, a processing_class
 whose chat template (or vocabulary, or eos token) differs from the model folder's (the trainer loads the folder's),
 a dataset column that is not JSON data, a dict of datasets, peft options other than r, alpha, dropout and target
-modules, callbacks, an 8-bit or FP4 quantization_config, a fresh train() into an output_dir holding a run. Training is
+modules, an 8-bit or FP4 quantization_config, a fresh train() into an output_dir holding a run. Training is
 LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers). Resuming a run goes
 through the same script (its functions are not importable from the recipe file).
 """
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .recipe import Recipe, RecipeError, recipe_from_dict
+from .sinks import Sink
 
 
 class TRLCompatError(ValueError):
@@ -528,6 +530,59 @@ def _eval_entry(row: dict, mu: int, epoch: float, prefix: str = "eval") -> dict:
             "step": row["step"] * mu, "epoch": epoch}
 
 
+def _callback(callback):
+    """A TrainerCallback instance (transformers also takes the class, and makes one)."""
+    from transformers import TrainerCallback
+
+    if isinstance(callback, type) and issubclass(callback, TrainerCallback):
+        return callback()
+    if not isinstance(callback, TrainerCallback):
+        raise TRLCompatError(f"callbacks: {callback!r} is not a transformers TrainerCallback (or its class)")
+    return callback
+
+
+class _CallbackSink(Sink):
+    """transformers' TrainerCallbacks, called from the run's metrics rows as transformers' Trainer calls them:
+    on_train_begin before the first step; for a step's row on_step_end then on_log (TRL's names, as in
+    state.log_history); for an eval row on_evaluate then on_log; on_train_end after the last. A callback that sets
+    control.should_training_stop ends the run after that step, checkpointed, as a Ctrl-C does. Not called (this loop
+    is not transformers'): on_step_begin, on_substep_end, the optimizer and prediction events, on_save."""
+
+    def __init__(self, callbacks: list, args, trainer, tokenizer, mu: int, epoch: Callable[[int], float]):
+        from transformers import TrainerControl, TrainerState
+
+        self.callbacks, self.args, self.trainer, self.mu, self.epoch = callbacks, args, trainer, mu, epoch
+        r = trainer.recipe
+        self.state = TrainerState(max_steps=r.train.steps * mu, logging_steps=r.output.log_every * mu,
+                                  save_steps=r.output.save_every * mu, eval_steps=(r.train.eval_every or 0) * mu,
+                                  train_batch_size=r.train.micro_batch_size)
+        self.control = TrainerControl()
+        self.objects = dict(model=trainer.model, processing_class=tokenizer, optimizer=trainer.optimizer,
+                            lr_scheduler=trainer.scheduler)
+
+    def event(self, name: str, **kwargs) -> None:
+        for callback in self.callbacks:
+            result = getattr(callback, name)(self.args, self.state, self.control, **self.objects, **kwargs)
+            if result is not None:
+                self.control = result
+        if self.control.should_training_stop:
+            self.trainer.stop_requested = True
+
+    def write(self, row: dict) -> None:
+        step = row["step"]
+        self.state.global_step, self.state.epoch = step * self.mu, self.epoch(step)
+        if "loss" in row:
+            logs = _log_entry({k: v for k, v in row.items() if not k.startswith("eval/")}, self.mu, self.state.epoch)
+            self.state.log_history.append(logs)
+            self.event("on_step_end")
+            self.event("on_log", logs=logs)
+        if any(k.startswith("eval/") for k in row):
+            metrics = _eval_entry(row, self.mu, self.state.epoch)
+            self.state.log_history.append(metrics)
+            self.event("on_evaluate", metrics=metrics)
+            self.event("on_log", logs=metrics)
+
+
 class GRPOTrainer:
     """TRL's GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, peft_config), run by lowmem-grpo."""
 
@@ -536,10 +591,7 @@ class GRPOTrainer:
                  quantization_config=None, peft_config=None, log: Callable = print, **unsupported):
         if unsupported:
             raise TRLCompatError(f"GRPOTrainer: {', '.join(sorted(unsupported))} not supported by lowmem-grpo")
-        if callbacks:   # transformers' TrainerCallback hooks into its own loop, which is not the one here
-            raise TRLCompatError("GRPOTrainer: callbacks are not supported by lowmem-grpo (its training loop is not "
-                                 "transformers'): every step's metrics are in output_dir/metrics.jsonl (and "
-                                 "trainer.state.log_history after train()); checkpoints follow save_steps")
+        self._callbacks = [_callback(c) for c in (callbacks or [])]
         if optimizers != (None, None):
             raise TRLCompatError("GRPOTrainer: optimizers is not supported (the recipe's optimizer section is)")
         if not isinstance(model, (str, Path)):
@@ -644,6 +696,22 @@ class GRPOTrainer:
                             eval_steps=(r.train.eval_every or 0) * mu, train_batch_size=r.train.micro_batch_size,
                             log_history=[*self._evaluations[0], *history, *self._evaluations[1]])
 
+    def add_callback(self, callback) -> None:
+        """transformers' Trainer.add_callback: a TrainerCallback (or its class) for the next train()."""
+        self._callbacks.append(_callback(callback))
+
+    def remove_callback(self, callback) -> None:
+        """transformers' Trainer.remove_callback: by instance or by class."""
+        self.pop_callback(callback)
+
+    def pop_callback(self, callback):
+        """transformers' Trainer.pop_callback: removes and returns the callback (the first of a class), or None."""
+        for c in self._callbacks:
+            if c is callback or (isinstance(callback, type) and type(c) is callback):
+                self._callbacks.remove(c)
+                return c
+        return None
+
     def is_world_process_zero(self) -> bool:
         """transformers' Trainer.is_world_process_zero: whether this is the process that writes the run."""
         return self.accelerator.is_main_process
@@ -653,8 +721,9 @@ class GRPOTrainer:
         if name.startswith("_"):
             raise AttributeError(name)
         raise AttributeError(f"GRPOTrainer.{name}: not in lowmem-grpo's GRPOTrainer, which has train, evaluate, "
-                             "save_model, log_metrics, save_metrics, save_state, is_world_process_zero, model, args, "
-                             "state, processing_class, accelerator, recipe and output_dir")
+                             "save_model, log_metrics, save_metrics, save_state, add_callback, pop_callback, "
+                             "remove_callback, is_world_process_zero, model, args, state, processing_class, "
+                             "accelerator, recipe and output_dir")
 
     # -- train, evaluate, save ---------------------------------------------------------------------------
 
@@ -683,7 +752,16 @@ class GRPOTrainer:
         started = time.monotonic()
         trainer = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log)
         self._trained = True
+        callbacks = None
+        if self._callbacks and trainer.world.main:
+            r = self.recipe
+            callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer, r.algorithm.mu,
+                                      lambda step: step * r.train.prompts_per_step / max(1, self.train_rows))
+            trainer.metrics.sinks.append(callbacks)
+            callbacks.event("on_train_begin")
         summary = trainer.fit()
+        if callbacks is not None:
+            callbacks.event("on_train_end")
         self._model = trainer.model
         from .metrics import read_metrics
 

@@ -326,12 +326,47 @@ def test_reward_processing_classes_of_functions_are_ignored_as_trl_ignores_them(
                     train_dataset=[{"prompt": "1+1="}], reward_processing_classes=[None, None])
 
 
-def test_callbacks_are_refused_saying_where_the_metrics_are(tiny_model_dir, tmp_path):
+def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_dir, tmp_path):
+    """transformers' TrainerCallbacks (refused before): on_train_begin, per step on_step_end and on_log with TRL's
+    names, per evaluation on_evaluate and on_log, on_train_end; state.global_step in TRL's updates (x
+    num_iterations); a callback that sets control.should_training_stop ends the run after that step, checkpointed."""
     from transformers import TrainerCallback
 
-    with pytest.raises(TRLCompatError, match=r"callbacks .*output_dir/metrics\.jsonl.*log_history"):
-        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
-                    train_dataset=[{"prompt": "1+1="}], callbacks=[TrainerCallback()])
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def __getattribute__(self, name):
+            if name.startswith("on_"):
+                return lambda args, state, control, **kw: self.events.append(
+                    (name, state.global_step, (kw.get("logs") or kw.get("metrics") or {}).get("loss")
+                     if name in ("on_log", "on_evaluate") else None, "model" in kw))
+            return super().__getattribute__(name)
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            control.should_training_stop = state.global_step >= 4
+            return control
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    record = Record()
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
+                          eval_dataset=rows[6:], log=lambda *a: None, callbacks=[record, StopAt],
+                          args=_args(tmp_path, num_iterations=2, max_steps=10, eval_strategy="steps", eval_steps=2))
+    assert trainer.pop_callback(StopAt) is not None and trainer.pop_callback(StopAt) is None
+    trainer.add_callback(StopAt())
+    out = trainer.train()
+    names = [e[0] for e in record.events]
+    assert names[0] == "on_train_begin" and names[-1] == "on_train_end" and all(e[3] for e in record.events)
+    steps = [(e[1], e[2] is not None) for e in record.events if e[0] == "on_log"]
+    assert [e[1] for e in record.events if e[0] == "on_step_end"] == [2, 4]   # stopped after 2 batches of 2 updates
+    # eval_steps=2 updates is every step here: the step-0 eval, then each step's log (with a loss) and its eval
+    assert steps == [(0, False), (2, True), (2, False), (4, True), (4, False)], steps
+    assert [e[1] for e in record.events if e[0] == "on_evaluate"] == [0, 2, 4]
+    assert out.global_step == 4 and (tmp_path / "out" / "checkpoints").is_dir()
+    with pytest.raises(TRLCompatError, match="callbacks: .* is not a transformers TrainerCallback"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path / "x"),
+                    train_dataset=[{"prompt": "1+1="}], callbacks=[print])
 
 
 def test_a_4bit_quantization_config_is_read_and_any_other_refused(tiny_model_dir, tmp_path):
