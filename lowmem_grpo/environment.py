@@ -68,7 +68,8 @@ class Environment:
         return None
 
     def step(self, model_text: str) -> tuple[Optional[str], Optional[float], bool]:
-        """After a model turn (its text): (observation or None, reward or None, done)."""
+        """After a model turn (its text, special tokens kept but EOS, BOS and pad: a tool tag that the tokenizer
+        marks special is there): (observation or None, reward or None, done)."""
         raise NotImplementedError
 
 

@@ -30,7 +30,7 @@ import torch
 from .diagnostics import solved
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import score
+from .rollout.turns import prompt_text, score
 
 
 class EvalError(Exception):
@@ -87,9 +87,9 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         if records is not None:
             for j, (c, text) in enumerate(zip(completions, texts)):
                 per, total = _record(result, j)
-                records.append({"mode": "greedy", "prompt_index": first_index + i + j, "sample": 0, "prompt": chunk[j].prompt_text,
-                                "completion": text, "rewards": per, "total": total, "correct": judged.at(j),
-                                "truncated": c.truncated})
+                records.append({"mode": "greedy", "prompt_index": first_index + i + j, "sample": 0,
+                                "prompt": prompt_text(c, chunk[j]), "completion": text, "rewards": per, "total": total,
+                                "correct": judged.at(j), "truncated": c.truncated})
     return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted,
             "correct": correct, "prompts": len(examples)}
 
@@ -144,7 +144,7 @@ def sampled_counts(engine, tokenizer, rewards, examples, params: SamplingParams,
                 counts[c.prompt_index][1] += int(ok)
             if records is not None:
                 records.append({"mode": "sample", "prompt_index": first_index + i + c.prompt_index, "sample": j % params.n,
-                                "prompt": chunk[c.prompt_index].prompt_text, "completion": texts[j], "rewards": per,
+                                "prompt": prompt_text(c, chunk[c.prompt_index]), "completion": texts[j], "rewards": per,
                                 "total": total, "correct": ok, "truncated": c.truncated})
         per_prompt += [tuple(x) for x in counts]
         done(len(chunk))
@@ -254,8 +254,8 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     first, stop = distributed.shard_bounds(len(examples), world)
     mine, greedy_records, sample_records = examples[first:stop], [], []
     summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
-               "model": str(model_dir or recipe.model.name_or_path), "prompts": len(examples),
-               "max_new_tokens": g.max_new_tokens}
+               "model": str(model_dir or recipe.model.name_or_path), "environment": recipe.environment.name or None,
+               "prompts": len(examples), "max_new_tokens": g.max_new_tokens}
     # A bar on a terminal (prompts done, greedy then sampled): an eval of 1,000+ prompts takes a while.
     from .progress import use_bar
 
@@ -269,8 +269,9 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     batch = min(wave or EVAL_BATCH, EVAL_BATCH)
     engine_cfg = EngineConfig.from_recipe(recipe, wave)
     engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, world)), model, tok)
+    errors = None   # with an environment: its episodes' errors, counted (_EnvErrors)
     try:
-        rollout = _episodes(recipe, engine, tok, pset)
+        rollout = errors = _EnvErrors(_episodes(recipe, engine, tok, pset)) if recipe.environment.name else None
         mine_greedy = greedy(engine, tok, rewards, mine, g.max_new_tokens, batch_size=batch, records=greedy_records,
                              done=done, rollout=rollout, first_index=first)
         torch.manual_seed(distributed.sampling_seed(recipe.seed, world))   # reproducible for a given recipe seed
@@ -283,7 +284,8 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         part = f".part-{world.rank}-of-{world.size}" if world.size > 1 else ""
         share = f"{len(mine)} of the {len(examples)} prompts (process {world.rank})" if part else f"{len(examples)} prompts"
         _write_results(Path(out_dir), greedy_records + sample_records,
-                       {**summary, "interrupted": True, "greedy_done": len(greedy_records),
+                       {**summary, **env_error_summary([errors.counts()] if errors else None), "interrupted": True,
+                        "greedy_done": len(greedy_records),
                         "samples_done": len(sample_records), **({"process": world.rank, "processes": world.size,
                                                                   "prompts_here": len(mine)} if part else {})}, part)
         raise EvalInterrupted(f"interrupted: {len(greedy_records)} greedy and {len(sample_records)} sampled completions "
@@ -295,6 +297,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
             bar.close()
     summary.update(combine_greedy(distributed.gather(mine_greedy, world)))
     summary.update(pass_at_k_table(distributed.gather_lists(counts, world), params, ks))
+    summary.update(env_error_summary(distributed.gather(errors.counts(), world) if errors else None))
     records = distributed.gather_lists(greedy_records, world) + distributed.gather_lists(sample_records, world)
     if not world.main:
         return summary
@@ -346,9 +349,50 @@ def _episodes(recipe, engine, tokenizer, pset) -> Optional[Callable]:
                   pset.render_message)
 
 
+class _EnvErrors:
+    """The environment's rollout, counting the episodes (greedy and sampled) that an environment error ended and
+    keeping the first error's text: such episodes are skipped, so without this an eval whose environment always
+    fails would report 0/0 prompts and say nothing of why."""
+
+    def __init__(self, rollout: Callable):
+        self.rollout, self.episodes, self.errors, self.first = rollout, 0, 0, None
+
+    def __call__(self, examples: list, params: SamplingParams) -> list:
+        completions = self.rollout(examples, params)
+        failed = [c.env.error for c in completions if c.env is not None and c.env.error]
+        self.episodes += len(completions)
+        self.errors += len(failed)
+        self.first = self.first or (failed[0] if failed else None)
+        return completions
+
+    def counts(self) -> tuple[int, int, Optional[str]]:
+        return self.episodes, self.errors, self.first
+
+
+def env_error_summary(parts: Optional[Sequence[tuple]]) -> dict:
+    """summary.json's env_episodes, env_errors and env_first_error from each process's _EnvErrors.counts() (process
+    0's first error first); None each without an environment."""
+    if parts is None:
+        return {"env_episodes": None, "env_errors": None, "env_first_error": None}
+    return {"env_episodes": sum(p[0] for p in parts), "env_errors": sum(p[1] for p in parts),
+            "env_first_error": next((p[2] for p in parts if p[2]), None)}
+
+
+def env_error_line(s: dict) -> Optional[str]:
+    """The line that says how many episodes an environment error ended (as training logs the first one), or None
+    when none did."""
+    if not s.get("env_errors"):
+        return None
+    return (f"environment {s['environment']!r}: {s['env_errors']} of {s['env_episodes']} episodes (greedy and sampled) "
+            f"ended in an environment error, and are skipped: not counted in the accuracy or pass@k; the first: "
+            f"{s['env_first_error']}")
+
+
 def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:
     lines = [f"greedy accuracy: {100 * s['accuracy']:.1f}% ({s['correct']}/{s['n']} prompts, "
              f"mean reward {s['mean_reward']:.3f}) on {s['split']}"]
+    if env_error_line(s):   # next to the figures it explains (0/0 prompts when every episode failed)
+        lines.append(env_error_line(s))
     parts = [f"pass@{k}: " + ("n/a" if s[f"pass@{k}"] is None else f"{100 * s[f'pass@{k}']:.1f}%") for k in ks]
     n = s["samples_per_prompt"]
     lines.append("  ".join(parts) + f"  ({n} sample{'s' * (n != 1)} per prompt at temperature {s['temperature']})")

@@ -211,8 +211,10 @@ class EnvironmentConfig(_Section):
         "", description="The environment, as 'package.module:Class' (reset(row) -> first message or None; step(model_text) "
         "-> (observation, reward, done); a class attribute `stop` lists strings that end a model turn besides EOS), or "
         "python (the built-in tool: code between <python> and </python> runs in the sandbox; kwargs timeout_s, "
-        "max_output_chars, memory_mb, allow_weak_sandbox); one instance per completion, driven by the trainer in "
-        "training and eval (docs/algorithm.md §20). Empty (default): none, single-turn rollouts.")
+        "max_output_chars, memory_mb, allow_weak_sandbox, call_format: tags (default) or tool_call for the "
+        "Hermes/Qwen <tool_call> JSON format; it gives no reward, so list reward functions); one instance per "
+        "completion, driven by the trainer in training and eval (docs/algorithm.md §20). Empty (default): none, "
+        "single-turn rollouts.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor.")
     max_turns: int = Field(4, ge=1, description="At most this many model turns per completion; an episode the "
                                                 "environment has not ended by then is cut (truncated).")
@@ -519,6 +521,15 @@ class Recipe(_Section):
         if not self.environment.name and not self.rewards.functions:
             return [("rewards.functions", "is empty: list at least one reward function, or set environment.name "
                                           "for rewards from an environment alone")]
+        from .environment import BUILTINS   # (here: the environment module reads this one's types)
+
+        # The built-in tool only runs code and never rewards (by design): with no function, no completion would
+        # ever be scored, and every step would learn nothing.
+        builtin_tool = BUILTINS.get(self.environment.name, self.environment.name) == BUILTINS["python"]
+        if builtin_tool and not self.rewards.functions:
+            return [("rewards.functions", f"is empty, and environment.name {self.environment.name!r} (the built-in "
+                                          "Python tool) gives no reward: list at least one reward function that "
+                                          "scores the completion (its text holds the calls and their outputs)")]
         return []
 
 

@@ -58,7 +58,7 @@ from .rewards import Rewards
 from .rewards.judging import judging_notes
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import TurnLimits, model_tokens, prompt_ids, runner, score, segments
+from .rollout.turns import TurnLimits, model_tokens, prompt_ids, prompt_text, runner, score, segments
 from .sinks import SinkError, Sinks, open_sinks
 
 
@@ -173,6 +173,7 @@ class Trainer:
         self.rewards = Rewards.from_recipe(recipe)
         self.env = EnvironmentFactory(recipe.environment) if recipe.environment.name else None   # §20
         self._env_error_logged = False
+        self._no_reward_logged = False   # a step whose every completion had no reward: said once (_log_no_reward)
         for note in self.env.notes if self.env else []:
             self.log(f"[lowmem-grpo] {note}")
         # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set). Rows
@@ -293,6 +294,16 @@ class Trainer:
             self._env_error_logged = True
             self.log(f"[lowmem-grpo] environment {self.recipe.environment.name!r}: {bad} (that completion's episode "
                      "ended there; such errors are counted in env/errors, and only this first one is printed)")
+
+    def _log_no_reward(self, completions, total: torch.Tensor) -> None:
+        """The run's first step whose every completion was skipped for want of any reward, once: such a step
+        learns nothing, and without a word the run would go on so, step after step (reward/skipped counts them)."""
+        if self._no_reward_logged:
+            return
+        note = no_reward_note(self.recipe, completions, total, self.step + 1)
+        if note:
+            self._no_reward_logged = True
+            self.log(note)
 
     def rollouts_with_contrast(self, first: Rollouts, clock: PhaseTimer) -> tuple[Rollouts, dict]:
         """§18: more draws until prompts_per_step groups have contrast (or the bound); those groups."""
@@ -478,6 +489,7 @@ class Trainer:
             drawn, found = self.rollouts_with_contrast(drawn, clock)
             row.update(found)
         examples, completions, texts, result = drawn.examples, drawn.completions, drawn.texts, drawn.result
+        self._log_no_reward(completions, result.total)
         with clock("reward"):
             advantages = self.advantages(result)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.bool)
@@ -513,7 +525,8 @@ class Trainer:
                     "sample": texts[0] if texts else "",
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         every = r.output.samples_every  # the table is built only for the steps that write it
-        samples = (diag.sample_table([examples[c.prompt_index].prompt_text for c in completions], texts, result,
+        # each completion's own prompt: an environment's reset() may have replaced the dataset's (§20)
+        samples = (diag.sample_table([prompt_text(c, examples[c.prompt_index]) for c in completions], texts, result,
                                      segments=[segments(c, self.tokenizer) for c in completions[:diag.SAMPLE_ROWS]])
                    if every and (self.step + 1) % every == 0 else None)
         return Step(row, samples)
@@ -793,6 +806,30 @@ class Trainer:
             self.engine.close()
         finally:
             self.metrics.close()
+
+
+def no_reward_note(recipe: Recipe, completions, total: torch.Tensor, step: int) -> Optional[str]:
+    """What happened and what to do when every completion of step `step` was skipped and some for want of any
+    reward (not an environment error: the first of those is logged on its own); None when any was scored."""
+    if not len(total) or not bool(torch.isnan(total).all()):
+        return None
+    failed = [c.env is not None and bool(c.env.error) for c in completions]
+    if all(failed):
+        return None
+    functions = ("rewards.functions is empty" if not recipe.rewards.functions
+                 else "no reward function scored them (each returned None)")
+    if recipe.environment.name:
+        ran = [c for c, bad in zip(completions, failed) if not bad]
+        cut = sum(c.truncated for c in ran)
+        limits = (f" ({cut} of {len(ran)} episodes were cut by a limit: environment.max_turns, "
+                  "environment.max_total_tokens or a turn's generation.max_new_tokens)" if cut else "")
+        what = f"the environment {recipe.environment.name!r} gave no reward{limits}, and {functions}"
+        fix = ("give a reward in step() on every turn, not only when done (or raise those limits), or list a "
+               "reward function under rewards.functions")
+    else:
+        what, fix = functions, "check that the reward functions can score these completions (None is a skip)"
+    return (f"[lowmem-grpo] step {step}: every completion was skipped for want of any reward: {what}; the step "
+            f"learned nothing. To learn, {fix}. (Said once: reward/skipped counts such completions each step.)")
 
 
 def _damaged(checkpoint: Path, problem: str) -> str:

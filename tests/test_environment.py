@@ -741,6 +741,7 @@ def test_eval_command_drives_the_environment_as_the_trainer_does(tiny_model_dir,
     assert (summary["accuracy"], summary["mean_reward"], summary["n"]) == \
         (by_trainer["accuracy"], by_trainer["mean_reward"], by_trainer["n"])
     assert summary["pass@2/prompts"] == 4
+    assert (summary["env_errors"], summary["env_episodes"], summary["env_first_error"]) == (0, 4 + 4 * 2, None)
 
 
 def test_sample_table_shows_segments_and_report_plots_the_episodes(tiny_model_dir, tiny_data, tmp_path):
@@ -914,3 +915,179 @@ def test_python_tool_finds_the_call_when_the_code_quotes_its_tag():
     assert json_tool.step(call)[0] == "<tool_response>\n<tool_call>\n</tool_response>"
     observation, _, _ = tool.step("<python>print(1 +</python>")           # neither parses: the error, once
     assert "does not parse" in observation and tool.counters()["tool_errors"] == 1
+
+
+# -- what the audit found: special-token tool tags, the shown prompt, errors in eval, steps with no reward ---------
+
+def _tool_tokenizer_with_special_tags():
+    """The tool demo's tokenizer with <python> and </python> marked special (as some tokenizers mark <tool_call>):
+    the same ids, but decode(skip_special_tokens=True) drops them."""
+    tok = tiny.build_tool_tokenizer()
+    before = tok("<python>print(6*7)</python>", add_special_tokens=False)["input_ids"]
+    tok.add_special_tokens({"additional_special_tokens": [tiny.TOOL_OPEN, tiny.TOOL_CLOSE]})
+    assert tok("<python>print(6*7)</python>", add_special_tokens=False)["input_ids"] == before
+    assert tok.decode(before, skip_special_tokens=True) == "print(6*7)"
+    return tok
+
+
+class _SpecialTagEngine:
+    """Round 1: the call, ended by the stop string (a special token); round 2: "42" then EOS. Records the prompts."""
+
+    def __init__(self, tok):
+        self.tok, self.round, self.prompts = tok, 0, []
+
+    def generate(self, prompts, params):
+        self.prompts.append(prompts)
+        self.round += 1
+        if self.round == 1:
+            tokens, stop = self.tok("<python>print(6*7)</python>", add_special_tokens=False)["input_ids"], "</python>"
+        else:
+            tokens, stop = self.tok("42", add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id], None
+        return [Completion(i, tokens, False, [-1.0] * len(tokens), stopped_by=stop) for i in range(len(prompts))]
+
+
+def test_tool_tags_that_are_special_tokens_reach_the_environment():
+    """A model turn reaches step() with its special tokens kept (but the EOS that ended it, BOS and pad): a tokenizer
+    that marks the tool's tags special would otherwise hide the call, and the tool would end the episode unrun."""
+    from lowmem_grpo.rollout.turns import turn_text
+
+    tok = _tool_tokenizer_with_special_tags()
+    ex = [Example({"prompt": "6*7="}, "6*7=", [tok.bos_token_id] + tok("6*7=", add_special_tokens=False)["input_ids"])]
+    limits = TurnLimits(max_turns=3, max_total_tokens=128, observation_max_tokens=32,
+                        observation_template="{observation}")
+    out = run_episodes(_SpecialTagEngine(tok), tok, ex, SamplingParams(n=1, max_new_tokens=32),
+                       factory("python", allow_weak_sandbox=True), limits)
+    c = out[0]
+    assert dict(c.env.counters) == {"tool_calls": 1.0, "tool_errors": 0.0, "tool_timeouts": 0.0}, c.env
+    assert tok.decode([t for t, e in zip(c.token_ids, c.env_mask) if e]) == "<output>\n42\n</output>"
+    assert (c.env.turns, c.env.error, c.truncated) == (2, None, False)
+    # the EOS that ends a turn, and BOS/pad anywhere in it, are no text; any other special token is
+    eos, bos, pad = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
+    call = tok("<python>1</python>", add_special_tokens=False)["input_ids"]
+    assert turn_text(tok, [bos] + call + [pad, eos], ended_at_eos=True) == "<python>1</python>"
+    assert turn_text(tok, call, ended_at_eos=False) == "<python>1</python>"
+
+
+def _first_message_recipe(tiny_model_dir, tiny_data, run, **sections):
+    """toy_envs:Scripted answering each row with its own first message "9*9=" (the dataset prompts are sums)."""
+    return recipe_dict(tiny_model_dir, tiny_data, run, rewards={"functions": []},
+                       environment={"name": "toy_envs:Scripted", "max_total_tokens": 12,
+                                    "kwargs": {"first_message": "9*9=", "replies": [[None, 1.0, True]]}},
+                       generation={"num_generations": 2, "max_new_tokens": 4}, **sections)
+
+
+def test_sample_tables_show_the_first_message_the_model_saw(tiny_model_dir, tiny_data, tmp_path):
+    """An environment whose reset() gives the first user message: the training sample table and eval's
+    samples.jsonl show that prompt, rendered as the model saw it, not the dataset's."""
+    import json
+
+    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.train import Trainer
+
+    d = _first_message_recipe(tiny_model_dir, tiny_data, tmp_path / "run",
+                              train={"steps": 1, "prompts_per_step": 2, "eval_max_prompts": 2, "preflight": False},
+                              output={"samples_every": 1})
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    trainer.fit()
+    shown = trainer.train_set.render_message(trainer.train_set.examples[0].row, "9*9=").prompt_text
+    dataset = {e.prompt_text for e in trainer.train_set.examples}
+    assert shown not in dataset
+    table = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
+    assert [s["prompt"] for s in table["samples"]] == [shown] * 4
+    run_eval(recipe_from_dict(d), name="fm", ks=(1,), out_dir=str(tmp_path / "eval"), **QUIET)
+    records = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in records} == {"greedy", "sample"} and [r["prompt"] for r in records] == [shown] * 4
+
+
+def test_eval_says_how_many_episodes_an_environment_error_ended(tiny_model_dir, tiny_data, tmp_path):
+    """Every episode fails: eval's 0/0 prompts comes with the count and the first error, in the log and in
+    summary.json."""
+    import json
+
+    from lowmem_grpo.evaluate import run_eval
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
+                    environment={"name": "toy_envs:Faulty", "kwargs": {"how": "raise"}, "max_total_tokens": 12},
+                    generation={"num_generations": 2, "max_new_tokens": 4}, train={"eval_max_prompts": 3})
+    lines = []
+    summary = run_eval(recipe_from_dict(d), name="faulty", ks=(1, 2), out_dir=str(tmp_path / "eval"), log=lines.append)
+    assert summary["n"] == 0
+    assert (summary["env_errors"], summary["env_episodes"]) == (3 + 3 * 2, 9)
+    assert summary["env_first_error"] == "step() raised ZeroDivisionError: division by zero"
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["env_errors"] == 9
+    said = [line for line in lines if "environment error" in line]
+    assert said == ["environment 'toy_envs:Faulty': 9 of 9 episodes (greedy and sampled) ended in an environment "
+                    "error, and are skipped: not counted in the accuracy or pass@k; the first: step() raised "
+                    "ZeroDivisionError: division by zero"], lines
+    assert lines.index(said[0]) == 1                    # right under the greedy accuracy it explains
+
+
+def test_a_step_with_no_reward_at_all_is_explained_once(tiny_model_dir, tiny_data, tmp_path):
+    """An environment that rewards only when done, every episode cut by max_turns, no reward functions: every
+    completion is skipped and the step learns nothing. One line says so, and what to change, the first time."""
+    from lowmem_grpo.train import Trainer
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
+                    environment={"name": "toy_envs:TwoTurns", "max_turns": 1, "max_total_tokens": 12},
+                    generation={"num_generations": 2, "max_new_tokens": 4},
+                    train={"steps": 2, "prompts_per_step": 2, "eval_max_prompts": 2, "preflight": False})
+    lines = []
+    Trainer(recipe_from_dict(d), log=lines.append).fit()
+    said = [line for line in lines if "for want of any reward" in line]
+    assert said == ["[lowmem-grpo] step 1: every completion was skipped for want of any reward: the environment "
+                    "'toy_envs:TwoTurns' gave no reward (4 of 4 episodes were cut by a limit: environment.max_turns, "
+                    "environment.max_total_tokens or a turn's generation.max_new_tokens), and rewards.functions is "
+                    "empty; the step learned nothing. To learn, give a reward in step() on every turn, not only when "
+                    "done (or raise those limits), or list a reward function under rewards.functions. (Said once: "
+                    "reward/skipped counts such completions each step.)"], lines
+
+
+def test_no_reward_note_only_when_every_completion_went_unrewarded():
+    """Scored completions, or skips that environment errors explain (logged on their own): no note."""
+    from types import SimpleNamespace
+
+    from lowmem_grpo.rollout.base import EnvRecord
+    from lowmem_grpo.train import no_reward_note
+
+    recipe = SimpleNamespace(rewards=SimpleNamespace(functions=[{"function": "math"}]),
+                             environment=SimpleNamespace(name=""))
+    plain = [Completion(0, [1], False), Completion(0, [1], True)]
+    nan = float("nan")
+    assert no_reward_note(recipe, plain, torch.tensor([nan, 1.0]), 3) is None
+    note = no_reward_note(recipe, plain, torch.tensor([nan, nan]), 3)
+    assert note.startswith("[lowmem-grpo] step 3: every completion was skipped for want of any reward: no reward "
+                           "function scored them (each returned None)"), note
+    failed = [Completion(0, [1], False, env=EnvRecord(turns=1, error="step() raised ValueError: x"))] * 2
+    assert no_reward_note(recipe, failed, torch.tensor([nan, nan]), 3) is None
+
+
+def test_the_python_tool_without_reward_functions_is_a_recipe_problem(tiny_model_dir, tiny_data, tmp_path):
+    """The built-in tool gives no reward by design: with rewards.functions empty nothing would ever be scored, so
+    validate (and the trainer's load of the recipe) name rewards.functions."""
+    base = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []})
+    for name in ("python", "lowmem_grpo.environment:PythonTool"):
+        p = _problems({**base, "environment": {"name": name, "kwargs": {"allow_weak_sandbox": True}}})
+        assert "gives no reward: list at least one reward function" in p["rewards.functions"], p
+    ok = {**base, "environment": {"name": "python"}, "rewards": {"functions": [{"function": "math"}]}}
+    assert recipe_from_dict(ok).environment.name == "python"
+    f = write_recipe(tmp_path / "r.yaml", {**base, "environment": {"name": "python"}})
+    p = subprocess.run([sys.executable, "-m", "lowmem_grpo.cli", "validate", str(f)], capture_output=True, text=True,
+                       env={**os.environ})
+    assert p.returncode == 2 and "rewards.functions: is empty, and environment.name 'python'" in p.stderr, p.stderr
+
+
+def test_the_recipe_reference_names_the_python_tools_call_format():
+    """environment.name's description (and so the README's recipe reference, generated from it) lists every kwarg
+    of the built-in tool, call_format with its values too."""
+    import inspect
+    from pathlib import Path
+
+    from lowmem_grpo.environment import PythonTool
+
+    text = EnvironmentConfig.model_fields["name"].description
+    for kwarg in inspect.signature(PythonTool).parameters:
+        assert kwarg in text, kwarg
+    assert all(f in text for f in PythonTool.FORMATS)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `environment.name` |"))
+    assert "call_format: tags (default) or tool_call" in row

@@ -235,6 +235,47 @@ def test_episodes_longer_than_the_models_context_end_there_in_both_engines(engin
         assert len(prompt) + len(c.token_ids) > 256 - 24 - 60 and c.env.turns >= 3
 
 
+def test_a_stop_string_that_is_a_special_token_reaches_the_environment_in_both_engines(vllm_model_dir):
+    """A tokenizer that marks the environment's stop string special (as some mark <tool_call>): both engines end a
+    turn at it, step() sees it at the end of the turn's text, and greedy episodes stay token for token the same."""
+    V = _import_engine()
+    from transformers import AutoModelForCausalLM
+
+    from lowmem_grpo.rollout.hf import HFEngine
+    from toy_envs import Scripted
+
+    with torch.random.fork_rng():
+        model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32)
+    tok = tiny.build_tokenizer()
+    stop = _stop_in_greedy_output(HFEngine(model, tok))
+    tok.add_special_tokens({"additional_special_tokens": [stop]})   # the same id, now special
+    assert tok.decode(ids(stop), skip_special_tokens=True) == ""
+    assert tok(stop, add_special_tokens=False)["input_ids"] == ids(stop)
+    replies = [["+1", None, False], ["+2", None, False], [None, 1.0, True]]
+    limits = TurnLimits(max_turns=3, max_total_tokens=60, observation_max_tokens=16,
+                        observation_template=" {observation} ")
+    params = SamplingParams(n=1, max_new_tokens=8, greedy=True)
+    seen, out = {}, {}
+    Scripted.stop = (stop,)
+    vllm_engine = None
+    try:
+        factory = EnvironmentFactory(EnvironmentConfig(name="toy_envs:Scripted", kwargs={"replies": replies}))
+        assert factory.stop == (stop,)
+        vllm_engine = V.VLLMEngine(model, tok, EngineConfig(name="vllm", kv_cache_memory_bytes=32 << 20))
+        for name, engine in (("vllm", vllm_engine), ("hf", HFEngine(model, tok))):
+            Scripted.seen = []
+            out[name] = run_episodes(engine, tok, _examples(3), params, factory, limits)
+            seen[name] = list(Scripted.seen)
+    finally:
+        Scripted.stop, Scripted.seen = ("=",), []
+        if vllm_engine is not None:
+            vllm_engine.close()
+    assert [_key(c) for c in out["vllm"]] == [_key(c) for c in out["hf"]] and seen["vllm"] == seen["hf"]
+    ended = [t for t in seen["vllm"] if t.endswith(stop)]   # the special token is in the text step() read
+    assert len(ended) >= 3 and all(stop not in t[:-len(stop)] for t in ended), seen
+    assert all(tok.eos_token not in t for t in seen["vllm"])
+
+
 def test_two_turn_environment_trains_through_vllm(vllm_model_dir, tiny_data, tmp_path):
     """generation.engine: vllm with an environment (two turns, "=" ends a turn): two steps with eval, the env/
     metrics as with transformers, and the engine's log-probs (model tokens only) agree with the trainer's."""

@@ -4,7 +4,8 @@ A completion becomes segments: tokens the model sampled, then tokens the environ
 formatted by environment.observation_template), then the model again, and so on. All completions of a step
 decode together: each round is one engine.generate call over the episodes still running (prompt = their
 prompt + everything so far, n = 1 each); a model turn ends at EOS, at one of the environment's stop strings,
-or at generation.max_new_tokens. Then env.step(turn text) gives (observation, reward, done), and the episode
+or at generation.max_new_tokens. Then env.step(turn text: its special tokens kept but EOS, BOS and pad, so that
+tags a tokenizer marks special reach the environment, turn_text) gives (observation, reward, done), and the episode
 goes on until the environment says done, max_turns model turns were taken, or max_total_tokens tokens
 (model + environment) fill the completion; or fewer, where the model's context (prompt + completion: vLLM's
 max_model_len, else max_position_embeddings) ends first.
@@ -160,6 +161,17 @@ def _model_turn(ep: _Episode, c: Completion, limits: TurnLimits) -> tuple[list, 
     return turn, cut
 
 
+def turn_text(tokenizer, turn: list, ended_at_eos: bool) -> str:
+    """A model turn's text, as env.step() reads it: decoded with its special tokens kept, but for the token that
+    ended it (EOS, or another of the model's stop tokens) and the tokenizer's BOS, EOS and pad, which frame a
+    sequence and say nothing. Not skip_special_tokens=True: a tokenizer may mark an environment's own tags special
+    (<tool_call>, a stop string), and the turn would reach step() without them, the call unseen. Both engines
+    stop at such a tag (their stop strings match with special tokens), so one decoding here serves both."""
+    ids = list(turn[:-1] if ended_at_eos and turn else turn)
+    framing = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad")} - {None}
+    return tokenizer.decode([t for t in ids if t not in framing], skip_special_tokens=False)
+
+
 def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLimits) -> None:
     """Append the observation as environment tokens (template, observation_max_tokens, the room left)."""
     if observation is None:
@@ -290,8 +302,9 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         turn_params = replace(params, n=1, max_new_tokens=budget, stop=tuple(factory.stop))
         outs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], turn_params)
         turns = [_model_turn(ep, c, limits) for ep, c in zip(active, outs)]
-        stepped = _step_all([ep.env for ep in active],
-                            [tokenizer.decode(turn, skip_special_tokens=True) for turn, _ in turns], limits.step_timeout_s)
+        texts = [turn_text(tokenizer, turn, ended_at_eos=not cut and ep.stopped_by is None)
+                 for ep, (turn, cut) in zip(active, turns)]
+        stepped = _step_all([ep.env for ep in active], texts, limits.step_timeout_s)
         for ep, (_, cut), result in zip(active, turns, stepped):
             _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
@@ -328,6 +341,8 @@ def prompt_ids(c: Completion, example) -> list:
 
 
 def prompt_text(c: Completion, example) -> str:
+    """The prompt text completion `c` was sampled from (as prompt_ids): reset()'s first message rendered, when it
+    gave one, else the example's. The reward functions and the sample tables read this one."""
     return c.env.prompt_text if c.env is not None and c.env.prompt_text is not None else example.prompt_text
 
 
