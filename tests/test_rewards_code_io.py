@@ -197,6 +197,24 @@ def test_the_expected_output_never_enters_the_sandbox(monkeypatch):
     assert seen and "36963077" in seen[0][1] and not any("73926154" in part for call in seen for part in call)
 
 
+def test_nothing_that_follows_from_the_expected_output_enters_the_sandbox(monkeypatch):
+    """A case's fork holds a copy of the relaying program's memory: an output cap there taken from the expected
+    output's length ("YES\\n" against "NO\\n") told a program its answer. The job is the same whatever the
+    expected outputs are, and a program reading its cap from the relay's frames scores as in its own sandbox."""
+    jobs = []
+    real = code_io.run_python
+    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: jobs.append(marshal.loads(k["stdin"])) or real(*a, **k))
+    for expected in ("YES\n", "NO\n", "1 2 3\n" * 3000):
+        code_io.run_cases("print('NO')", [("1\n", expected)])
+    assert len(jobs) == 3 and all({**j, "nonce": ""} == {**jobs[0], "nonce": ""} for j in jobs)
+    monkeypatch.undo()
+    reads_its_cap = ("import sys\nf = sys._getframe()\nwhile f is not None and 'cap' not in f.f_locals:\n"
+                     "    f = f.f_back\nprint('NO' if f is not None and f.f_locals['cap'] == 2 * 3 + 4096 else 'YES')")
+    cases = [("1\n", "YES\n"), ("2\n", "NO\n")]
+    together, separately = code_io.run_cases(reads_its_cap, cases), code_io.run_cases_separately(reads_its_cap, cases)
+    assert together == separately == [True, False]
+
+
 def test_one_sandboxed_program_runs_the_cases_and_max_cases_keeps_the_first(monkeypatch):
     jobs = []
     real = code_io.run_python
@@ -391,6 +409,7 @@ PAIR_CASES = [("5\n", "2 3\n"), ("10\n", "5 5\n"), ("1", "0 1\n")]
     (0, "", True), (0, "\n  \n", True), (0, "ok\n", True), (0, "OK, 3 numbers\n", True), (0, "Accepted.", True),
     (0, "yes", True), (0, "1", True), (0, "1.0 points", True), (0, "1e0", True),
     (0, "0", False), (0, "0.5", False), (0, "0.9999", False), (0, "2", False), (0, "-1", False),
+    (0, "0.99999999999999999", False), (0, "1.00000000000000001", False), (0, "1.000", True), (0, "10e-1", True),
     (0, "wrong answer", False), (0, "WA", False), (0, "no", False), (0, "okay", False), (0, "nan", False),
     (1, "", False), (1, "ok", False), (3, "1", False), (None, "", False),
 ])
@@ -525,6 +544,7 @@ def test_function_call_cases_are_read_from_apps_taco_and_livecodebench_rows():
     {"tests": {"fn_name": "f", "inputs": [1], "outputs": [1]}},                    # arguments not a list
     {"tests": {"fn_name": "f x", "inputs": [[1]], "outputs": [1]}},                # not a name
     {"tests": {"fn_name": "__import__('os').f", "inputs": [[1]], "outputs": [1]}},
+    {"tests": {"fn_name": "lambda", "inputs": [[1]], "outputs": [1]}},            # a keyword: "lambda(*[1])" cannot run
     {"tests": {"fn_name": "f", "inputs": [], "outputs": []}},                      # no case
     {"tests": '{"fn_name": "f", "inputs": [[NaN]], "outputs": [1]}'},              # not a literal
     {"tests": LCB_CASES},                                                          # no metadata.func_name
@@ -624,3 +644,40 @@ def test_function_calls_refuse_a_reporter_whose_pipe_the_program_could_reach(mon
     with pytest.raises(SandboxError, match="code_io reward: .*allow_weak_sandbox"):
         code_io.run_calls(CALL_PROGRAMS["function"], calls)
     assert code_io.run_calls(CALL_PROGRAMS["function"], calls, allow_weak_sandbox=True) == [True] * 3
+
+
+@pytest.mark.parametrize("seconds, passed", [(0.1, True), (2.0, False)])
+def test_stopping_the_reporter_does_not_hide_a_slow_call(seconds, passed):
+    """The call stops the reporting process (its parent, same uid), turns off its own alarm, works past its 1 s
+    limit and has a process it left resume the reporter once the reply is in the pipe: that reply was read late
+    and taken. A reply is in time only if the reporter reads it in time (the same trick within the limit passes)."""
+    program = ("import os, signal, time\ndef slow(n):\n    signal.setitimer(signal.ITIMER_REAL, 0)\n"
+               "    parent = os.getppid()\n    if os.fork() == 0:\n        os.setsid()\n"
+               f"        time.sleep({seconds} + 0.2)\n        os.kill(parent, signal.SIGCONT)\n        os._exit(0)\n"
+               f"    os.kill(parent, signal.SIGSTOP)\n    time.sleep({seconds})\n    return 2 * n")
+    calls = code_io.Calls("slow", (([1], 2),), unwrap=False)
+    assert code_io.run_calls(program, calls, timeout=1.0) == [passed]
+
+
+@pytest.mark.parametrize("seconds, passed", [(0.0, True), (1.3, False)])
+def test_a_relay_held_up_after_the_fork_still_times_the_case_from_its_start(monkeypatch, seconds, passed):
+    """A case's clock starts before it can run. Taken after the fork, a case that stopped the relaying program
+    before it read the clock (here: the relay held up 0.6 s right after the fork) worked past its limit unseen."""
+    held = code_io._IO_HARNESS.replace("    os.close(in_r)\n    os.close(out_w)\n",
+                                       "    time.sleep(0.6)\n    os.close(in_r)\n    os.close(out_w)\n")
+    assert held != code_io._IO_HARNESS
+    monkeypatch.setattr(code_io, "_IO_HARNESS", held)
+    assert code_io.run_cases(f"import time\ntime.sleep({seconds})\nprint(1)", [("1\n", "1\n")], timeout=1.0) == [passed]
+
+
+@pytest.mark.parametrize("seconds, passed", [(0.0, True), (1.8, False)])
+def test_a_reporter_held_up_after_sending_the_solution_still_times_its_top_level(monkeypatch, seconds, passed):
+    """The same for a function call's program: its top level's clock starts before the solver gets it (a reporter
+    held up 0.6 s after sending it gave a 1 s limit 2.1 s)."""
+    from lowmem_grpo.rewards import code
+    held = code._HARNESS.replace("\n    got = receive(key, ", "\n    time.sleep(0.6)\n    got = receive(key, ", 1)
+    assert held != code._HARNESS
+    monkeypatch.setattr(code, "_HARNESS", held)
+    program = (f"import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0)\ntime.sleep({seconds})\n"
+               "def f(n):\n    return n")
+    assert code_io.run_calls(program, code_io.Calls("f", (([1], 1),), unwrap=False), timeout=1.0) == [passed]

@@ -41,8 +41,9 @@ it reads anything:
 2. the solver points stdin/stdout/stderr at /dev/null, keeps only its two pipes to the reporter, runs
    the solution, then each test when the reporter asks for it, with a fresh random key per test, under
    a SIGALRM limit (`timeout`); it replies "<key> value <data>|pass|fail <why>";
-3. the reporter attributes a reply to test i only if it carries test i's key and comes before test i's
-   deadline (`timeout` + 0.5 s; past it the solver is killed and the remaining tests fail), and exits
+3. the reporter attributes a reply to test i only if it carries test i's key and it reads it before test i's
+   deadline (`timeout` + 0.5 s, from before the solver gets the step, so a solver that stops the reporter
+   gains no time; past it the solver is killed and the remaining tests fail), and exits
    when the tests are done (threads the solution left running do not hold it up).
 
 So printing "PASS", exiting early, closing stdout, printing forever, catching the timeout, writing fake
@@ -308,6 +309,11 @@ def reporter(child, cmd_w, rep_r, private):
                 if skipping[0]:
                     skipping[0] = False
                 elif line.startswith(prefix):
+                    # The deadline again: the solver may stop this process (SIGSTOP, its parent, same uid) while it
+                    # waits, work past its limit, and have a process it left resume it once the reply is in the
+                    # pipe. A reply is in time only if it is read in time.
+                    if time.monotonic() > deadline:
+                        return "timeout"
                     return line[len(prefix):].decode("utf-8", "replace")
                 nl = pending.find(b"\n")
             if len(pending) > CAP + 256:
@@ -327,8 +333,11 @@ def reporter(child, cmd_w, rep_r, private):
     report("ready", private)
     limit = job["timeout"]
     key = os.urandom(8).hex()
-    sent = send({"key": key, "solution": job["solution"], "timeout": limit}, time.monotonic() + limit + GRACE)
-    got = receive(key, time.monotonic() + limit + GRACE) if sent else "gone"
+    # one deadline, taken before the solver can run the solution: taken after send(), a solver that stopped this
+    # process first would have its time from whenever it let it go on
+    deadline = time.monotonic() + limit + GRACE
+    sent = send({"key": key, "solution": job["solution"], "timeout": limit}, deadline)
+    got = receive(key, deadline) if sent else "gone"
     verdict, _, payload = got.partition(" ")
     if verdict != "ok":
         report("setup", "fail", "_TestTimeout" if got == "timeout" else clean(payload or got))

@@ -44,7 +44,9 @@ is a timeout however it kept the relay from seeing the clock); that saves the sa
 5.5x faster on 10 cases (scripts/bench_rewards.py), with the same verdicts as a sandboxed program per case
 (`run_cases_separately`, the reference the tests compare with). Each case's output is capped at twice the
 expected size plus 4 KiB, plus 16 bytes per number compared within the tolerance, in place of max_output_bytes
-(a program printing more has failed already).
+(a program printing more has failed already). That cap is applied here: a case's fork holds a copy of the relaying
+program's memory, which gets only 64 KiB or the power of two above the cap, so that no case can read the length of
+its expected output there (a YES/NO answer from it); above ~30 KiB, that tells its band of sizes.
 
 Problems with more than one right answer come with a checker (a special judge): with `checker_field` set, a row
 whose field holds one (Python source) has each output that is not the expected one token for token judged by
@@ -61,11 +63,13 @@ from __future__ import annotations
 
 import functools
 import json
+import keyword
 import marshal
 import math
 import re
 import secrets
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Iterable, Optional
 
 from .code import (DEFAULT_TEST_TIMEOUT_S, DEFAULT_WORKERS, HARNESS_COMMON, Judging, field_value, private_run,
@@ -188,7 +192,7 @@ def get_calls(row: dict, tests_field: str = "tests") -> Optional[Calls]:
         outputs = [o[0] for o in outputs]
     else:
         return None
-    if not isinstance(name, str) or not name.isidentifier() or not inputs:
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or not inputs:
         return None
     if not all(isinstance(args, list) and _plain(args) and _plain(out) for args, out in zip(inputs, outputs)):
         return None
@@ -370,8 +374,8 @@ def checker_accepts(exit_status: Optional[int], stdout: str) -> bool:
     if not words:
         return True
     first = words[0]
-    if _NUMBER.fullmatch(first):
-        return float(first) == 1.0
+    if _NUMBER.fullmatch(first):   # exactly: float() rounds "0.99999999999999999" (a lesser score) to 1.0
+        return Decimal(first) == 1
     return first.strip(".!:;,").lower() in _ACCEPT_WORDS
 
 
@@ -576,6 +580,9 @@ def reset(dirs):
 def run_case(code, data, limit, cap):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
+    # The clock starts before the case can run: taken after the fork, a case that stopped this process first (or
+    # a relay the machine did not run for a while) would have its time from then on.
+    deadline = time.monotonic() + limit
     pid = os.fork()
     if pid == 0:
         status = 1
@@ -595,7 +602,6 @@ def run_case(code, data, limit, cap):
     writing = [in_w] if pending else []
     if not pending:
         os.close(in_w)
-    deadline = time.monotonic() + limit
     verdict, status = None, None
     while verdict is None:
         left = deadline - time.monotonic()
@@ -690,6 +696,15 @@ def main():
 main()
 """ % {"common": HARNESS_COMMON, "exit_builtins": repr(_EXIT_BUILTINS)}
 _IO_GRACE_S = 0.5   # per case, for the fork and the relaying, past the program's own limit
+_RELAY_FLOOR = 1 << 16   # the least the relay reads of a case's output (a cap of an expected output up to ~30 KiB)
+
+
+def _relay_cap(cap: int) -> int:
+    """What the relay may read of a case's output. Never the exact cap: it follows from the expected output's
+    length, and a case's fork holds a copy of the relay's memory (its frames: `cap`), so "YES\n" (cap 4120) and
+    "NO\n" (4102) would tell a program its answer. The floor for every cap up to 64 KiB, a power of two above (the
+    band, not the length); the exact cap is applied outside (_relay)."""
+    return max(_RELAY_FLOOR, 1 << (cap - 1).bit_length())
 
 
 def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limits: SandboxLimits,
@@ -698,8 +713,9 @@ def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limi
     stdin: {index: (verdict, stdout)} for the runs it reported, the verdict "exit:N", "signal:N", "timeout" or
     "over" (past its cap)."""
     nonce = secrets.token_hex(16)
-    job = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": caps, "inputs": inputs})
-    room = sum(2 * cap + 64 for cap in caps) + 4096   # hex doubles each output
+    inside = [_relay_cap(cap) for cap in caps]
+    job = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": inside, "inputs": inputs})
+    room = sum(2 * cap + 64 for cap in inside) + 4096   # hex doubles each output
     result = run_python(_IO_HARNESS, len(inputs) * (float(timeout) + _IO_GRACE_S) + 2.0, stdin=job,
                         limits=SandboxLimits.of(limits, max_output_bytes=max(room, limits.max_output_bytes)))
     if result.killed_reason == "sandbox_error":
@@ -714,7 +730,9 @@ def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limi
             private = words[2] == "1"
         elif len(words) == 4 and words[1].isdigit() and int(words[1]) < len(inputs) and int(words[1]) not in outputs:
             try:
-                outputs[int(words[1])] = (words[2], bytes.fromhex(words[3]).decode("utf-8", "replace"))
+                out = bytes.fromhex(words[3])
+                verdict = "over" if len(out) > caps[int(words[1])] else words[2]   # the exact cap, here
+                outputs[int(words[1])] = (verdict, out.decode("utf-8", "replace"))
             except ValueError:
                 outputs[int(words[1])] = ("protocol", "")
     if not private and not allow_weak_sandbox and outputs:
