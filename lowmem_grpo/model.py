@@ -148,6 +148,7 @@ def attach_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = True):
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
         target_modules=cfg.target_modules, task_type="CAUSAL_LM",
     )
+    names = [name for name, _ in model.named_parameters()]
     try:
         with warnings.catch_warnings():
             # peft 0.21 maps 'all-linear' onto transformers 5's fused MoE experts and doubles the fused gate_up_proj's
@@ -155,10 +156,28 @@ def attach_lora(model, cfg: LoraConfig, gradient_checkpointing: bool = True):
             # doubled rank is there (tests/test_memory.py counts it). Not the user's doing, and nothing is wrong.
             warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any "
                                                       r"targeted module and were ignored: \['[^']*gate_up_proj'\]")
-            return get_peft_model(model, peft_cfg)
+            policy = get_peft_model(model, peft_cfg)
     except ValueError as exc:   # peft's NoMatchingPeftModuleError: no module has such a name
         raise ModelLoadError(f"lora.target_modules={cfg.target_modules}: {str(exc).splitlines()[0]} This model's linear "
                              f"layers are named {', '.join(linear_names(model))}; or write 'all-linear'") from None
+    _keep_found_target_parameters(policy.peft_config["default"], names)
+    return policy
+
+
+def _keep_found_target_parameters(config, names: list[str]) -> None:
+    """Drop from the adapter's config the target_parameters that matched no parameter of the base (peft 0.21 sets
+    a mixture's experts for 'all-linear', which are buffers once stored in NF4, experts4bit.py), and their rank
+    and alpha patterns. Saved as they are, a load onto a base that has them (export's unquantized one) would add
+    untrained adapters there, and warn of their missing weights."""
+    targets = list(getattr(config, "target_parameters", None) or [])
+    kept = [t for t in targets if any(n == t or n.endswith("." + t) for n in names)]
+    if kept == targets:
+        return
+    config.target_parameters = kept or None
+    gone = [t for t in targets if t not in kept]
+    for patterns in (config.rank_pattern, config.alpha_pattern):
+        for key in [k for k in patterns if any(k.endswith(t) for t in gone)]:
+            del patterns[key]
 
 
 def linear_names(model) -> list[str]:

@@ -107,6 +107,20 @@ def test_the_recipe_loads_the_experts_in_nf4_and_a_run_trains(tmp_path, tiny_dat
     assert Trainer(recipe_from_dict(d), log=lambda *a, **k: None).fit()["step"] == 2
     losses = [row["loss"] for row in read_metrics(tmp_path / "run") if "loss" in row]
     assert len(losses) == 2 and all(map(torch.isfinite, torch.tensor(losses))), losses
+    # Export merges into the unquantized base, whose experts are parameters again: the adapter's config names no
+    # expert (peft set them for all-linear and found none), so no untrained adapter lands on them there.
+    import json
+    import warnings
+
+    from lowmem_grpo.export import export_run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = export_run(tmp_path / "run", tmp_path / "exp", log=lambda *a, **k: None)
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)], [str(w.message) for w in caught]
+    config = json.loads((tmp_path / "exp" / "adapter" / "adapter_config.json").read_text())
+    assert not any(t in ("gate_up_proj", "down_proj") for t in config.get("target_parameters") or [])
+    assert out["max_logit_diff"] < 1e-4
 
 
 def test_a_layout_it_does_not_handle_is_left_as_it_is(tmp_path):
