@@ -124,7 +124,8 @@ def nf4_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
 
     out = torch.zeros_like(hidden_states)
     with torch.no_grad():
-        routed = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        # (the count from the weights themselves: each family's class names its own attribute for it)
+        routed = torch.nn.functional.one_hot(top_k_index, num_classes=self.gate_up_proj_nf4.shape[0]).permute(2, 1, 0)
         hit = torch.greater(routed.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
     for e in hit:
         slot, token = torch.where(routed[e])
