@@ -391,8 +391,8 @@ def env_error_line(s: dict) -> Optional[str]:
 def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:
     lines = [f"greedy accuracy: {100 * s['accuracy']:.1f}% ({s['correct']}/{s['n']} prompts, "
              f"mean reward {s['mean_reward']:.3f}) on {s['split']}"]
-    if env_error_line(s):   # next to the figures it explains (0/0 prompts when every episode failed)
-        lines.append(env_error_line(s))
+    if env := env_error_line(s):   # next to the figures it explains (0/0 prompts when every episode failed)
+        lines.append(env)
     parts = [f"pass@{k}: " + ("n/a" if s[f"pass@{k}"] is None else f"{100 * s[f'pass@{k}']:.1f}%") for k in ks]
     n = s["samples_per_prompt"]
     lines.append("  ".join(parts) + f"  ({n} sample{'s' * (n != 1)} per prompt at temperature {s['temperature']})")

@@ -14,8 +14,9 @@ the common one (gate and up concatenated, [out, in] matrices, no bias: Qwen2/3-M
 ...); another (gpt-oss's transposed, biased experts) stays in the compute dtype, said at start-up.
 
 Checked on CPU (tests/test_experts4bit.py) against a twin whose experts hold the dequantized weights in the
-model's own forward: outputs and input gradients equal. On CUDA the weights are loaded before they are quantized,
-so loading needs the experts' compute-dtype bytes once: GPU-only claims wait for a GPU run (docs/benchmarks.md).
+model's own forward: outputs, input and LoRA gradients equal. model.load_base_model stages a mixture in host
+memory and quantizes onto the device (so loading needs the experts' compute-dtype bytes there once); that path
+onto a GPU has not run (tests/gpu/test_cuda.py holds its test; docs/benchmarks.md, "The next GPU run").
 """
 
 from __future__ import annotations
@@ -87,16 +88,15 @@ def quantize_experts(model: torch.nn.Module, device=None) -> tuple[int, list[str
         return 0, problems
     register()
     for m in modules:
-        m.nf4_shapes = {}
+        m.nf4_shapes, m.nf4_dtype = {}, m._parameters[PROJECTIONS[0]].dtype
         for proj in PROJECTIONS:
             weight = m._parameters.pop(proj).data   # (the compute-dtype tensor goes with its last reference)
             packed, absmax, code = _quantize(weight, device or weight.device)
             m.nf4_shapes[proj] = tuple(weight.shape[1:])
             m.register_buffer(f"{proj}_nf4", packed)
             m.register_buffer(f"{proj}_absmax", absmax)
-            m.register_buffer("nf4_code", code)
-            m.nf4_dtype = weight.dtype
             del weight
+        m.register_buffer("nf4_code", code)   # (NF4's 16 values: the same for every weight)
     model.set_experts_implementation(IMPLEMENTATION)
     return len(modules), []
 

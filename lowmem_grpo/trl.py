@@ -524,6 +524,13 @@ def _log_entry(row: dict, mu: int, epoch: float) -> dict:
     return out
 
 
+def _history_entries(row: dict, mu: int, epoch: float) -> tuple[Optional[dict], Optional[dict]]:
+    """A metrics row as log_history entries: (the step's, the evaluation's), each None where the row has none."""
+    step = _log_entry({k: v for k, v in row.items() if not k.startswith("eval/")}, mu, epoch) if "loss" in row else None
+    evaluation = _eval_entry(row, mu, epoch) if any(k.startswith("eval/") for k in row) else None
+    return step, evaluation
+
+
 def _eval_entry(row: dict, mu: int, epoch: float, prefix: str = "eval") -> dict:
     """The eval/* keys of a metrics row as transformers logs an evaluation: eval_accuracy, eval_mean_reward, ..."""
     return {**{f"{prefix}_{k[len('eval/'):]}": v for k, v in row.items() if k.startswith("eval/")},
@@ -571,13 +578,12 @@ class _CallbackSink(Sink):
     def write(self, row: dict) -> None:
         step = row["step"]
         self.state.global_step, self.state.epoch = step * self.mu, self.epoch(step)
-        if "loss" in row:
-            logs = _log_entry({k: v for k, v in row.items() if not k.startswith("eval/")}, self.mu, self.state.epoch)
+        logs, metrics = _history_entries(row, self.mu, self.state.epoch)
+        if logs is not None:
             self.state.log_history.append(logs)
             self.event("on_step_end")
             self.event("on_log", logs=logs)
-        if any(k.startswith("eval/") for k in row):
-            metrics = _eval_entry(row, self.mu, self.state.epoch)
+        if metrics is not None:
             self.state.log_history.append(metrics)
             self.event("on_evaluate", metrics=metrics)
             self.event("on_log", logs=metrics)
@@ -682,19 +688,16 @@ class GRPOTrainer:
 
         mu, r = self.recipe.algorithm.mu, self.recipe
         rows = read_metrics(self.output_dir) if self._trained else []
-        epoch = lambda step: step * r.train.prompts_per_step / max(1, self.train_rows)   # noqa: E731
-        history = []
-        for row in rows:
-            if "loss" in row:
-                history.append(_log_entry({k: v for k, v in row.items() if not k.startswith("eval/")}, mu,
-                                          epoch(row["step"])))
-            if any(k.startswith("eval/") for k in row):
-                history.append(_eval_entry(row, mu, epoch(row["step"])))
+        history = [e for row in rows for e in _history_entries(row, mu, self._epoch(row["step"])) if e is not None]
         done = max((row["step"] for row in rows), default=0)
-        return TrainerState(epoch=epoch(done), global_step=done * mu, max_steps=r.train.steps * mu,
+        return TrainerState(epoch=self._epoch(done), global_step=done * mu, max_steps=r.train.steps * mu,
                             logging_steps=r.output.log_every * mu, save_steps=r.output.save_every * mu,
                             eval_steps=(r.train.eval_every or 0) * mu, train_batch_size=r.train.micro_batch_size,
                             log_history=[*self._evaluations[0], *history, *self._evaluations[1]])
+
+    def _epoch(self, step: int) -> float:
+        """Epochs through the train set after `step` steps (generation batches), as TRL reports them."""
+        return step * self.recipe.train.prompts_per_step / max(1, self.train_rows)
 
     def add_callback(self, callback) -> None:
         """transformers' Trainer.add_callback: a TrainerCallback (or its class) for the next train()."""
@@ -754,9 +757,8 @@ class GRPOTrainer:
         self._trained = True
         callbacks = None
         if self._callbacks and trainer.world.main:
-            r = self.recipe
-            callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer, r.algorithm.mu,
-                                      lambda step: step * r.train.prompts_per_step / max(1, self.train_rows))
+            callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer,
+                                      self.recipe.algorithm.mu, self._epoch)
             trainer.metrics.sinks.append(callbacks)
             callbacks.event("on_train_begin")
         summary = trainer.fit()

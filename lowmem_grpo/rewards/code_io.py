@@ -61,6 +61,7 @@ ones. The checker sees the program's output only as data, as a contest's does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import keyword
@@ -68,7 +69,6 @@ import marshal
 import math
 import re
 import secrets
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Iterable, Optional
 
@@ -105,11 +105,15 @@ def _text(value) -> Optional[str]:
     return None
 
 
+def _tests_value(row: dict, tests_field: str):
+    """The row's tests field, decoded, out of a {"test_cases": ...} wrapper."""
+    cases = field_value(row, tests_field)
+    return cases["test_cases"] if isinstance(cases, dict) and "test_cases" in cases else cases
+
+
 def get_cases(row: dict, tests_field: str = "tests") -> Optional[list[tuple[str, str]]]:
     """The row's (input, expected output) cases, or None when they are missing, malformed or not stdin/stdout."""
-    cases = field_value(row, tests_field)
-    if isinstance(cases, dict) and "test_cases" in cases:
-        cases = cases["test_cases"]
+    cases = _tests_value(row, tests_field)
     if isinstance(cases, dict) and cases.get("fn_name"):   # APPS/TACO's call-based problems: arguments, not stdin
         return None
     if isinstance(cases, dict):   # parallel lists of inputs and outputs
@@ -136,7 +140,7 @@ def get_cases(row: dict, tests_field: str = "tests") -> Optional[list[tuple[str,
     return out
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Calls:
     """A function-call problem's cases: the function's name, (arguments, expected return value) per case."""
     fn_name: str
@@ -175,9 +179,7 @@ def _func_name(row: dict) -> Optional[str]:
 
 def get_calls(row: dict, tests_field: str = "tests") -> Optional[Calls]:
     """The row's function-call cases (module docstring), or None when it has none usable."""
-    cases = field_value(row, tests_field)
-    if isinstance(cases, dict) and "test_cases" in cases:
-        cases = cases["test_cases"]
+    cases = _tests_value(row, tests_field)
     if isinstance(cases, dict) and cases.get("fn_name"):   # APPS, TACO
         name, inputs, outputs, unwrap = cases["fn_name"], cases.get("inputs"), cases.get("outputs"), True
         if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
@@ -251,7 +253,19 @@ def row_checker(row: dict, checker_field: Optional[str]) -> tuple[bool, Optional
     return False, None
 
 
-@dataclass(frozen=True)
+def row_job(row: dict, tests_field: str = "tests", checker_field: Optional[str] = None) -> tuple:
+    """What the reward runs for a row: (its Calls, None), ((its stdin/stdout cases, its checker or None), None), or
+    (None, why not): "cases" (none usable) or "checker" (one that is not a Python program, which could not tell a
+    right answer from a wrong one)."""
+    found = get_cases(row, tests_field)
+    if found is None:
+        calls = get_calls(row, tests_field)
+        return (calls, None) if calls is not None else (None, "cases")
+    usable, checker = row_checker(row, checker_field)
+    return ((found, checker), None) if usable else (None, "checker")
+
+
+@dataclasses.dataclass(frozen=True)
 class CaseCounts:
     rows: int                 # rows looked at
     rows_without_cases: int   # rows the reward skips (no usable stdin/stdout cases)
@@ -279,19 +293,16 @@ def count_cases(rows: Iterable[dict], tests_field: str = "tests", checker_field:
     n = missing = cases = checkers = broken = calls = 0
     for row in rows:
         n += 1
-        found = get_cases(row, tests_field)
-        usable, checker = row_checker(row, checker_field)
-        called = get_calls(row, tests_field) if found is None else None
-        if called is not None:
+        job, why = row_job(row, tests_field, checker_field)
+        if why is not None:
+            missing += why == "cases"
+            broken += why == "checker"
+        elif isinstance(job, Calls):
             calls += 1
-            cases += len(called.cases)
-        elif found is None:
-            missing += 1
-        elif not usable:
-            broken += 1
+            cases += len(job.cases)
         else:
-            cases += len(found)
-            checkers += checker is not None
+            cases += len(job[0])
+            checkers += job[1] is not None
     return CaseCounts(n, missing, cases, checkers, broken, calls)
 
 
@@ -786,14 +797,12 @@ def _score_all(completions, rows, *, binary: bool, tests_field: str, workers: in
                float_tolerance: float, max_cases: Optional[int], checker_field: Optional[str], checker_timeout: float,
                allow_weak_sandbox: bool, sandbox_kwargs: dict):
     def cases(row):
-        found = get_cases(row, tests_field)
-        if found is None:
-            calls = get_calls(row, tests_field)
-            return calls and Calls(calls.fn_name, calls.cases[:max_cases] if max_cases else calls.cases, calls.unwrap)
-        usable, checker = row_checker(row, checker_field)
-        if not usable:   # (a checker that cannot run cannot tell a right answer from a wrong one)
-            return None
-        return found[:max_cases] if max_cases else found, checker
+        job, _ = row_job(row, tests_field, checker_field)
+        if job is None or not max_cases:
+            return job
+        if isinstance(job, Calls):
+            return dataclasses.replace(job, cases=job.cases[:max_cases])
+        return job[0][:max_cases], job[1]
 
     def score(code, job, limits):
         if isinstance(job, Calls):

@@ -129,7 +129,7 @@ def _own_row(row: dict) -> dict:
         return dict(row)
 
 
-def _room(ep: _Episode, limits: TurnLimits) -> int:
+def _room(ep: _Episode) -> int:
     return ep.cap - len(ep.tokens)
 
 
@@ -149,7 +149,7 @@ def _cap(ep: _Episode, limits: TurnLimits, context: Optional[int]) -> int:
 
 def _model_turn(ep: _Episode, c: Completion, limits: TurnLimits) -> tuple[list, bool]:
     """Append the engine's turn (cut to the room left); (its tokens, whether it was cut)."""
-    room = _room(ep, limits)
+    room = _room(ep)
     turn = list(c.token_ids[:room])
     cut = c.truncated or len(c.token_ids) > room
     ep.tokens += turn
@@ -176,7 +176,7 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
     """Append the observation as environment tokens (template, observation_max_tokens, the room left)."""
     if observation is None:
         return
-    room = _room(ep, limits)
+    room = _room(ep)
     most = min(limits.observation_max_tokens, room)
     observation = observation[: OBS_CHARS_FLOOR + OBS_CHARS_PER_TOKEN * most]
     try:
@@ -275,7 +275,7 @@ def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits)
         ep.rewards.append(reward)
     if done:
         ep.end()
-    elif ep.turns >= limits.max_turns or _room(ep, limits) <= 0:
+    elif ep.turns >= limits.max_turns or _room(ep) <= 0:
         ep.end(truncated=True)
     else:
         _observe(ep, observation, tokenizer, limits)
@@ -298,7 +298,7 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         active = [ep for ep in episodes if not ep.done]
         if not active:
             break
-        budget = min(params.max_new_tokens, max(_room(ep, limits) for ep in active))
+        budget = min(params.max_new_tokens, max(_room(ep) for ep in active))
         turn_params = replace(params, n=1, max_new_tokens=budget, stop=tuple(factory.stop))
         outs = engine.generate([ep.prompt_ids + ep.tokens for ep in active], turn_params)
         turns = [_model_turn(ep, c, limits) for ep, c in zip(active, outs)]
