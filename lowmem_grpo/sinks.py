@@ -2,6 +2,8 @@
 
     write(row)                 one metrics row (a step's, or an eval row), keyed by "step"
     samples(step, records)     a table of sample completions with their per-function rewards
+    step_begin(step)           step `step` (1-based) is about to run (no-op but for the TRL API's callbacks)
+    saved(step, path)          a checkpoint of step `step` was written at path (likewise)
     close()
 
 JSONL (RUN/metrics.jsonl, RUN/samples.jsonl) always; TensorBoard (RUN/tensorboard) when installed or asked
@@ -41,6 +43,12 @@ class Sink:
         raise NotImplementedError
 
     def samples(self, step: int, records: list[dict]) -> None:
+        pass
+
+    def step_begin(self, step: int) -> None:
+        pass
+
+    def saved(self, step: int, path: Path) -> None:
         pass
 
     def close(self) -> None:
@@ -144,6 +152,14 @@ class Sinks(Sink):
     def samples(self, step: int, records: list[dict]) -> None:
         for s in self.sinks:
             s.samples(step, records)
+
+    def step_begin(self, step: int) -> None:
+        for s in self.sinks:
+            s.step_begin(step)
+
+    def saved(self, step: int, path: Path) -> None:
+        for s in self.sinks:
+            s.saved(step, path)
 
     def close(self) -> None:
         """Close every sink once (the trainer closes on every way out, possibly twice)."""

@@ -742,6 +742,7 @@ class Trainer:
         progress = Progress(r.train.steps, self.step, r.output.progress if self.world.main else "lines", self.log)
         with _StopFlag(self.log) as stop, progress:
             while self.step < r.train.steps:
+                self.metrics.step_begin(self.step + 1)
                 step = self.step_or_checkpoint()
                 row = step.row
                 self.step += 1
@@ -797,8 +798,10 @@ class Trainer:
         rng = distributed.gather(ckpt.rng_state(), self.world)
         if not self.world.main:
             return None
-        return ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
+        path = ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                          extra={"loop": asdict(self.state)}, keep_last=self.recipe.output.keep_last, rng=rng)
+        self.metrics.saved(self.step, path)
+        return path
 
     def close(self) -> None:
         """Release the rollout engine and close the sinks (idempotent)."""

@@ -549,11 +549,13 @@ def _callback(callback):
 
 
 class _CallbackSink(Sink):
-    """transformers' TrainerCallbacks, called from the run's metrics rows as transformers' Trainer calls them:
-    on_train_begin before the first step; for a step's row on_step_end then on_log (TRL's names, as in
-    state.log_history); for an eval row on_evaluate then on_log; on_train_end after the last. A callback that sets
+    """transformers' TrainerCallbacks, called from the run's events as transformers' Trainer calls them:
+    on_train_begin before the first step; on_step_begin before each step; for a step's row on_step_end then on_log
+    (TRL's names, as in state.log_history); for an eval row on_evaluate then on_log; on_save after a checkpoint is
+    written; on_train_end after the last. A step here is num_iterations of TRL's updates (global_step counts
+    updates), so each event comes once a step where TRL's would come once an update. A callback that sets
     control.should_training_stop ends the run after that step, checkpointed, as a Ctrl-C does. Not called (this loop
-    is not transformers'): on_step_begin, on_substep_end, the optimizer and prediction events, on_save."""
+    is not transformers'): on_substep_end, the optimizer, epoch and prediction events."""
 
     def __init__(self, callbacks: list, args, trainer, tokenizer, mu: int, epoch: Callable[[int], float]):
         from transformers import TrainerControl, TrainerState
@@ -575,9 +577,20 @@ class _CallbackSink(Sink):
         if self.control.should_training_stop:
             self.trainer.stop_requested = True
 
+    def _at(self, step: int) -> None:
+        self.state.global_step, self.state.epoch = step * self.mu, self.epoch(step)
+
+    def step_begin(self, step: int) -> None:
+        self._at(step - 1)   # as transformers': before the step, global_step counts the updates made so far
+        self.event("on_step_begin")
+
+    def saved(self, step: int, path) -> None:
+        self._at(step)
+        self.event("on_save")
+
     def write(self, row: dict) -> None:
         step = row["step"]
-        self.state.global_step, self.state.epoch = step * self.mu, self.epoch(step)
+        self._at(step)
         logs, metrics = _history_entries(row, self.mu, self.state.epoch)
         if logs is not None:
             self.state.log_history.append(logs)

@@ -388,8 +388,8 @@ def test_validate_counts_the_cases_and_the_rows_that_would_be_skipped(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lowmem_grpo", "validate", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert (f"stdin/stdout cases in {data}: 7 cases in 3 rows, all judged outside the sandbox (1 rows of function "
-            "calls; 1 rows by their checker, in a sandbox of its own); 1 rows without usable cases (skipped, not "
+    assert (f"test cases in {data}: 7 cases in 3 rows, all judged outside the sandbox (2 rows of stdin/stdout, 1 rows "
+            "of function calls; 1 rows by their checker, in a sandbox of its own); 1 rows without usable cases (skipped, not "
             "scored); 1 rows whose checker is not a Python program (skipped, not scored)") in out.stdout, out.stdout
 
 
@@ -630,8 +630,8 @@ def test_function_call_rows_are_scored_and_counted():
     assert code_io_reward([lcb_solution, "```python\nprint(1)\n```"], rows=[LCB_ROW] * 2) == [1.0, 0.0]
     assert code_io_binary_reward([lcb_solution], rows=[{"tests": APPS_CALLS}], max_cases=1) == [0.0]   # misnamed
     counts = code_io.count_cases([LCB_ROW, {"tests": APPS_CALLS}, {"tests": CASES}, {"tests": {}}])
-    assert counts.describe("d") == ("stdin/stdout cases in d: 8 cases in 3 rows, all judged outside the sandbox "
-                                    "(2 rows of function calls); 1 rows without usable cases (skipped, not scored)")
+    assert counts.describe("d") == ("test cases in d: 8 cases in 3 rows, all judged outside the sandbox "
+                                    "(1 rows of stdin/stdout, 2 rows of function calls); 1 rows without usable cases (skipped, not scored)")
 
 
 def test_function_calls_refuse_a_reporter_whose_pipe_the_program_could_reach(monkeypatch):

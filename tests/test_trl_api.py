@@ -327,9 +327,10 @@ def test_reward_processing_classes_of_functions_are_ignored_as_trl_ignores_them(
 
 
 def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_dir, tmp_path):
-    """transformers' TrainerCallbacks (refused before): on_train_begin, per step on_step_end and on_log with TRL's
-    names, per evaluation on_evaluate and on_log, on_train_end; state.global_step in TRL's updates (x
-    num_iterations); a callback that sets control.should_training_stop ends the run after that step, checkpointed."""
+    """transformers' TrainerCallbacks (refused before): on_train_begin, per step on_step_begin, on_step_end and on_log
+    with TRL's names, per evaluation on_evaluate and on_log, per checkpoint on_save (not called before), on_train_end;
+    state.global_step in TRL's updates (x num_iterations); a callback that sets control.should_training_stop ends the
+    run after that step, checkpointed."""
     from transformers import TrainerCallback
 
     class Record(TrainerCallback):
@@ -363,6 +364,11 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
     # eval_steps=2 updates is every step here: the step-0 eval, then each step's log (with a loss) and its eval
     assert steps == [(0, False), (2, True), (2, False), (4, True), (4, False)], steps
     assert [e[1] for e in record.events if e[0] == "on_evaluate"] == [0, 2, 4]
+    # transformers' order: on_step_begin with the updates made so far, ..., on_step_end; on_save after the
+    # stopping step's checkpoint (save_steps is TRL's 500 updates: that is the only one)
+    assert [e[1] for e in record.events if e[0] == "on_step_begin"] == [0, 2]
+    assert [e[1] for e in record.events if e[0] == "on_save"] == [4]
+    assert names.index("on_save") > max(i for i, n in enumerate(names) if n == "on_step_end")
     assert out.global_step == 4 and (tmp_path / "out" / "checkpoints").is_dir()
     with pytest.raises(TRLCompatError, match="callbacks: .* is not a transformers TrainerCallback"):
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path / "x"),

@@ -567,3 +567,23 @@ def test_vllm_ends_a_completion_at_any_eos_the_generation_config_lists(V_, vllm_
     finally:
         engine.close()
     assert after.token_ids == before.token_ids[: before.token_ids.index(t) + 1] and not after.truncated
+
+
+def test_a_mixture_of_experts_is_refused_before_vllm_builds_anything(V_, tmp_path):
+    """vLLM's fused experts layer holds the experts' weights, which the shared engine has no counterpart for: it
+    failed after building vLLM's model, listing each layer's w13/w2 weights as unshared. Now one sentence, first."""
+    from lowmem_grpo.tiny import save_moe_model
+
+    path = save_moe_model("Qwen3MoeConfig", tmp_path / "moe", vocab_size=64, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=32)
+    model, tok = _lora_model(path)
+    built = []
+    real = V_.vllm.LLM
+    V_.vllm.LLM = lambda *a, **k: built.append(1)
+    try:
+        with pytest.raises(V_.EngineError, match=r"Qwen3MoeForCausalLM is a mixture of 4 experts: .* use "
+                                                 r"generation.engine: hf"):
+            V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=64 << 20))
+    finally:
+        V_.vllm.LLM = real
+    assert not built

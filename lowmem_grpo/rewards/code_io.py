@@ -268,7 +268,7 @@ def row_job(row: dict, tests_field: str = "tests", checker_field: Optional[str] 
 @dataclasses.dataclass(frozen=True)
 class CaseCounts:
     rows: int                 # rows looked at
-    rows_without_cases: int   # rows the reward skips (no usable stdin/stdout cases)
+    rows_without_cases: int   # rows the reward skips (no usable stdin/stdout or function-call cases)
     cases: int
     checkers: int = 0         # rows with cases whose checker judges what is not the expected output
     broken_checkers: int = 0  # rows with cases skipped because their checker is not a Python program
@@ -276,8 +276,9 @@ class CaseCounts:
 
     def describe(self, source: str = "the data") -> str:
         judged = self.rows - self.rows_without_cases - self.broken_checkers
-        line = f"stdin/stdout cases in {source}: {self.cases} cases in {judged} rows, all judged outside the sandbox"
-        kinds = [f"{self.calls} rows of function calls"] if self.calls else []
+        what = "test cases" if self.calls else "stdin/stdout cases"
+        line = f"{what} in {source}: {self.cases} cases in {judged} rows, all judged outside the sandbox"
+        kinds = [f"{judged - self.calls} rows of stdin/stdout, {self.calls} rows of function calls"] if self.calls else []
         kinds += [f"{self.checkers} rows by their checker, in a sandbox of its own"] if self.checkers else []
         if kinds:
             line += f" ({'; '.join(kinds)})"

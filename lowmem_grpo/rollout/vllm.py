@@ -547,8 +547,17 @@ TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
 def _check_native(model) -> None:
     """Refuse, before vLLM builds anything, an architecture vLLM would run through its Transformers backend:
     that backend patches transformers' own model classes in this process (the trainer's model then breaks),
-    and it has no layers for the shared modules to stand in for."""
-    arch = next(iter(getattr(_base(model).config, "architectures", None) or []), None)
+    and it has no layers for the shared modules to stand in for. A mixture of experts is refused too: vLLM's fused
+    experts layer holds the experts' weights itself, which the shared engine has no counterpart for."""
+    from ..experts4bit import routed_experts
+
+    config = _base(model).config
+    arch = next(iter(getattr(config, "architectures", None) or []), None)
+    experts = routed_experts(getattr(config, "text_config", None) or config)
+    if experts > 1:
+        raise EngineError(f"{arch or 'this model'} is a mixture of {experts} experts: the shared vLLM engine runs only "
+                          "dense models (vLLM's fused experts layer would need the experts' weights copied into it, "
+                          "the one copy this engine avoids); use generation.engine: hf")
     where = vllm_internals().implementation(arch) if arch else None
     if where is not None and where.startswith(TRANSFORMERS_BACKEND):
         raise EngineError(f"vLLM {vllm.__version__} runs {arch} through its Transformers backend, which patches "
