@@ -64,9 +64,10 @@ def test_counts_per_dataset():
     rows = [{"tests": OUTSIDE[:3]}, {"tests": INSIDE[:2] + OUTSIDE[:1]}, {"tests": []}, {"other": 1},
             {"tests": json.dumps(OUTSIDE[:2])}]
     counts = count_judging(rows)
-    assert (counts.rows, counts.rows_without_tests, counts.outside, counts.inside) == (5, 2, 6, 2)
+    # (the second row's test judged outside comes after two judged inside: it counts as inside, code.unforgeable)
+    assert (counts.rows, counts.rows_without_tests, counts.outside, counts.inside) == (5, 2, 5, 3)
     line = counts.describe("rows.jsonl")
-    assert "6 judged outside" in line and "2 judged inside" in line and "docs/sandbox.md" in line
+    assert "5 judged outside" in line and "3 judged inside" in line and "docs/sandbox.md" in line
     assert count_judging(rows, limit=1).rows == 1
     assert "inside" not in count_judging(rows[:1]).describe()
 
@@ -286,9 +287,9 @@ def check():
             pass
     return False
 """
-    run = run_tests(forger, ["assert check()", "assert check() == True"], timeout=2)
-    assert run.judged_outside == [False, True]
-    assert run.passed == [True, False]
+    run = run_tests(forger, ["assert check() == True", "assert check()"], timeout=2)
+    assert run.judged_outside == [True, False]
+    assert run.passed == [False, True]
 
 
 def test_a_value_side_that_compares_or_holds_the_expected_value_is_judged_inside():
@@ -306,8 +307,8 @@ def test_a_value_side_that_compares_or_holds_the_expected_value_is_judged_inside
     # an object whose operators give what the test wants: it passes the first two inside, none outside
     forger = "class E:\n    def __eq__(self, o):\n        return True\n    def __sub__(self, o):\n        return 0\n" \
              "def f(x):\n    return E()\n"
-    run = run_tests(forger, inside[:3] + ["assert f(1) == 2"], timeout=2)
-    assert run.judged_outside == [False, False, False, True] and run.passed == [True, True, True, False]
+    run = run_tests(forger, ["assert f(1) == 2"] + inside[:3], timeout=2)
+    assert run.judged_outside == [True, False, False, False] and run.passed == [False, True, True, True]
 
 
 def test_tolerance_checks_are_judged_outside_on_the_difference():
@@ -396,3 +397,29 @@ def test_validate_counts_the_tests_judged_inside(tmp_path):
     assert out.stdout.strip().endswith("exit 0 False"), out.stdout + out.stderr   # still no torch import
     assert f"code tests in {data}: 2 tests in 1 rows; 1 judged outside" in out.stdout
     assert "1 judged inside" in out.stdout and "1 rows without usable tests" in out.stdout
+
+
+def test_a_test_judged_outside_after_one_judged_inside_counts_as_forgeable():
+    """Found by a red team: a test judged inside sends its whole source, literals included, into the solver; a
+    solution read the expected value there and claimed it for a later test judged outside on the same input,
+    which then passed as if unforgeable. Such a test counts as inside now, in the run and in count_judging; the
+    same test before any inside one stays unforgeable."""
+    solution = ("import sys, re\nseen = {}\ndef f(x):\n    fr = sys._getframe()\n"
+                "    while fr is not None and 'cmd' not in fr.f_locals:\n        fr = fr.f_back\n"
+                "    m = re.search(r'== (\\d+)', fr.f_locals['cmd']['src'])\n    if m:\n        seen[x] = int(m.group(1))\n"
+                "    return seen.get(x, 0)\n")
+    inside, outside = "r = f(12345)\nassert r == 67890", "assert f(12345) == 67890"
+    run = run_tests(solution, [inside, outside], timeout=2.0)
+    assert run.passed == [True, True] and run.judged_outside == [False, False]   # the forgery works; it is counted
+    assert count_judging([{"tests": [inside, outside]}]).outside == 0
+    run = run_tests(solution, [outside, inside], timeout=2.0)
+    assert run.passed == [False, True] and run.judged_outside == [True, False], run.details
+    assert count_judging([{"tests": [outside, inside]}]).outside == 1
+
+
+def test_a_tests_own_literals_are_compiled_off_its_clock():
+    """Found by a red team: a test's source was compiled inside its time limit, so a test with a large literal
+    (400,000 argument pairs took 1.1 s) failed a solution that does nothing. Compiled first now; the limit is the
+    solution's."""
+    test = f"assert size({[[i, i] for i in range(150_000)]!r}) == 150000"
+    assert run_tests("def size(pairs):\n    return len(pairs)", [test], timeout=0.25).passed == [True]

@@ -152,7 +152,7 @@ def test_a_run_that_does_not_end_cleanly_fails_whatever_it_printed(program, why)
     ("import sys\nsys.stdout.write('3\\x00\\n')", "a NUL byte after it"),
     ("import sys\nsys.stdout.buffer.write(b'3\\xff\\n')", "invalid UTF-8 after it"),
     ("print(3)\nimport os\nos._exit(0)", "buffered, never flushed"),
-    ("import os, sys, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(0.3); print('3', flush=True)\n", "a child"),
+    ("import os, sys, time\nif os.fork() == 0:\n    os.setpgid(0, 0); time.sleep(0.3); print('3', flush=True)\n", "a child"),
 ])
 def test_output_that_is_not_the_answer_on_stdout_fails(program, why):
     rows = [{"tests": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}]
@@ -283,7 +283,7 @@ def test_the_cases_run_in_one_program_are_judged_as_each_in_its_own():
 
 
 def test_what_a_case_leaves_running_cannot_reach_the_next():
-    """A program that leaves a process behind (its own session, so the group kill misses it) gets nothing into
+    """A program that leaves a process behind (its own process group, so the group kill misses it) gets nothing into
     the next case's output: it holds only its own case's pipes, and every process of the run is non-dumpable (the
     relaying program makes itself so before it forks), so none can open another's descriptors. With the cases'
     processes made dumpable again, this test fails (the second case's output gets the 9)."""
@@ -291,7 +291,7 @@ def test_what_a_case_leaves_running_cannot_reach_the_next():
                "print(n, flush=True)\n"
                "if n == 1:\n    os.close(1)\n"   # (what it leaves then holds no output of its own case)
                "if n == 1 and os.fork() == 0:\n"
-               "    os.setsid()\n"
+               "    os.setpgid(0, 0)\n"
                "    for _ in range(30):\n"   # while the next case runs: into every descriptor it can reach
                "        for fd in range(3, 64):\n"
                "            try:\n                os.write(fd, b'9\\n')\n            except OSError:\n                pass\n"
@@ -305,12 +305,12 @@ def test_what_a_case_leaves_running_cannot_reach_the_next():
 
 
 def test_a_process_left_running_cannot_work_on_a_later_case_past_its_limit():
-    """Case 0 leaves a daemon (its own session: the group kill misses it) that takes 2 s, twice the limit, on
+    """Case 0 leaves a daemon (its own process group: the group kill misses it) that takes 2 s, twice the limit, on
     case 3's answer and leaves it in /tmp, where case 3 picks it up in time. Each case in its own sandbox fails
     case 3; so must the cases run in one program: what a case leaves is killed before the next starts."""
     program = ("import os, time\nn = int(input())\n"
                "if n == 0 and os.fork() == 0:\n"
-               "    os.setsid()\n"
+               "    os.setpgid(0, 0)\n"
                "    if os.fork() == 0:\n"
                "        time.sleep(2.0)\n"
                "        open('/tmp/a.tmp', 'w').write('30')\n        os.rename('/tmp/a.tmp', '/tmp/answer')\n"
@@ -344,7 +344,7 @@ def test_stopping_the_relaying_program_does_not_hide_a_timeout():
     program = ("import os, signal, time\nparent, me = os.getppid(), os.getpid()\n"
                "os.kill(parent, signal.SIGSTOP)\n"
                "if os.fork() == 0:\n"
-               "    os.setsid()\n    os.close(0)\n    os.close(1)\n"
+               "    os.setpgid(0, 0)\n    os.close(0)\n    os.close(1)\n"
                "    while open('/proc/%d/stat' % me).read().split()[2] != 'Z':\n        time.sleep(0.01)\n"
                "    os.kill(parent, signal.SIGCONT)\n    os._exit(0)\n"
                "time.sleep(2.0)\nprint(int(input()) * 2)\n")
@@ -652,7 +652,7 @@ def test_stopping_the_reporter_does_not_hide_a_slow_call(seconds, passed):
     limit and has a process it left resume the reporter once the reply is in the pipe: that reply was read late
     and taken. A reply is in time only if the reporter reads it in time (the same trick within the limit passes)."""
     program = ("import os, signal, time\ndef slow(n):\n    signal.setitimer(signal.ITIMER_REAL, 0)\n"
-               "    parent = os.getppid()\n    if os.fork() == 0:\n        os.setsid()\n"
+               "    parent = os.getppid()\n    if os.fork() == 0:\n        os.setpgid(0, 0)\n"
                f"        time.sleep({seconds} + 0.2)\n        os.kill(parent, signal.SIGCONT)\n        os._exit(0)\n"
                f"    os.kill(parent, signal.SIGSTOP)\n    time.sleep({seconds})\n    return 2 * n")
     calls = code_io.Calls("slow", (([1], 2),), unwrap=False)
@@ -681,3 +681,52 @@ def test_a_reporter_held_up_after_sending_the_solution_still_times_its_top_level
     program = (f"import signal, time\nsignal.setitimer(signal.ITIMER_REAL, 0)\ntime.sleep({seconds})\n"
                "def f(n):\n    return n")
     assert code_io.run_calls(program, code_io.Calls("f", (([1], 1),), unwrap=False), timeout=1.0) == [passed]
+
+
+def test_the_cases_directory_carries_nothing_to_the_next():
+    """Found by a red team: the relay emptied the case's directory between cases but kept the directory, whose
+    times (and mode, and extended attributes) a case could set and the next read: each case 'remembered' the
+    earlier ones, which cases run each in its own sandbox cannot. The directory is made anew now."""
+    program = ("import os\nst = os.stat('.')\nseen = int(st.st_mtime) if st.st_mtime < 1000 else 0\n"
+               "os.utime('.', (seen + 1, seen + 1))\ninput()\nprint(seen)\n")
+    cases = [("a\n", "0\n"), ("b\n", "1\n"), ("c\n", "2\n")]
+    assert code_io.run_cases(program, cases) == code_io.run_cases_separately(program, cases) == [True, False, False]
+
+
+def test_a_case_that_closes_its_stdout_and_runs_on_does_not_hold_up_the_next():
+    """Found by a red team: on the end of a case's output the relay waited for the program without a deadline, so
+    a case that closed its stdout and ran on held the relay until the whole run's wall clock killed it, and every
+    later case failed. It is waited for within its own limit now."""
+    program = "import os, time\nn = int(input())\nif n == 1:\n    os.close(1)\n    time.sleep(30)\nprint(n)\n"
+    cases = [("1\n", "1\n"), ("2\n", "2\n"), ("3\n", "3\n")]
+    assert code_io.run_cases(program, cases, timeout=1.0) == code_io.run_cases_separately(program, cases, timeout=1.0) \
+        == [False, True, True]
+
+
+def test_an_output_of_nan_fails_before_a_checker_that_nan_would_fool():
+    """The usual generated checker `if abs(expected - got) > eps: reject` accepts NaN (every comparison with it is
+    false): a program printing nan passed every case. A NaN or infinity the expected output does not hold fails
+    now without asking the checker; the checker still judges other outputs, and one where the expected output is
+    itself inf."""
+    checker = ("import sys\nexp = float(open(sys.argv[2]).read())\ngot = float(open(sys.argv[3]).read())\n"
+               "sys.exit(1 if abs(exp - got) > 1e-6 else 0)\n")
+    cases = [("1\n", "0.5\n"), ("2\n", "inf\n")]
+    for program, expected in (("n = int(input())\nprint(float('nan'))", [False, False]),
+                              ("n = int(input())\nprint(1 / n if n == 2 else 0.5000000001)", [True, False]),
+                              ("n = int(input())\nprint(0.5 if n == 1 else float('inf'))", [True, True])):
+        together = code_io.run_cases(program, cases, checker=checker)
+        assert together == code_io.run_cases_separately(program, cases, checker=checker) == expected, program
+
+
+def test_function_call_problems_get_the_sites_imports_and_large_arguments_and_values():
+    """Found by a red team, each failing an honest solution: LiveCodeBench's starter code annotates with List[int]
+    and imports nothing (NameError: the datasets' own judges prepend star imports; so does CALL_PRELUDE, builtins
+    last so that pow keeps its modulus); 300,000 argument pairs as a Python literal took the sandbox's whole memory
+    to compile (they travel as JSON text now); a returned list of 100,000 ints was over the 1 MiB value cap."""
+    row = {"tests": {"fn_name": "count", "inputs": [[[[i, i + 1] for i in range(300_000)]], [[[1, 2]]]],
+                     "outputs": [[300_000], [1]]}}
+    solution = ("```python\nclass Solution:\n    def count(self, edges: List[List[int]]) -> int:\n"
+                "        return pow(len(edges), 1, 10**9 + 7) + len(deque())\n```")
+    assert code_io_reward([solution], rows=[row]) == [1.0]
+    big = {"tests": {"fn_name": "upto", "inputs": [[100_000]], "outputs": [[list(range(100_000))]]}}
+    assert code_io_reward(["```python\ndef upto(n):\n    return list(range(n))\n```"], rows=[big]) == [1.0]

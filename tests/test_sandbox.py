@@ -393,9 +393,9 @@ def test_sleeping_past_the_timeout(namespaces):
 
 @pytest.mark.parametrize("namespaces", MODES)
 def test_daemonized_child_is_killed(namespaces):
-    """A child that leaves the process group (setsid) and outlives the program must still die."""
+    """A child that leaves the process group (setpgid; setsid is denied) and outlives the program must still die."""
     require_any(namespaces, "pidns", "uid")
-    escape = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n" \
+    escape = "import os, time\nif os.fork() == 0:\n    os.setpgid(0, 0)\n    if os.fork() == 0:\n        time.sleep(60)\n" \
              "    os._exit(0)\ndef add(a, b):\n    return a + b"
     assert score(escape, namespaces=namespaces) == 1.0     # the solution itself is right: full score
     # no_leftovers checks that the sleeping grandchild is gone
@@ -612,7 +612,7 @@ def leak(parts=('environ', 'cmdline')):
 
 @pytest.mark.parametrize("namespaces", MODES)
 def test_grandchild_in_its_own_session_outliving_the_run(namespaces):
-    """A grandchild that leaves the session and waits for the run to end, then writes into a
+    """A grandchild that leaves the process group and waits for the run to end, then writes into a
     world-writable host directory: it must be dead by then, and the directory untouched."""
     require_any(namespaces, "pidns", "uid")
     d = world_dir()
@@ -621,7 +621,7 @@ def test_grandchild_in_its_own_session_outliving_the_run(namespaces):
         escape = f"""
 import os, time
 if os.fork() == 0:
-    os.setsid()
+    os.setpgid(0, 0)
     if os.fork() == 0:
         time.sleep(1.0)
         for path in ({str(late)!r}, '/tmp/late'):
@@ -865,3 +865,40 @@ def test_the_tests_docs_sandbox_md_names_exist():
     assert len(named) > 20
     for path, name in sorted(named):
         assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_setsid_message_queues_and_xattrs_are_denied_and_the_program_dies_first(namespaces):
+    """Found by a red team: 28 spinning processes, each in a session of its own (the scheduler shares the CPU
+    between sessions), starved the honest program judged beside them into a timeout; a POSIX message queue and an
+    extended attribute on the case's directory carried state from one stdin/stdout case to the next. setsid,
+    mq_open and setxattr fail now; and the program's oom_score_adj is 1000, so that the kernel's out-of-memory
+    killer takes it, not the trainer."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("the sandbox's seccomp filter is written for x86_64 and aarch64 only")
+    prog = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+got = []
+child = os.fork()   # (not a process group leader, which setsid refuses anyway)
+if child == 0:
+    try:
+        os.setsid()
+        os._exit(0)
+    except OSError:
+        os._exit(1)
+if os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0:
+    got.append('setsid')
+if libc.mq_open(b'/carry', os.O_RDWR | os.O_CREAT, 0o600, None) >= 0:
+    got.append('mq_open')
+try:
+    os.setxattr('.', 'user.carry', b'1')
+    got.append('setxattr')
+except OSError:
+    pass
+print(got, open('/proc/self/oom_score_adj').read().strip())
+"""
+    res = run_python(prog, 10, namespaces=namespaces)
+    assert res.ok, res.stderr
+    assert "seccomp" in res.protections and "oom_first" in res.protections, res.protections
+    assert res.stdout.split() == ["[]", "1000"], res.stdout

@@ -29,7 +29,9 @@ Who decides a verdict (docs/sandbox.md, "Verdicts"):
   outside on the difference: only `<expr>` enters, the trainer subtracts.
 * Any other test (a bare boolean assert, several statements) is *judged inside*: its pass/fail comes
   from the sandboxed program. Those verdicts can be forged by a solution that manipulates its own
-  interpreter; `classify_tests` and `count_judging` count them so that a dataset's share is known.
+  interpreter; `classify_tests` and `count_judging` count them so that a dataset's share is known. So can a
+  test judged outside that comes after one judged inside (`unforgeable`): the inside test's literals entered
+  the solver, which may keep an expected value seen there and claim it later; those count as inside too.
 
 How a completion is run: one sandboxed program (see sandbox.py) that splits into two processes before
 it reads anything:
@@ -72,7 +74,7 @@ from .sandbox import SandboxError, SandboxLimits, SandboxResult, missing_protect
 
 DEFAULT_TEST_TIMEOUT_S = 3.0
 DEFAULT_WORKERS = 2
-VALUE_CAP = 1 << 20      # bytes of one test's encoded value; a larger value fails the test
+VALUE_CAP = 4 << 20      # bytes of one test's encoded value (~12 a small int: a list of 300,000); a larger one fails
 _MAX_DEPTH = 100         # nesting of a returned value
 _MAX_SAME_HASH = 16      # elements of one decoded set (keys of one dict) that may share a hash
 _GRACE_S = 0.5           # past a test's own limit, the reporter stops waiting for the solver
@@ -249,17 +251,17 @@ def solver(cmd_r, rep_w):
         if not line:
             return
         cmd = marshal.loads(bytes.fromhex(line.decode()))
+        value = cmd["kind"] == "value"
         try:
+            # compiled and encoded off the clock: a test's own literals (400,000 argument pairs took 1.1 s to
+            # compile) and the returned value's encoding are not the solution's time
+            code = compile(cmd["src"], "<test %%d>" %% cmd["i"], "eval" if value else "exec")
             try:
                 signal.setitimer(signal.ITIMER_REAL, limit)
-                where = "<test %%d>" %% cmd["i"]
-                if cmd["kind"] == "value":
-                    payload = encode(eval(compile(cmd["src"], where, "eval"), namespace))
-                else:
-                    exec(compile(cmd["src"], where, "exec"), namespace)
-                    payload = ""
+                result = eval(code, namespace) if value else exec(code, namespace)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+            payload = encode(result) if value else ""
         except NotPlain as exc:
             reply(cmd["key"], "fail", exc.args[0])
         except BaseException as exc:
@@ -512,15 +514,23 @@ def _only_a_value(expr) -> bool:
     return True
 
 
+def unforgeable(plans: Sequence[Judging]) -> list[bool]:
+    """Per test: whether its verdict cannot be forged. A test judged outside is, unless a test judged inside came
+    before it: that test's whole source, literals included, entered the solver, which can keep an expected value
+    seen there and claim it for a later call on the same input (a test's order is the row's: a later test may
+    use what an earlier one set up)."""
+    out, seen_inside = [], False
+    for p in plans:
+        out.append(p.outside and not seen_inside)
+        seen_inside = seen_inside or not p.outside
+    return out
+
+
 def classify_tests(tests: Iterable[str]) -> tuple[int, int]:
-    """(judged outside, judged inside) among `tests`."""
-    outside = inside = 0
-    for t in tests:
-        if judging(t).outside:
-            outside += 1
-        else:
-            inside += 1
-    return outside, inside
+    """(judged outside and unforgeable, the others) among `tests`."""
+    plans = [judging(t) for t in tests]
+    outside = sum(unforgeable(plans))
+    return outside, len(plans) - outside
 
 
 @dataclass(frozen=True)
@@ -535,8 +545,8 @@ class JudgingCounts:
         line = (f"code tests in {source}: {total} tests in {self.rows - self.rows_without_tests} rows; "
                 f"{self.outside} judged outside the sandbox (assert <expr> <op> <literal>)")
         if self.inside:
-            line += (f"; {self.inside} judged inside (bare or multi-statement asserts): a solution that tampers "
-                     f"with its own interpreter can forge those verdicts (docs/sandbox.md)")
+            line += (f"; {self.inside} judged inside (bare or multi-statement asserts, and any test after one): a "
+                     f"solution that tampers with its own interpreter can forge those verdicts (docs/sandbox.md)")
         if self.rows_without_tests:
             line += f"; {self.rows_without_tests} rows without usable tests (skipped, not scored)"
         return line
@@ -647,7 +657,7 @@ class SuiteRun:
     passed: list            # one bool per test
     details: list           # per test: "" when passed, else the exception name, "not run", ...
     sandbox: SandboxResult
-    judged_outside: list = None   # per test: True when the trainer compared the value (see `judging`)
+    judged_outside: list = None   # per test: True when the trainer compared a value none could forge (`unforgeable`)
     channel_private: bool = False  # the reporter could make itself non-dumpable (its pipe out of the solver's reach)
 
     @property
@@ -774,7 +784,7 @@ def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEO
                       else f"not run ({result.killed_reason or 'no report'})")
         passed.append(bool(ok))
         details.append(detail)
-    return SuiteRun(passed, details, result, [p.outside for p in plans], private)
+    return SuiteRun(passed, details, result, unforgeable(plans), private)
 
 
 def sandbox_check(limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> str:

@@ -222,15 +222,34 @@ def call_tests(code: str, calls: Calls) -> list[Judging]:
     """Each case as a test judged outside: the call enters the sandbox, its value is compared here."""
     callee = f"Solution().{calls.fn_name}" if _CLASS_SOLUTION.search(code) else calls.fn_name
     match = functools.partial(returns_match, unwrap=calls.unwrap)
-    return [Judging("value", f"{callee}(*{args!r})", expected=out, matches=match) for args, out in calls.cases]
+    return [Judging("value", f"{callee}(*{_arguments(args)})", expected=out, matches=match) for args, out in calls.cases]
+
+
+def _arguments(args: list) -> str:
+    """A call's arguments as source: JSON text in one string literal where JSON holds them exactly (the datasets'
+    are JSON), read by json.loads in the sandbox; a Python literal of 400,000 pairs took the sandbox's whole
+    memory to compile. Anything JSON would change (tuples, sets, NaN) as a Python literal."""
+    try:
+        text = json.dumps(args)
+    except (TypeError, ValueError):
+        return repr(args)
+    return f"__import__('json').loads({text!r})" if json.loads(text) == args else repr(args)
+
+
+# What a function-call problem's program starts with, as on the sites and in the datasets' own judges (LiveCodeBench
+# and TACO prepend star imports): starter code annotates with List[int] and solutions call deque or heappush
+# without importing them. builtins last: math's pow must not stand for the built-in three-argument pow.
+CALL_PRELUDE = ("from typing import *\nfrom collections import *\nfrom heapq import *\nfrom bisect import *\n"
+                "from itertools import *\nfrom functools import *\nfrom math import *\nfrom builtins import *\n"
+                "import bisect, collections, functools, heapq, itertools, math, operator, re, string, sys\n")
 
 
 def run_calls(code: str, calls: Calls, *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
               limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> list[bool]:
-    """Run the program once, then each case's call, in one sandboxed program (rewards/code.py's); one bool per
-    case, judged here on the value it returns."""
-    return private_run(run_tests(code, call_tests(code, calls), timeout=timeout, limits=limits), allow_weak_sandbox,
-                       "code_io").passed
+    """Run the program (after CALL_PRELUDE) once, then each case's call, in one sandboxed program (rewards/code.py's);
+    one bool per case, judged here on the value it returns."""
+    return private_run(run_tests(CALL_PRELUDE + code, call_tests(code, calls), timeout=timeout, limits=limits),
+                       allow_weak_sandbox, "code_io").passed
 
 
 @functools.lru_cache(maxsize=1024)   # a row's checker comes back every epoch
@@ -391,9 +410,19 @@ def checker_accepts(exit_status: Optional[int], stdout: str) -> bool:
     return first.strip(".!:;,").lower() in _ACCEPT_WORDS
 
 
-def _needs_checker(got: str, expected: str) -> bool:
-    # the expected output token for token needs no judge (and saves the checker's sandbox)
-    return not outputs_match(got, expected, 0.0)
+_NON_FINITE = {"nan", "inf", "infinity"}
+
+
+def _before_checker(got: str, expected: str) -> Optional[bool]:
+    """The verdict on an output that needs no checker, else None. The expected output token for token passes (and
+    saves the checker's sandbox). A NaN or infinity the expected output does not hold fails: the usual generated
+    check `if abs(expected - got) > eps: reject` accepts NaN, since every comparison with it is false."""
+    if outputs_match(got, expected, 0.0):
+        return True
+    claimed = {t.lower().lstrip("+-") for t in _tokens(got)} & _NON_FINITE
+    if claimed - {t.lower().lstrip("+-") for t in _tokens(expected)}:
+        return False
+    return None
 
 
 def run_cases_separately(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
@@ -416,10 +445,13 @@ def run_cases_separately(code: str, cases: list[tuple[str, str]], *, timeout: fl
     passed = []
     for stdin, expected in cases:
         ok, result = run(code, timeout, _stdin(stdin), _output_cap(expected, float_tolerance))
-        if ok and checker is not None and _needs_checker(result.stdout, expected):
+        early = _before_checker(result.stdout, expected) if ok and checker is not None else None
+        if ok and checker is not None and early is None:
             ok, verdict = run(checker_program(checker), checker_timeout, checker_job(stdin, expected, result.stdout),
                               _CHECKER_OUTPUT_CAP)
             passed.append(ok and checker_accepts(verdict.returncode, verdict.stdout))
+        elif early is not None:
+            passed.append(early)
         else:
             passed.append(ok and outputs_match(result.stdout, expected, float_tolerance if checker is None else 0.0))
     return passed
@@ -506,7 +538,7 @@ def execute(code):
 
 
 def descendants_killed(me, limit):
-    # SIGKILL every process a case left (a setsid() daemon escapes its process group, and would otherwise work on
+    # SIGKILL every process a case left (a daemon in a process group of its own escapes the group kill, and would work on
     # for later cases past its own time limit): orphans come to this process (a child subreaper), so once it has
     # no child left, nothing of the case is. False if that takes past `limit` seconds.
     end = time.monotonic() + limit
@@ -532,12 +564,9 @@ def descendants_killed(me, limit):
     return False
 
 
-def clear(dir_fd, keep=None):
+def clear(dir_fd):
     # remove what is in the directory (nothing of the program runs now): its files must not reach a later case
     for entry in list(os.scandir(dir_fd)):
-        st = entry.stat(follow_symlinks=False)
-        if keep is not None and (st.st_dev, st.st_ino) == keep:
-            continue
         if entry.is_dir(follow_symlinks=False):
             os.chmod(entry.name, 0o700, dir_fd=dir_fd)
             fd = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
@@ -569,21 +598,29 @@ def private_dirs():
 
 
 def reset(dirs):
-    # between cases: what a case wrote goes, as a fresh sandbox per case would have it; its directory stays
+    # between cases: what a case wrote goes, as a fresh sandbox per case would have it. The case's directory is
+    # made anew, and the private directories' times set to now: a directory's mode, times and extended attributes
+    # carried state to the next case as well as its files did.
     try:
-        here = os.stat(".")
-        os.chmod(".", 0o700)
+        if not dirs:
+            os.chmod(".", 0o700)
+            fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                clear(fd)
+            finally:
+                os.close(fd)
+            return True
+        os.chdir("/")
         for d in dirs:
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                clear(fd, keep=(here.st_dev, here.st_ino))
+                clear(fd)   # (/tmp/sandbox with the rest)
             finally:
                 os.close(fd)
-        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            clear(fd)
-        finally:
-            os.close(fd)
+        os.mkdir("/tmp/sandbox", 0o700)
+        os.chdir("/tmp/sandbox")
+        for d in dirs:
+            os.utime(d)
         return True
     except (OSError, RecursionError):
         return False
@@ -611,6 +648,7 @@ def run_case(code, data, limit, cap):
     os.close(out_w)
     os.set_blocking(in_w, False)
     pending, out = memoryview(data), bytearray()
+    reading = [out_r]
     writing = [in_w] if pending else []
     if not pending:
         os.close(in_w)
@@ -620,7 +658,7 @@ def run_case(code, data, limit, cap):
         if left <= 0:
             verdict = "timeout"
             break
-        readable, writable, _ = select.select([out_r], writing, [], min(left, 0.05))
+        readable, writable, _ = select.select(reading, writing, [], min(left, 0.05))
         if writable:
             try:
                 pending = pending[os.write(in_w, pending[:65536]):]
@@ -636,9 +674,8 @@ def run_case(code, data, limit, cap):
             out += chunk
             if len(out) > cap:
                 verdict = "over"
-            elif not chunk:   # every writer of its stdout is gone
-                status = os.waitpid(pid, 0)[1]
-                break
+            elif not chunk:   # every writer of its stdout is gone; the program may run on: waited for below,
+                reading = []  # within its deadline (a blocking wait here held the relay past every later case's)
         if status is None and verdict is None:
             done, st = os.waitpid(pid, os.WNOHANG)
             if done:   # it ended; take what it printed (a process it left may hold the pipe open)
@@ -675,7 +712,7 @@ def run_case(code, data, limit, cap):
 
 def main():
     private = start()
-    # PR_SET_CHILD_SUBREAPER: what a case leaves (setsid, double fork) stays a descendant of this process, to be
+    # PR_SET_CHILD_SUBREAPER: what a case leaves (its own process group, double fork) stays a descendant of this process, to be
     # killed before the next case starts (descendants_killed). Without it the run does not count as isolated.
     try:
         private = private and prctl(36, 1) == 0
@@ -767,11 +804,12 @@ def run_cases(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAU
     ran = {i: got for i, (verdict, got) in outputs.items() if verdict == "exit:0"}
     if checker is None:
         return [i in ran and outputs_match(ran[i], expected, float_tolerance) for i, (_, expected) in enumerate(cases)]
-    judge = [i for i in ran if _needs_checker(ran[i], cases[i][1])]
+    verdicts = {i: _before_checker(got, cases[i][1]) for i, got in ran.items()}
+    judge = [i for i, verdict in verdicts.items() if verdict is None]
     accepted = run_checks(checker, [(*cases[i], ran[i]) for i in judge], timeout=checker_timeout, limits=lim,
                           allow_weak_sandbox=allow_weak_sandbox)
-    verdicts = dict(zip(judge, accepted))
-    return [i in ran and verdicts.get(i, True) for i in range(len(cases))]
+    verdicts.update(zip(judge, accepted))
+    return [i in ran and verdicts[i] for i in range(len(cases))]
 
 
 def run_checks(checker: str, outputs: list[tuple[str, str, str]], *, timeout: float = DEFAULT_CHECKER_TIMEOUT_S,

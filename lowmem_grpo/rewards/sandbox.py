@@ -36,9 +36,11 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
     uid makes NPROC bite, makes the host's files read-only (or unreadable) to the program, forbids
     signalling the trainer, and — being unique to the run — lets the parent kill every process of that
     uid afterwards even without a PID namespace;
-  - PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), a seccomp filter denying a few
-    system calls (kernel keys; memfd_create and System V IPC, which hold memory RLIMIT_AS does not count),
-    PR_SET_PDEATHSIG=SIGKILL (the program dies with its parent);
+  - oom_score_adj 1000 (the out-of-memory killer takes the program before the trainer),
+    PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), a seccomp filter denying a few
+    system calls (kernel keys; memfd_create and System V IPC, which hold memory RLIMIT_AS does not count;
+    setsid, which would give a process its own share of the CPU; POSIX message queues and extended
+    attributes, state that outlives a process), PR_SET_PDEATHSIG=SIGKILL (the program dies with its parent);
   - execs `python -I -S -B main.py`.
 * The bootstrap's status line (on stderr, before the exec) carries a per-run secret from its environment,
   so that the program cannot write one.
@@ -53,8 +55,8 @@ layers the probe found (a run never silently gets weaker isolation than the prob
 
 The code reward requires the full set (`FULL_ISOLATION`, and `uid` as root) unless told otherwise
 (`missing_protections`, `sandbox_summary`). This is damage control for buggy and reward-hacking
-programs, not a security boundary against a determined attacker: there is no seccomp filter and the
-kernel is shared; see docs/sandbox.md.
+programs, not a security boundary against a determined attacker: the seccomp filter denies only a few system
+calls and the kernel is shared; see docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -488,6 +490,15 @@ for name, soft, hard in limits:
     except (ValueError, OSError) as exc:
         failed[name] = str(exc)
 
+# The kernel's out-of-memory killer picks the process with the highest score: this program and what it starts
+# first, not the trainer (the largest process on the machine), should the runs' memory together exhaust the host.
+try:
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    active.append("oom_first")
+except OSError as exc:
+    failed["oom_first"] = str(exc)
+
 if run_uid is not None:
     try:
         os.setgroups([])
@@ -512,9 +523,10 @@ class Char(_ctypes._SimpleCData):
     _type_ = "c"
 
 
-# AUDIT_ARCH_* and the numbers of add_key, request_key, keyctl, memfd_create, shmget, msgget, semget
-DENIED = {"x86_64": (0xC000003E, (248, 249, 250, 319, 29, 68, 64)),
-          "aarch64": (0xC00000B7, (217, 218, 219, 279, 194, 186, 190))}
+# AUDIT_ARCH_* and the numbers of add_key, request_key, keyctl, memfd_create, shmget, msgget, semget, setsid,
+# mq_open, setxattr, lsetxattr, fsetxattr, setxattrat
+DENIED = {"x86_64": (0xC000003E, (248, 249, 250, 319, 29, 68, 64, 112, 240, 188, 189, 190, 463)),
+          "aarch64": (0xC00000B7, (217, 218, 219, 279, 194, 186, 190, 157, 180, 5, 6, 7, 463))}
 
 
 def deny_syscalls():
@@ -523,7 +535,11 @@ def deny_syscalls():
     uid's user keyrings outlive its last process, the program can make them unremovable, and every run
     has a fresh uid: kernel memory left behind for good (Docker's default profile denies them too).
     memfd_create, shmget, msgget, semget hold memory outside RLIMIT_AS and the tmpfs caps (memfds of
-    file_size_mb each, as many as descriptors): GBs from a process limited to memory_mb."""
+    file_size_mb each, as many as descriptors): GBs from a process limited to memory_mb. setsid: the scheduler
+    gives each session an equal share of the CPU (autogroups), so 28 spinning processes in sessions of their own
+    took 28/29 of it from the other programs judged beside them, which then timed out. mq_open and the setxattr
+    calls: a POSIX message queue (the run's IPC namespace) and extended attributes carried state from one
+    stdin/stdout case to the next, which are separate runs in the reference (code_io.run_cases_separately)."""
     arch, nrs = DENIED[os.uname().machine]
     bo = sys.byteorder
 
