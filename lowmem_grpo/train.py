@@ -180,6 +180,7 @@ class Trainer:
         # need data.answer_field only when a reward reads it.
         sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer)
         self.train_set, self.eval_set = sets["train"], sets["test"]
+        self.rewards.train_rows = len(self.train_set)   # TRL-shaped rewards' trainer_state.epoch
         for note in self.rewards.notes + judging_notes(recipe):  # e.g. the code sandbox's active protections
             self.log(f"[lowmem-grpo] {note}")
         self.sampling = SamplingParams.from_generation(recipe.generation)

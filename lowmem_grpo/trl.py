@@ -13,30 +13,37 @@ checked like any other, with TRL's defaults where the script sets nothing (so `b
 `dapo`, as in TRL), and the trainer runs it: 4-bit base, LoRA, the chunked log-prob kernel. The datasets are
 written to output_dir/data/ as JSON lines, and the trainer writes the recipe to output_dir/recipe.yaml: the folder
 is an ordinary run (`lowmem-grpo report`, `eval`, `export`). The reward functions are called as TRL calls them
-(convention: trl). `args` may be this module's `GRPOConfig` or TRL's own.
+(convention: trl), each named as TRL names it (a partial by its function, a callable by its class). `args` may be
+this module's `GRPOConfig` (an attribute a script reads without setting it: TRL's or transformers' default) or TRL's
+own (its enums read by their values).
 
 TRL's step counts are optimizer updates (num_iterations per generation batch; below 1, a share of the run), a step
 here is one generation batch: max_steps, save_steps, logging_steps and eval_steps are converted. `save_model` writes
 the tokenizer next to the adapter, as TRL's does. After train(), `state` (transformers' TrainerState: global_step,
-log_history) reads the run's metrics.jsonl, `model` is the trained policy, and `evaluate()` runs the project's own
-greedy eval (lowmem_grpo/evaluate.py) on the eval set, returning eval_-prefixed metrics; the run itself evaluates
-only where eval_strategy asks, as TRL's does. A 4-bit NF4 `quantization_config` is read (its nested quantization).
-transformers' TrainerCallbacks are called from the run's metrics (_CallbackSink: which events, and which not).
+log_history) reads the run's metrics.jsonl: an entry every logging_steps with the window's means, numbers only,
+TRL's metric names beside ours (_RunLog), the train summary last. `model` is the trained policy, and `evaluate()`
+runs the project's own greedy eval (lowmem_grpo/evaluate.py) on the eval set, returning eval_-prefixed metrics; the
+run itself evaluates only where eval_strategy asks, as TRL's does. A 4-bit NF4 `quantization_config` is read (its
+nested quantization). transformers' TrainerCallbacks are called from the run's metrics (_CallbackSink: which
+events, and which not).
 
 What does not carry over is refused, naming it: a GRPOConfig setting with no equivalent here that the script
 sets to something other than TRL's default (among them a generation batch that TRL would split into several
 optimizer steps, push_to_hub, a report_to other than tensorboard or wandb), a model object (pass its id or
 folder: the base is loaded in 4-bit here), a reward model given by name or as a model object, a processing_class
 whose chat template (or vocabulary, or eos token) differs from the model folder's (the trainer loads the folder's),
-a dataset column that is not JSON data, a dict of datasets, peft options other than r, alpha, dropout and target
-modules, an 8-bit or FP4 quantization_config, a fresh train() into an output_dir holding a run. Training is
-LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers). Resuming a run goes
-through the same script (its functions are not importable from the recipe file).
+a dataset column that is not JSON data, a dict of datasets, a dataset that is not a datasets.Dataset,
+IterableDataset or list of dicts (a pandas DataFrame), an eval_strategy without an eval_dataset, peft options other
+than r, alpha, dropout and target modules, an 8-bit or FP4 quantization_config, a fresh train() into an output_dir
+holding a run. Training is LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers).
+Resuming a run goes through the same script (its functions are not importable from the recipe file).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import importlib.util
 import json
 import math
@@ -47,7 +54,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .recipe import Recipe, RecipeError, recipe_from_dict
-from .sinks import Sink
+from .rewards import epochs_done
+from .sinks import Sink, scalars
 
 
 class TRLCompatError(ValueError):
@@ -73,6 +81,16 @@ TRL_DEFAULTS: dict[str, Any] = {
     "generation_batch_size": None, "steps_per_generation": None, "chat_template_kwargs": None,
     "shuffle_dataset": True, "report_to": "none", "trust_remote_code": False,
     "push_to_hub": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+}
+# TRL 1.16's GRPOConfig defaults for TRL's own settings that are not mapped above and that scripts read without
+# setting them (trl/scripts/grpo.py: training_args.model_init_kwargs): what an unset one of them reads as (checked
+# against the installed TRL as TRL_DEFAULTS is). remove_unused_columns is transformers', which TRL's config changes.
+TRL_UNSET_DEFAULTS: dict[str, Any] = {
+    "model_init_kwargs": None, "remove_unused_columns": False, "disable_dropout": False,
+    "cast_lm_head_to_fp32": False, "num_generations_eval": None, "generation_kwargs": None, "log_completions": False,
+    "num_completions_to_print": None, "sync_ref_model": False, "ref_model_sync_steps": 512,
+    "ref_model_mixup_alpha": 0.6, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
+    "vllm_tensor_parallel_size": 1, "vllm_enable_sleep_mode": False,
 }
 # Settings of earlier TRL (0.x) that 1.16's GRPOConfig dropped, still read from the scripts written for it: their
 # value when unset is this module's (no limit, as 1.16 has none). warmup_ratio is earlier transformers' (4.x; 5
@@ -125,13 +143,52 @@ OPTIMIZERS = {"default_optim": "adamw", "adamw_torch": "adamw", "adamw_torch_fus
 
 
 class GRPOConfig:
-    """TRL's GRPOConfig by its field names: what is given is kept, everything else is TRL's default."""
+    """TRL's GRPOConfig by its field names: what is given is kept, everything else is TRL's default. An attribute
+    neither given nor in TRL_DEFAULTS reads as TRL's default (TRL_UNSET_DEFAULTS) or, for the rest of what TRL's
+    config inherits, as transformers' TrainingArguments has it (local_rank, device, run_name, ...; its methods and
+    properties, get_process_log_level() and train_batch_size among them, read this config's settings)."""
 
     def __init__(self, output_dir: Optional[str] = None, **settings):
         # output_dir may come first by position, as in TRL's own GRPOConfig(f"{model_name}-GRPO")
         self._given = {**({"output_dir": output_dir} if output_dir is not None else {}), **settings}
         for name, value in {**TRL_DEFAULTS, **self._given}.items():
             setattr(self, name, value)
+
+    def __getattr__(self, name):
+        # (only for names not set) a dunder or this class's own state is not transformers': copy and pickle probe them
+        if name.startswith("__") or name in ("_given", "_defaults"):
+            raise AttributeError(name)
+        if name in TRL_UNSET_DEFAULTS:
+            return TRL_UNSET_DEFAULTS[name]
+        import inspect
+
+        from transformers import TrainingArguments
+
+        found = inspect.getattr_static(TrainingArguments, name, None)
+        if inspect.isfunction(found):   # a method: on this config, so that it reads the settings given
+            return types.MethodType(found, self)
+        if isinstance(found, property):
+            return found.fget(self)
+        try:   # a field (or what its __post_init__ derived): its default
+            return getattr(self._training_arguments(), name)
+        except AttributeError:
+            raise AttributeError(f"GRPOConfig has no attribute {name!r} (neither TRL's GRPOConfig nor transformers' "
+                                 "TrainingArguments has it)") from None
+
+    def _training_arguments(self):
+        """transformers' TrainingArguments with its defaults (made on first use: importing transformers is slow)."""
+        if "_defaults" not in vars(self):
+            from transformers import TrainingArguments
+
+            self._defaults = TrainingArguments(output_dir=self.output_dir or "trainer_output")
+        return self._defaults
+
+    def to_dict(self) -> dict:
+        """Every setting, as TrainingArguments.to_dict() gives them: the defaults, then TRL's, then those set here
+        (a *_token one masked, as there)."""
+        mine = {k: f"<{k.upper()}>" if k.endswith("_token") and v is not None else _plain(v)
+                for k, v in vars(self).items() if not k.startswith("_")}
+        return {**self._training_arguments().to_dict(), **TRL_UNSET_DEFAULTS, **mine}
 
     def given(self) -> dict:
         """The settings given, as they are now: a script that changes one after making the config
@@ -140,15 +197,21 @@ class GRPOConfig:
         return {k: v for k, v in now.items() if k in self._given or k not in TRL_DEFAULTS or v != TRL_DEFAULTS[k]}
 
 
+def _plain(value):
+    """An enum setting as its value: transformers turns optim, lr_scheduler_type, eval_strategy, ... into enums
+    (OptimizerNames.ADAMW_TORCH), which the tables here know by their values ("adamw_torch")."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def _given_settings(args) -> dict:
     """The settings a script gave: this module's GRPOConfig's own, or for TRL's GRPOConfig (a dataclass) every
-    field whose value is not its class default."""
+    field whose value is not its class default; enums as their values."""
     if args is None:
         return {}
     if isinstance(args, GRPOConfig):
-        return args.given()
+        return {k: _plain(v) for k, v in args.given().items()}
     if isinstance(args, dict):
-        return dict(args)
+        return {k: _plain(v) for k, v in args.items()}
     if dataclasses.is_dataclass(args):
         out = {}
         for f in dataclasses.fields(args):
@@ -156,7 +219,7 @@ def _given_settings(args) -> dict:
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
             value = getattr(args, f.name)
             if default is dataclasses.MISSING or value != default:
-                out[f.name] = value
+                out[f.name] = _plain(value)
         return out
     raise TRLCompatError(f"args: expected a GRPOConfig (this module's or TRL's) or a dict, got {type(args).__name__}")
 
@@ -204,7 +267,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         problems.append(f"loss_type: {s['loss_type']!r} is not here (allowed: {', '.join(LOSS_TYPES)})")
     if s["lr_scheduler_type"] not in SCHEDULES:
         problems.append(f"lr_scheduler_type: {s['lr_scheduler_type']!r} is not here (allowed: {', '.join(SCHEDULES)})")
-    if str(s["optim"]) not in OPTIMIZERS:
+    if s["optim"] not in OPTIMIZERS:
         problems.append(f"optim: {s['optim']!r} is not here (allowed: {', '.join(OPTIMIZERS)})")
     report = [] if s["report_to"] in (None, "none") else (
         [s["report_to"]] if isinstance(s["report_to"], str) else [str(r) for r in s["report_to"]])
@@ -226,6 +289,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                         "(the recipe key generation.kv_cache_memory_bytes, 1 GiB by default); drop the setting")
     if not s["shuffle_dataset"]:
         problems.append("shuffle_dataset: false is not here (the prompts are drawn in seeded epochs)")
+    if s["eval_strategy"] != "no" and not eval_path:   # transformers' Trainer refuses it too
+        problems.append(f"eval_strategy: {s['eval_strategy']!r} needs an eval_dataset: pass eval_dataset to "
+                        "GRPOTrainer, or set eval_strategy='no'")
     if problems:
         raise TRLCompatError("GRPOConfig: " + "; ".join(problems))
     prompts_per_step = completions // g
@@ -290,7 +356,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                        "top_p": s["top_p"], "top_k": s["top_k"] or 0, "min_p": s["min_p"] or 0.0,
                        "repetition_penalty": s["repetition_penalty"]},
         "algorithm": algorithm,
-        "optimizer": {"name": OPTIMIZERS[str(s["optim"])], "lr": s["learning_rate"],
+        "optimizer": {"name": OPTIMIZERS[s["optim"]], "lr": s["learning_rate"],
                       "schedule": SCHEDULES[s["lr_scheduler_type"]],
                       "warmup_steps": _warmup(s, updates),
                       "weight_decay": s["weight_decay"], "betas": [s["adam_beta1"], s["adam_beta2"]],
@@ -310,7 +376,10 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
 
 def _warmup(s: dict, updates: int) -> int:
     """Warm-up updates: transformers 5 reads a warmup_steps below 1 as a share of the run; transformers 4's
-    warmup_ratio (a share) applies when warmup_steps is 0, as there."""
+    warmup_ratio (a share) applies when warmup_steps is 0, as there. None (0) for lr_scheduler_type "constant",
+    whose scheduler (transformers' get_scheduler) ignores warm-up; constant_with_warmup has it."""
+    if s["lr_scheduler_type"] == "constant":
+        return 0
     if 0 < s["warmup_steps"] < 1:
         return math.ceil(updates * s["warmup_steps"])
     if not s["warmup_steps"] and s["warmup_ratio"]:
@@ -345,18 +414,31 @@ def _lora_section(peft_config, model: str) -> dict:
             "target_modules": targets if isinstance(targets, str) else sorted(targets)}
 
 
-def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optional[int] = None) -> int:
-    """A datasets.Dataset, IterableDataset (its first `limit` rows) or a list of dicts as JSON lines; the number
-    of rows."""
+def _is_stream(dataset, what: str) -> bool:
+    """Whether the dataset is a datasets.IterableDataset (False: a datasets.Dataset or a list of dicts); anything
+    else is refused, saying what to pass (a pandas DataFrame would be read by column, not by row)."""
     if isinstance(dataset, dict):   # a DatasetDict, or TRL's {name: eval set} (each evaluated on its own there)
         raise TRLCompatError(f"{what}: a dict of datasets ({', '.join(map(str, dataset))}) is not supported; pass "
                              f"one dataset (e.g. dataset['train'], or datasets.concatenate_datasets of them)")
     if isinstance(dataset, (list, tuple)):
-        rows = dataset
-    elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        rows = (dataset[i] for i in range(len(dataset)))
-    else:   # an IterableDataset (streaming): as many rows as the run can draw, in the stream's order
+        return False
+    datasets = sys.modules.get("datasets")   # (imported already wherever one of its datasets exists)
+    if datasets is not None and isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+        return isinstance(dataset, datasets.IterableDataset)
+    raise TRLCompatError(f"{what}: a {type(dataset).__name__} is not supported: pass a datasets.Dataset (from a "
+                         "pandas DataFrame: datasets.Dataset.from_pandas(df)), a datasets.IterableDataset or a list "
+                         "of dicts")
+
+
+def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optional[int] = None) -> int:
+    """A datasets.Dataset, IterableDataset (its first `limit` rows) or a list of dicts as JSON lines; the number
+    of rows."""
+    if _is_stream(dataset, what):   # streaming: as many rows as the run can draw, in the stream's order
         rows = (row for _, row in zip(range(limit) if limit else iter(int, 1), dataset))
+    elif isinstance(dataset, (list, tuple)):
+        rows = dataset
+    else:
+        rows = (dataset[i] for i in range(len(dataset)))
     path.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     with open(path, "w", encoding="utf-8") as f:
@@ -380,25 +462,41 @@ def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optiona
     return n
 
 
+# reward/<x> keys of a metrics row that are not a reward function's: a function is never labelled so
+_ROW_REWARD_KEYS = ("mean", "std", "skipped")
+
+
+def _callable_name(fn) -> str:
+    """TRL's name for a reward function (trl.trainer.utils.get_callable_name): a partial's function's, a callable
+    instance's class's, "<lambda>" for a lambda."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
 def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]:
-    """Each reward function as a recipe entry called TRL's way. A function importable by its module and name is
-    named so; any other (defined in a script's __main__, a lambda, a partial) through a module made for this run."""
+    """Each reward function as a recipe entry called TRL's way, labelled (reward/<label> in the metrics, TRL's
+    rewards/<label>/mean in log_history) by TRL's name for it. A function importable by its module and name is
+    named so; any other (defined in a script's __main__, a partial, a callable instance) through a module made for
+    this run, under TRL's name, or reward_<i> where that name is taken or is no identifier (a lambda's)."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     module = types.ModuleType(f"lowmem_grpo_trl_rewards_{id(funcs):x}")
-    specs = []
+    specs, taken = [], set(_ROW_REWARD_KEYS)
     for i, fn in enumerate(funcs):
         if isinstance(fn, str) or not callable(fn) or _is_model(fn):
             what = f"a {type(fn).__name__} model" if _is_model(fn) else repr(fn)   # not a model's whole repr
             raise TRLCompatError(f"reward_funcs[{i}]: {what}: only reward functions are supported (a reward model "
                                  "by name is not, nor a loaded model: call your model from a function)")
-        name = getattr(fn, "__name__", None)
+        name = _callable_name(fn)
         owner = sys.modules.get(getattr(fn, "__module__", None) or "")
-        if name and name.isidentifier() and owner is not None and getattr(owner, name, None) is fn \
+        if name.isidentifier() and name not in taken and owner is not None and getattr(owner, name, None) is fn \
                 and owner.__name__ != "__main__":
             specs.append({"function": f"{owner.__name__}:{name}", "convention": "trl"})
+            taken.add(name)
             continue
-        attr = name if name and name.isidentifier() and not hasattr(module, name) else f"reward_{i}"
+        attr = name if name.isidentifier() and name not in taken else f"reward_{i}"
         setattr(module, attr, fn)
+        taken.add(attr)
         specs.append({"function": f"{module.__name__}:{attr}", "convention": "trl"})
     if len(vars(module)) > len(vars(types.ModuleType("x"))):
         sys.modules[module.__name__] = module
@@ -444,13 +542,12 @@ def _chat_template_problem(processing_class, model: str, trust_remote_code: bool
 class TrainOutput(dict):
     """What train() returns: the trainer's summary (a dict) that also reads as transformers' TrainOutput:
     .global_step (optimizer updates, as TRL counts them), .training_loss (the mean step loss), .metrics (the
-    summary with transformers' train_loss, train_runtime and epoch)."""
+    summary with what transformers logs at the end of train(): train_loss, train_runtime, epoch, ...)."""
 
-    def __init__(self, summary: dict, global_step: int, training_loss: float, runtime: float = 0.0,
-                 epoch: float = 0.0):
+    def __init__(self, summary: dict, global_step: int, training_loss: float, log: dict):
         super().__init__(summary)
         self.global_step, self.training_loss = global_step, training_loss
-        self.metrics = {**summary, "train_loss": training_loss, "train_runtime": runtime, "epoch": epoch}
+        self.metrics = {**summary, **log}
 
 
 def _quantization(config, compute_dtype: str) -> dict:
@@ -503,38 +600,101 @@ class _Accelerator:
         pass   # train() returns once every process has finished the run
 
 
-# TRL's names for the step metrics a script reads from trainer.state.log_history, from this trainer's own
+# TRL's names for the step metrics of this trainer that mean what TRL's do, beside this trainer's own in
+# log_history and on_log (ours -> TRL's). Not here: num_tokens (no count of the prompts' tokens is kept),
+# completions/min_length, max_length and the *_terminated_length (not logged), sampling/importance_sampling_ratio/*
+# (measured at each update here, at the rollout there), cispo_clip_ratio (here a capped weight with any sign of A).
 TRL_LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "lr": "learning_rate", "reward/mean": "reward",
                 "reward/std": "reward_std", "kl": "kl", "entropy": "entropy",
-                "completion/mean_length": "completions/mean_length"}
+                "completion/mean_length": "completions/mean_length",
+                # truncated: no eos within max_completion_length, as TRL's clipped completions
+                "completion/truncated_fraction": "completions/clipped_ratio"}
+# transformers logs a window's last grad_norm and learning rate; everything else is the window's mean
+_LAST_IN_WINDOW = ("grad_norm", "lr", "learning_rate")
 
 
-def _log_entry(row: dict, mu: int, epoch: float) -> dict:
-    """One metrics.jsonl row as a log_history entry: every key as written, TRL's name beside the common ones
-    (rewards/<name>/mean for each function's), step in optimizer updates as TRL counts them."""
-    out = dict(row)
-    out.update({trl: row[ours] for ours, trl in TRL_LOG_KEYS.items() if ours in row})
-    for key, value in row.items():
+def _trl_log_keys(recipe: Recipe) -> dict:
+    """TRL_LOG_KEYS, with the metrics that mean what TRL's do only under some settings."""
+    a, names = recipe.algorithm, dict(TRL_LOG_KEYS)
+    if a.scale_rewards in ("group", "none") and a.reward_aggregation == "sum_then_normalize":
+        names["zero_std_fraction"] = "frac_reward_zero_std"   # TRL's share of groups with std 0 (else the batch's)
+    if a.clip == "ratio" and a.importance_sampling_level == "token":   # TRL's clip ratios (per token, its loss types)
+        names.update({"clip/low": "clip_ratio/low_mean", "clip/high": "clip_ratio/high_mean",
+                      "clip/fraction": "clip_ratio/region_mean"})
+    if a.sampler_correction != "none":   # TRL logs the sampler's gap with its correction on
+        names.update({"rollout/logprob_abs_diff": "sampling/sampling_logp_difference/mean",
+                      "rollout/logprob_abs_diff_max": "sampling/sampling_logp_difference/max"})
+    if a.entropy_coef:   # TRL logs its coefficient with the bonus on
+        names["entropy/coef"] = "entropy_coef"
+    return names
+
+
+def _is_step_row(row: dict) -> bool:
+    """A step's metrics row (an evaluation's has only step and eval/* keys; a step row may also hold an eval's)."""
+    return any(k != "step" and not k.startswith("eval/") for k in row)
+
+
+def _step_loss(row: dict) -> float:
+    """A step row's loss; 0.0 for a step that trained on nothing (every completion left out, e.g. truncated with
+    mask_truncated_completions), whose row has no loss: TRL makes that step with loss 0."""
+    return 0.0 if row.get("loss") is None else row["loss"]
+
+
+def _trl_values(row: dict, names: dict) -> dict:
+    """A step row's values as TRL logs them: finite numbers only (sinks.scalars), each under its own name and TRL's
+    (`names`), a reward function's as rewards/<name>/mean and /std, a log_metric(name, v) as name."""
+    values = scalars({k: v for k, v in {**row, "loss": _step_loss(row)}.items() if not k.startswith("eval/")})
+    values.update({trl: values[ours] for ours, trl in names.items() if ours in values})
+    for key, value in list(values.items()):
         name = key[len("reward/"):]
-        if key.startswith("reward/") and name not in ("mean", "std", "skipped") and "/" not in name:
-            out[f"rewards/{name}/mean"] = value
-            if f"{key}/std" in row:
-                out[f"rewards/{name}/std"] = row[f"{key}/std"]
-    out.update(step=row["step"] * mu, epoch=epoch)
+        if key.startswith("reward/") and name not in _ROW_REWARD_KEYS and "/" not in name:
+            values[f"rewards/{name}/mean"] = value
+            if f"{key}/std" in values:
+                values[f"rewards/{name}/std"] = values[f"{key}/std"]
+        elif key.startswith("reward_metric/"):   # TRL's _log_metric: under the name given (not over TRL's own)
+            values.setdefault(key[len("reward_metric/"):], value)
+    return values
+
+
+def _window_mean(window: list[dict]) -> dict:
+    """One log entry from the steps since the last: each value's mean over the steps that have it, grad_norm and
+    the learning rate the last step's (transformers' loss is the window's mean, TRL's metrics are)."""
+    out = {}
+    for key in dict.fromkeys(k for values in window for k in values):
+        seen = [values[key] for values in window if key in values]
+        out[key] = seen[-1] if key in _LAST_IN_WINDOW else sum(seen) / len(seen)
     return out
 
 
-def _history_entries(row: dict, mu: int, epoch: float) -> tuple[Optional[dict], Optional[dict]]:
-    """A metrics row as log_history entries: (the step's, the evaluation's), each None where the row has none."""
-    step = _log_entry({k: v for k, v in row.items() if not k.startswith("eval/")}, mu, epoch) if "loss" in row else None
-    evaluation = _eval_entry(row, mu, epoch) if any(k.startswith("eval/") for k in row) else None
-    return step, evaluation
+class _RunLog:
+    """transformers' log_history of a run, from its metrics rows in order: a step's entry every output.log_every
+    steps (TRL's logging_steps), its values averaged over the steps since the last (_window_mean), none forced at the
+    last step; an entry per evaluation (eval_accuracy, ...). The `state` property replays metrics.jsonl through one,
+    _CallbackSink feeds one as the run writes its rows: the two cannot disagree."""
 
+    def __init__(self, recipe: Recipe, epoch: Callable[[int], float]):
+        self.every, self.mu, self.epoch = recipe.output.log_every, recipe.algorithm.mu, epoch
+        self.names = _trl_log_keys(recipe)
+        self.entries: list[dict] = []
+        self._window: list[dict] = []
 
-def _eval_entry(row: dict, mu: int, epoch: float, prefix: str = "eval") -> dict:
-    """The eval/* keys of a metrics row as transformers logs an evaluation: eval_accuracy, eval_mean_reward, ..."""
-    return {**{f"{prefix}_{k[len('eval/'):]}": v for k, v in row.items() if k.startswith("eval/")},
-            "step": row["step"] * mu, "epoch": epoch}
+    def add(self, row: dict) -> tuple[bool, Optional[dict], Optional[dict]]:
+        """(whether the row is a step's, the step entry it completes, its evaluation's entry), the entries (None where
+        the row makes none) appended to `entries`."""
+        step, is_step, logs, evaluation = row["step"], _is_step_row(row), None, None
+        if is_step:
+            self._window.append(_trl_values(row, self.names))
+            if step % self.every == 0:
+                logs = self._entry(_window_mean(self._window), step)
+                self._window = []
+        if any(k.startswith("eval/") for k in row):   # as transformers names an evaluation's: eval_accuracy, ...
+            found = scalars({k: v for k, v in row.items() if k.startswith("eval/")})
+            evaluation = self._entry({f"eval_{k[len('eval/'):]}": v for k, v in found.items()}, step)
+        self.entries += [e for e in (logs, evaluation) if e is not None]
+        return is_step, logs, evaluation
+
+    def _entry(self, values: dict, step: int) -> dict:
+        return {**values, "epoch": self.epoch(step), "step": step * self.mu}
 
 
 def _callback(callback):
@@ -550,21 +710,24 @@ def _callback(callback):
 
 class _CallbackSink(Sink):
     """transformers' TrainerCallbacks, called from the run's events as transformers' Trainer calls them:
-    on_train_begin before the first step; on_step_begin before each step; for a step's row on_step_end then on_log
-    (TRL's names, as in state.log_history); for an eval row on_evaluate then on_log; on_save after a checkpoint is
-    written; on_train_end after the last. A step here is num_iterations of TRL's updates (global_step counts
-    updates), so each event comes once a step where TRL's would come once an update. A callback that sets
+    on_train_begin before the first step; on_step_begin before each step; on_step_end after each step's row, then
+    on_log where that row completes a logging window (_RunLog: every logging_steps, TRL's names); for an evaluation
+    on_log then on_evaluate; on_save after a checkpoint is written; after the last step on_log with the train summary
+    (train_runtime, train_loss, ...), then on_train_end. on_log gets the log_history entry without its step, as
+    transformers passes it. A step here is num_iterations of TRL's updates (global_step counts updates), so each
+    event comes once a step where TRL's would come once an update. A callback that sets
     control.should_training_stop ends the run after that step, checkpointed, as a Ctrl-C does. Not called (this loop
     is not transformers'): on_substep_end, the optimizer, epoch and prediction events."""
 
-    def __init__(self, callbacks: list, args, trainer, tokenizer, mu: int, epoch: Callable[[int], float]):
+    def __init__(self, callbacks: list, args, trainer, tokenizer, run_log: _RunLog):
         from transformers import TrainerControl, TrainerState
 
-        self.callbacks, self.args, self.trainer, self.mu, self.epoch = callbacks, args, trainer, mu, epoch
-        r = trainer.recipe
+        self.callbacks, self.args, self.trainer, self.run_log = callbacks, args, trainer, run_log
+        r, mu = trainer.recipe, run_log.mu
         self.state = TrainerState(max_steps=r.train.steps * mu, logging_steps=r.output.log_every * mu,
                                   save_steps=r.output.save_every * mu, eval_steps=(r.train.eval_every or 0) * mu,
                                   train_batch_size=r.train.micro_batch_size)
+        self.state.log_history = run_log.entries
         self.control = TrainerControl()
         self.objects = dict(model=trainer.model, processing_class=tokenizer, optimizer=trainer.optimizer,
                             lr_scheduler=trainer.scheduler)
@@ -578,7 +741,7 @@ class _CallbackSink(Sink):
             self.trainer.stop_requested = True
 
     def _at(self, step: int) -> None:
-        self.state.global_step, self.state.epoch = step * self.mu, self.epoch(step)
+        self.state.global_step, self.state.epoch = step * self.run_log.mu, self.run_log.epoch(step)
 
     def step_begin(self, step: int) -> None:
         self._at(step - 1)   # as transformers': before the step, global_step counts the updates made so far
@@ -589,17 +752,23 @@ class _CallbackSink(Sink):
         self.event("on_save")
 
     def write(self, row: dict) -> None:
-        step = row["step"]
-        self._at(step)
-        logs, metrics = _history_entries(row, self.mu, self.state.epoch)
-        if logs is not None:
-            self.state.log_history.append(logs)
+        self._at(row["step"])
+        is_step, logs, evaluation = self.run_log.add(row)
+        if is_step:
             self.event("on_step_end")
-            self.event("on_log", logs=logs)
-        if metrics is not None:
-            self.state.log_history.append(metrics)
-            self.event("on_evaluate", metrics=metrics)
-            self.event("on_log", logs=metrics)
+        if logs is not None:
+            self.on_log(logs)
+        if evaluation is not None:
+            self.on_log(evaluation)
+            self.event("on_evaluate", metrics=_without_step(evaluation))
+
+    def on_log(self, entry: dict) -> None:
+        """on_log for an entry already in log_history (run_log.entries): transformers passes it without its step."""
+        self.event("on_log", logs=_without_step(entry))
+
+
+def _without_step(entry: dict) -> dict:
+    return {k: v for k, v in entry.items() if k != "step"}
 
 
 class GRPOTrainer:
@@ -634,7 +803,7 @@ class GRPOTrainer:
                                  "lowmem-grpo loads itself: save yours into a copy of the model folder "
                                  "(processing_class.save_pretrained(folder)) and pass that folder as model")
         limit = None   # an IterableDataset: the rows max_steps can draw (transformers requires max_steps for one)
-        if not hasattr(train_dataset, "__len__"):
+        if _is_stream(train_dataset, "train_dataset"):
             s = {**TRL_DEFAULTS, **settings}
             if not s["max_steps"] or s["max_steps"] < 0:
                 raise TRLCompatError("train_dataset: an IterableDataset needs max_steps (as in TRL)")
@@ -663,6 +832,7 @@ class GRPOTrainer:
         self._model = None      # the policy: loaded on first use of .model, the trained one after train()
         self._trained = False   # whether output_dir's checkpoints are this trainer's (evaluate's adapter)
         self._evaluations: tuple[list, list] = ([], [])   # evaluate()'s results before / after train(), for log_history
+        self._summary: Optional[dict] = None   # the last train()'s summary entry of log_history
         if peft_config is None:
             log("[lowmem-grpo] no peft_config: training LoRA with the recipe's defaults (r=16, all linear layers)")
 
@@ -694,23 +864,27 @@ class GRPOTrainer:
     @property
     def state(self):
         """transformers' TrainerState of the run as metrics.jsonl has it: global_step and max_steps in optimizer
-        updates (as TRL counts them), log_history with a row per step (see _log_entry) and per evaluation."""
+        updates (as TRL counts them), log_history with an entry per logging window and per evaluation (_RunLog),
+        then the last train()'s summary, with evaluate()'s results before and after train() around them."""
         from transformers import TrainerState
 
         from .metrics import read_metrics
 
         mu, r = self.recipe.algorithm.mu, self.recipe
         rows = read_metrics(self.output_dir) if self._trained else []
-        history = [e for row in rows for e in _history_entries(row, mu, self._epoch(row["step"])) if e is not None]
+        run_log = _RunLog(r, self._epoch)
+        for row in rows:
+            run_log.add(row)
         done = max((row["step"] for row in rows), default=0)
+        summary = [self._summary] if self._summary else []
         return TrainerState(epoch=self._epoch(done), global_step=done * mu, max_steps=r.train.steps * mu,
                             logging_steps=r.output.log_every * mu, save_steps=r.output.save_every * mu,
                             eval_steps=(r.train.eval_every or 0) * mu, train_batch_size=r.train.micro_batch_size,
-                            log_history=[*self._evaluations[0], *history, *self._evaluations[1]])
+                            log_history=[*self._evaluations[0], *run_log.entries, *summary, *self._evaluations[1]])
 
     def _epoch(self, step: int) -> float:
         """Epochs through the train set after `step` steps (generation batches), as TRL reports them."""
-        return step * self.recipe.train.prompts_per_step / max(1, self.train_rows)
+        return epochs_done(step, self.recipe.train.prompts_per_step, self.train_rows)
 
     def add_callback(self, callback) -> None:
         """transformers' Trainer.add_callback: a TrainerCallback (or its class) for the next train()."""
@@ -748,6 +922,7 @@ class GRPOTrainer:
         import time
 
         from . import checkpoint as ckpt
+        from .metrics import read_metrics
         from .train import Trainer
 
         resume = bool(resume_from_checkpoint)
@@ -767,24 +942,40 @@ class GRPOTrainer:
         self._model = None   # the run loads its own policy: free the one .model may hold
         started = time.monotonic()
         trainer = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log)
+        first = trainer.step   # the steps a resumed run had made (its metrics.jsonl now ends there)
         self._trained = True
         callbacks = None
         if self._callbacks and trainer.world.main:
             callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer,
-                                      self.recipe.algorithm.mu, self._epoch)
+                                      _RunLog(self.recipe, self._epoch))
+            for row in read_metrics(self.output_dir) if first else []:   # log_history and window as they were
+                callbacks.run_log.add(row)
             trainer.metrics.sinks.append(callbacks)
             callbacks.event("on_train_begin")
         summary = trainer.fit()
-        if callbacks is not None:
-            callbacks.event("on_train_end")
         self._model = trainer.model
-        from .metrics import read_metrics
+        rows = [row for row in read_metrics(self.output_dir) if _is_step_row(row) and row["step"] > first]
+        self._summary = self._train_summary(rows, first, summary["step"], time.monotonic() - started)
+        if callbacks is not None:
+            callbacks.state.log_history.append(self._summary)
+            callbacks.on_log(self._summary)
+            callbacks.event("on_train_end")
+        return TrainOutput(summary, global_step=self._summary["step"], training_loss=self._summary["train_loss"],
+                           log=_without_step(self._summary))
 
-        losses = [row["loss"] for row in read_metrics(self.output_dir) if isinstance(row.get("loss"), (int, float))]
-        state = self.state
-        return TrainOutput(summary, global_step=summary["step"] * self.recipe.algorithm.mu,
-                           training_loss=sum(losses) / len(losses) if losses else float("nan"),
-                           runtime=time.monotonic() - started, epoch=state.epoch)
+    def _train_summary(self, rows: list[dict], first: int, done: int, runtime: float) -> dict:
+        """transformers' log_history entry at the end of train(), of this call's steps (after `first`, up to
+        `done`): train_runtime, train_samples_per_second (completions), train_steps_per_second (optimizer updates),
+        total_flos (not counted here: 0), train_loss (the mean finite step loss, a step that trained on nothing 0;
+        0 without any, as transformers' is), epoch."""
+        r, mu = self.recipe, self.recipe.algorithm.mu
+        updates = (done - first) * mu
+        losses = [loss for loss in map(_step_loss, rows) if math.isfinite(loss)]
+        return {"train_runtime": runtime,
+                "train_samples_per_second": updates * r.train.prompts_per_step * r.generation.num_generations / runtime,
+                "train_steps_per_second": updates / runtime, "total_flos": 0.0,
+                "train_loss": sum(losses) / len(losses) if losses else 0.0,
+                "epoch": self._epoch(done), "step": done * mu}
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """Greedy held-out accuracy by the project's own eval (lowmem_grpo/evaluate.py, as `lowmem-grpo eval`, its

@@ -4,13 +4,17 @@ TRL-shaped script (a datasets.Dataset, reward functions called TRL's way, a peft
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import math
 
 import pytest
 
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import recipe_from_dict
-from lowmem_grpo.trl import TRL_DEFAULTS, GRPOConfig, GRPOTrainer, TRLCompatError, _given_settings, recipe_from_trl
+from lowmem_grpo.trl import (TRL_DEFAULTS, TRL_UNSET_DEFAULTS, GRPOConfig, GRPOTrainer, TRLCompatError, _given_settings,
+                              _reward_specs, _trl_log_keys, recipe_from_trl)
 from test_trl_options import _trl_configs
 
 SPEC = [{"function": "m:f", "convention": "trl"}]
@@ -22,7 +26,8 @@ def _recipe(rows: int = 10, **settings) -> dict:
 
 def test_the_defaults_are_the_installed_trls():
     _, every = _trl_configs()
-    wrong = {k: (v, every.get(k, "missing")) for k, v in TRL_DEFAULTS.items() if every.get(k, "missing") != v}
+    defaults = {**TRL_DEFAULTS, **TRL_UNSET_DEFAULTS}
+    wrong = {k: (v, every.get(k, "missing")) for k, v in defaults.items() if every.get(k, "missing") != v}
     assert not wrong, wrong
 
 
@@ -65,6 +70,10 @@ def test_a_script_that_sets_nothing_gets_trls_training():
     # transformers 4's warmup_ratio (tutorials for TRL 0.x): a share of the run, as warmup_steps below 1 is now
     (dict(max_steps=10, warmup_ratio=0.2), ("optimizer", "warmup_steps"), 2),
     (dict(max_steps=10, warmup_steps=3, warmup_ratio=0.5), ("optimizer", "warmup_steps"), 3),   # steps win, as there
+    # transformers' get_scheduler("constant") ignores warm-up (was: a ramp over warmup_steps); with_warmup has it
+    (dict(lr_scheduler_type="constant", warmup_steps=5), ("optimizer", "warmup_steps"), 0),
+    (dict(lr_scheduler_type="constant", warmup_ratio=0.5), ("optimizer", "warmup_steps"), 0),
+    (dict(lr_scheduler_type="constant_with_warmup", warmup_steps=5), ("optimizer", "warmup_steps"), 5),
 ])
 def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     section, key = where
@@ -85,6 +94,9 @@ def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     (dict(per_device_train_batch_size=6, num_generations=4), "multiple of num_generations"),
     (dict(loss_type="luspo"), "loss_type"),
     (dict(shuffle_dataset=False), "shuffle_dataset"),
+    # transformers' Trainer refuses it; was accepted, evaluating nothing
+    (dict(eval_strategy="steps", eval_steps=1), "eval_strategy: 'steps' needs an eval_dataset: pass eval_dataset"),
+    (dict(eval_strategy="epoch"), "eval_strategy: 'epoch' needs an eval_dataset"),
 ])
 def test_what_does_not_carry_over_is_refused_by_name(settings, named):
     with pytest.raises(TRLCompatError, match=named):
@@ -101,6 +113,82 @@ def test_trls_own_config_object_is_read_by_what_it_sets(tmp_path):
     assert (d["optimizer"]["lr"], d["train"]["steps"], d["train"]["prompts_per_step"]) == (1e-5, 3, 1)
 
 
+def test_trls_own_config_objects_enums_are_read_by_their_values():
+    """transformers makes optim, lr_scheduler_type and eval_strategy enums: optim="paged_adamw_8bit" was refused as
+    'OptimizerNames.PAGED_ADAMW_8BIT' is not here (allowed: ..., paged_adamw_8bit)."""
+    trl = pytest.importorskip("trl")
+    args = trl.GRPOConfig(output_dir="x", use_cpu=True, bf16=False, optim="paged_adamw_8bit",
+                          lr_scheduler_type="cosine", eval_strategy="steps", eval_steps=1)
+    given = _given_settings(args)
+    assert [given[k] for k in ("optim", "lr_scheduler_type", "eval_strategy")] == ["paged_adamw_8bit", "cosine", "steps"]
+    assert all(type(given[k]) is str for k in ("optim", "lr_scheduler_type", "eval_strategy"))
+    d = recipe_from_trl(given, model="m", train_path="t", eval_path="e", reward_specs=SPEC, train_rows=4)
+    assert (d["optimizer"]["name"], d["optimizer"]["schedule"], d["train"]["eval_every"]) == ("adamw_8bit", "cosine", 1)
+    given = _given_settings(trl.GRPOConfig(output_dir="x", use_cpu=True, bf16=False, optim="adamw_torch_fused"))
+    assert recipe_from_trl(given, model="m", train_path="t", reward_specs=SPEC, train_rows=4)["optimizer"]["name"] == "adamw"
+    given = _given_settings(trl.GRPOConfig(output_dir="x", use_cpu=True, bf16=False, optim="adafactor"))
+    with pytest.raises(TRLCompatError, match=r"optim: 'adafactor' is not here \(allowed: "):
+        recipe_from_trl(given, model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+
+
+def test_an_attribute_a_script_reads_without_setting_it_is_trls_or_transformers_default():
+    """trl/scripts/grpo.py reads training_args.model_init_kwargs and .resume_from_checkpoint, open-r1's script
+    get_process_log_level(), local_rank, device, n_gpu, to_dict(): each raised AttributeError."""
+    from transformers import TrainingArguments
+
+    args = GRPOConfig("out", per_device_train_batch_size=2, log_level="info")
+    assert (args.model_init_kwargs, args.remove_unused_columns) == (None, False)   # TRL's defaults
+    reference = TrainingArguments(output_dir="out")
+    assert (args.resume_from_checkpoint, args.run_name, args.local_rank) == (None, reference.run_name, -1)
+    assert (args.device, args.n_gpu) == (reference.device, reference.n_gpu)
+    assert args.get_process_log_level() == logging.INFO   # its methods read the settings given
+    assert args.train_batch_size == 2 * max(1, reference.n_gpu)
+    d = args.to_dict()
+    assert (d["per_device_train_batch_size"], d["log_level"], d["logging_steps"], d["seed"]) == (2, "info", 10, 42)
+    assert (d["model_init_kwargs"], d["adam_epsilon"]) == (None, reference.adam_epsilon)
+    assert json.loads(args.to_json_string())["output_dir"] == "out"
+    with pytest.raises(AttributeError, match="neither TRL's GRPOConfig nor transformers' TrainingArguments has it"):
+        args.no_such_setting
+    assert _given_settings(args) == {"output_dir": "out", "per_device_train_batch_size": 2, "log_level": "info"}
+
+
+def length_reward(completions, target=3, **kwargs):
+    return [-abs(target - len(c)) for c in completions]
+
+
+class ExactMatch:
+    def __call__(self, completions, answer, **kwargs):
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def test_reward_functions_are_labelled_by_trls_names_for_them():
+    """TRL's get_callable_name: a partial by its function, a callable instance by its class (were reward_<i>); a
+    lambda's "<lambda>" and a name already taken stay reward_<i>, as do the names of the metrics row's own keys."""
+    def mean(completions, **kwargs):   # reward/mean is the row's total
+        return [0.0] * len(completions)
+
+    funcs = [functools.partial(length_reward, target=4), ExactMatch(), lambda completions, **kw: [0.0],
+             digit_reward, functools.partial(digit_reward), mean]
+    specs, _ = _reward_specs(funcs)
+    assert [spec["function"].rsplit(":", 1)[1] for spec in specs] == \
+        ["length_reward", "ExactMatch", "reward_2", "digit_reward", "reward_4", "reward_5"]
+    assert specs[3]["function"] == "test_trl_api:digit_reward"   # importable: named by its module
+
+
+def test_trls_metric_names_stand_beside_ours_where_they_mean_the_same():
+    def names(**settings):
+        return _trl_log_keys(recipe_from_dict(_recipe(**settings)))
+    default = names()
+    assert {("completion/truncated_fraction", "completions/clipped_ratio"), ("zero_std_fraction", "frac_reward_zero_std"),
+            ("clip/low", "clip_ratio/low_mean"), ("clip/high", "clip_ratio/high_mean"),
+            ("clip/fraction", "clip_ratio/region_mean")} <= set(default.items())
+    assert "rollout/logprob_abs_diff" not in default and "entropy/coef" not in default   # TRL logs them only when on
+    assert "clip/low" not in names(loss_type="cispo", epsilon_high=5.0)   # TRL's cispo_clip_ratio counts A > 0 only
+    assert "clip/low" not in names(importance_sampling_level="sequence")   # TRL's: a mean per sequence
+    assert "zero_std_fraction" not in names(scale_rewards="batch")   # TRL's: whether the batch's std is 0
+    assert names(entropy_coef=0.01)["entropy/coef"] == "entropy_coef"
+
+
 # -- a TRL-shaped script --------------------------------------------------------------------------------
 
 CALLS = []
@@ -108,7 +196,8 @@ CALLS = []
 
 def digit_reward(completions, answer, **kwargs):
     """As a TRL user writes one: completions, a dataset column by name, TRL's other keywords in kwargs."""
-    CALLS.append({"n": len(completions), "answer": list(answer), "keys": sorted(kwargs)})
+    CALLS.append({"n": len(completions), "answer": list(answer), "keys": sorted(kwargs),
+                  "epochs": (kwargs["trainer_state"].epoch, kwargs["trainer_state"].num_train_epochs)})
     return [float(any(ch.isdigit() for ch in c)) for c in completions]
 
 
@@ -129,6 +218,7 @@ def test_a_trl_shaped_script_trains_and_saves_its_adapter(tiny_model_dir, tmp_pa
     assert isinstance(out.training_loss, float) and out.training_loss == out.training_loss
     assert CALLS and CALLS[0]["n"] == 4 and all(a.isdigit() for a in CALLS[0]["answer"])
     assert {"prompts", "completion_ids", "trainer_state"} <= set(CALLS[0]["keys"])
+    assert [c["epochs"] for c in CALLS] == [(0.0, 1), (2 / 12, 1)]   # 2 prompts a step of 12, as TRL's trainer_state
     rows = [r for r in read_metrics(tmp_path / "out") if r.get("loss") is not None]
     assert len(rows) == 2 and all(r["reward/digit_reward"] is not None for r in rows)
     assert rows[0]["reward/reward_1"] == 0.5   # the lambda, through the run's own module
@@ -212,6 +302,12 @@ def test_datasets_that_do_not_fit_json_lines_are_refused_naming_the_column(tiny_
     with pytest.raises(TRLCompatError, match="eval_dataset: a dict of datasets"):
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
                     train_dataset=split["train"], eval_dataset={"a": split["test"]})
+    frame = split["train"].to_pandas()   # was pandas' own KeyError: 0 (read by column)
+    with pytest.raises(TRLCompatError, match=r"train_dataset: a DataFrame is not supported: .*Dataset\.from_pandas\(df\)"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path), train_dataset=frame)
+    with pytest.raises(TRLCompatError, match="eval_dataset: a DataFrame is not supported"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                    train_dataset=split["train"], eval_dataset=frame)
 
 
 def test_a_streamed_dataset_is_written_up_to_what_max_steps_draws(tiny_model_dir, tmp_path):
@@ -353,7 +449,8 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
     record = Record()
     trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
                           eval_dataset=rows[6:], log=lambda *a: None, callbacks=[record, StopAt],
-                          args=_args(tmp_path, num_iterations=2, max_steps=10, eval_strategy="steps", eval_steps=2))
+                          args=_args(tmp_path, num_iterations=2, max_steps=10, eval_strategy="steps", eval_steps=2,
+                                     logging_steps=2))
     assert trainer.pop_callback(StopAt) is not None and trainer.pop_callback(StopAt) is None
     trainer.add_callback(StopAt())
     out = trainer.train()
@@ -361,8 +458,9 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
     assert names[0] == "on_train_begin" and names[-1] == "on_train_end" and all(e[3] for e in record.events)
     steps = [(e[1], e[2] is not None) for e in record.events if e[0] == "on_log"]
     assert [e[1] for e in record.events if e[0] == "on_step_end"] == [2, 4]   # stopped after 2 batches of 2 updates
-    # eval_steps=2 updates is every step here: the step-0 eval, then each step's log (with a loss) and its eval
-    assert steps == [(0, False), (2, True), (2, False), (4, True), (4, False)], steps
+    # eval_steps=logging_steps=2 updates is every step here: the step-0 eval, then each step's log (with a loss) and
+    # its eval, then the train summary (train_loss, no loss)
+    assert steps == [(0, False), (2, True), (2, False), (4, True), (4, False), (4, False)], steps
     assert [e[1] for e in record.events if e[0] == "on_evaluate"] == [0, 2, 4]
     # transformers' order: on_step_begin with the updates made so far, ..., on_step_end; on_save after the
     # stopping step's checkpoint (save_steps is TRL's 500 updates: that is the only one)
@@ -476,3 +574,106 @@ def test_save_model_before_train_says_to_train_first(tiny_model_dir, tmp_path):
                           train_dataset=[{"prompt": "1+1=", "answer": "2"}], log=lambda *a: None)
     with pytest.raises(TRLCompatError, match="save_model: .* has no checkpoint yet .*call train"):
         trainer.save_model(str(tmp_path / "final"))
+
+
+# -- third audit: log_history and on_log as transformers and TRL log them ------------------------------------------
+
+
+def _recorder():
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.logs, self.step_ends = [], []
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append(dict(logs))
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_ends.append(state.global_step)
+
+    return Record()
+
+
+def test_log_history_and_on_log_come_every_logging_steps_with_the_windows_means(tiny_model_dir, tmp_path):
+    """Were an entry per step whatever logging_steps said, holding lists, None, bools and strings."""
+    record = _recorder()
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], callbacks=[record],
+                          train_dataset=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)],
+                          args=_args(tmp_path, max_steps=5, logging_steps=2), log=lambda *a: None)
+    out = trainer.train()
+    history = trainer.state.log_history
+    assert [e["step"] for e in history] == [2, 4, 5]   # every 2 updates, none forced at the last, then the summary
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "out") if "loss" in r}
+    assert history[0]["loss"] == pytest.approx((rows[1]["loss"] + rows[2]["loss"]) / 2)   # the window's mean
+    assert history[1]["reward"] == pytest.approx((rows[3]["reward/mean"] + rows[4]["reward/mean"]) / 2)
+    assert history[1]["grad_norm"] == rows[4]["grad_norm"]   # transformers logs the last step's
+    summary = history[-1]
+    assert set(summary) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                            "train_loss", "epoch", "step"}
+    assert summary["train_loss"] == pytest.approx(sum(r["loss"] for r in rows.values()) / 5) == out.training_loss
+    assert record.logs == [{k: v for k, v in e.items() if k != "step"} for e in history]   # live and rebuilt agree
+    assert record.step_ends == [1, 2, 3, 4, 5]
+    assert all(type(v) in (int, float) and math.isfinite(v) for e in history for v in e.values()), history
+    assert "sample" not in history[0] and "success_rate/hist" not in history[0] and "nonfinite" in history[0]
+
+
+def test_a_step_that_trained_on_nothing_is_logged_with_loss_0_as_trl_logs_it(tiny_model_dir, tmp_path):
+    """mask_truncated_completions with every completion truncated: the step's row has no loss. Was: no on_step_end,
+    no on_log, an empty log_history and a training_loss of nan; TRL makes the step with loss 0 and logs it."""
+    record = _recorder()
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], callbacks=[record],
+                          train_dataset=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)],
+                          args=_args(tmp_path, max_steps=2, logging_steps=1, max_completion_length=1,
+                                     mask_truncated_completions=True), log=lambda *a: None)
+    out = trainer.train()
+    rows = [r for r in read_metrics(tmp_path / "out") if "lr" in r]
+    assert len(rows) == 2 and all("loss" not in r and r["completion/truncated_fraction"] == 1 for r in rows)
+    assert record.step_ends == [1, 2]
+    assert [e.get("loss") for e in trainer.state.log_history] == [0.0, 0.0, None]   # (then the summary)
+    assert out.training_loss == 0.0 and trainer.state.log_history[-1]["train_loss"] == 0.0
+
+
+def test_on_log_has_trls_names_for_what_this_trainer_logs_too(tiny_model_dir, tmp_path):
+    """TRL's metric names beside ours, a reward's log_metric under its own name, rewards/<TRL's name>/mean, and no kl
+    with beta 0 (was None)."""
+    def counted(completions, log_metric, **kwargs):
+        log_metric("mean_chars", sum(map(len, completions)) / len(completions))
+        return [1.0] * len(completions)
+
+    record = _recorder()
+    trainer = GRPOTrainer(model=str(tiny_model_dir), callbacks=[record],
+                          reward_funcs=[counted, functools.partial(length_reward, target=2), ExactMatch()],
+                          train_dataset=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)],
+                          args=_args(tmp_path, max_steps=1, logging_steps=1), log=lambda *a: None)
+    trainer.train()
+    logs, (row,) = record.logs[0], [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    pairs = {"completions/clipped_ratio": "completion/truncated_fraction", "frac_reward_zero_std": "zero_std_fraction",
+             "clip_ratio/low_mean": "clip/low", "clip_ratio/high_mean": "clip/high",
+             "clip_ratio/region_mean": "clip/fraction", "mean_chars": "reward_metric/mean_chars"}
+    assert {trl: logs.get(trl) for trl in pairs} == {trl: row[ours] for trl, ours in pairs.items()}
+    assert {"rewards/counted/mean", "rewards/length_reward/mean", "rewards/ExactMatch/std"} <= set(logs)
+    assert "kl" not in logs and row["kl"] is None
+    assert "mean_chars" not in row   # metrics.jsonl keeps its own name
+
+
+
+def test_a_resumed_runs_callbacks_see_the_log_history_the_state_rebuilds(tiny_model_dir, tmp_path):
+    """The callbacks' state.log_history on resume starts from the run's earlier entries (as transformers' state
+    restored from the checkpoint), and the logging window spans the resume as trainer.state's does."""
+    from transformers import TrainerCallback
+
+    class Keep(TrainerCallback):
+        def on_train_end(self, args, state, control, **kw):
+            self.history = list(state.log_history)
+
+    def trainer(steps, callbacks=()):
+        return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], callbacks=list(callbacks),
+                           train_dataset=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)],
+                           args=_args(tmp_path, max_steps=steps, logging_steps=2, save_steps=1), log=lambda *a: None)
+    trainer(3).train()
+    keep = Keep()
+    resumed = trainer(4, [keep])
+    resumed.train(resume_from_checkpoint=True)
+    assert [e["step"] for e in keep.history] == [2, 4, 4]   # step 4's window holds steps 3 and 4, then the summary
+    assert keep.history == resumed.state.log_history

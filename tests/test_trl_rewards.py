@@ -22,7 +22,7 @@ from lowmem_grpo.cli import main
 from lowmem_grpo.data import DataError, PromptSet, split_rows
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import DataConfig, RecipeError, RewardsConfig, recipe_from_dict
-from lowmem_grpo.rewards import RewardError, Rewards, TrainerState, calling_convention, resolve
+from lowmem_grpo.rewards import RewardError, Rewards, calling_convention, resolve
 from lowmem_grpo.rewards.conventions import TRL_NOT_PASSED, TRL_PASSED
 
 # Role markers in characters the tiny tokenizer has: a system message as *text*, any other as (text), then
@@ -446,9 +446,33 @@ def test_validate_reports_a_misfit_and_the_detected_conventions(tmp_path):
     assert "rewards.functions.1 (user_rewards:digit_count): called with lowmem-grpo's convention" in res.output
 
 
-def test_trainer_state_and_resolve():
-    assert TrainerState(global_step=3).global_step == 3
+def test_resolve():
     assert calling_convention("f", resolve("trl_style_rewards:format_reward")) == ("trl", [])
+
+
+STATES = []
+
+
+def keeps_trainer_state(completions, trainer_state, **kwargs):
+    """A curriculum reads trainer_state.epoch / num_train_epochs (TRL passes transformers' TrainerState)."""
+    STATES.append(trainer_state)
+    return [0.0] * len(completions)
+
+
+def test_trainer_state_is_transformers_with_the_epoch_once_the_train_set_is_known():
+    """Was a frozen dataclass with global_step and max_steps only: trainer_state.epoch raised AttributeError."""
+    from transformers import TrainerState
+
+    r = Rewards(RewardsConfig.model_validate({"functions": [{"function": "test_trl_rewards:keeps_trainer_state"}]}),
+                answer_field="answer", max_steps=10, updates_per_step=2, prompts_per_step=2)
+    r(["a"], ["p"], [{"prompt": "p"}], step=3)
+    state = STATES[-1]
+    assert isinstance(state, TrainerState) and (state.global_step, state.max_steps) == (6, 20)   # optimizer updates
+    # the train set's size is not known yet: transformers' defaults
+    assert (state.epoch, state.num_train_epochs, state.log_history) == (0, 0, [])
+    r.train_rows = 4   # as the trainer sets it once it has loaded the train set
+    r(["a"], ["p"], [{"prompt": "p"}], step=3)
+    assert (STATES[-1].epoch, STATES[-1].num_train_epochs) == (1.5, 5)   # 3 x 2 of 4 prompts; 10 x 2 / 4
 
 
 def test_normalize_then_sum_gives_a_completion_a_trl_function_left_out_the_others_credit():

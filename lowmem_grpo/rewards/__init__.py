@@ -28,7 +28,7 @@ import asyncio
 import inspect
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from math import isfinite  # (not `import math`: the submodule rewards.math would shadow it)
+from math import ceil, isfinite  # (not `import math`: the submodule rewards.math would shadow it)
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -97,12 +97,10 @@ class RewardResult:
     extra: dict[str, list] = field(default_factory=dict)    # TRL's log_extra(column, values): one value per completion
 
 
-@dataclass(frozen=True)
-class TrainerState:
-    """`trainer_state=` of a TRL-shaped function: the part of transformers' TrainerState a reward reads."""
-
-    global_step: int = 0   # optimizer updates done before this batch (0 during the first), as TRL counts them
-    max_steps: int = 0     # the run's optimizer updates: train.steps x algorithm.mu (0 when not given)
+def epochs_done(steps: int, prompts_per_step: int, train_rows: int) -> float:
+    """Epochs through a train set of `train_rows` rows after `steps` steps of `prompts_per_step` prompts each (TRL's
+    epoch: trainer_state.epoch, log_history's epoch)."""
+    return steps * prompts_per_step / max(1, train_rows)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,11 +178,13 @@ class Rewards:
     answer_field: the row field holding the reference answer (the recipe's data.answer_field), passed to
     the built-ins that read it. max_new_tokens: generation.max_new_tokens, passed to the built-ins that read
     it. prompt_field: data.prompt_field, the one dataset column TRL-shaped functions do not get by name
-    (they get it as prompts=). Rewards.from_recipe passes all three."""
+    (they get it as prompts=). Rewards.from_recipe passes all three, and what TRL-shaped functions' trainer_state
+    reads (train.steps, algorithm.mu, train.prompts_per_step); the trainer sets train_rows, the train set's size,
+    once it has loaded it."""
 
     def __init__(self, cfg: RewardsConfig, *, answer_field: str, max_new_tokens: Optional[int] = None,
                  prompt_field: str = "prompt", environment_weight: Optional[float] = None,
-                 max_steps: Optional[int] = None, updates_per_step: int = 1):
+                 max_steps: Optional[int] = None, updates_per_step: int = 1, prompts_per_step: int = 0):
         if not isinstance(answer_field, str) or not answer_field:
             raise RewardError(f"answer_field must be a non-empty row field name (data.answer_field), got {answer_field!r}")
         self.cfg = cfg
@@ -192,6 +192,9 @@ class Rewards:
         self.max_steps = max_steps or 0          # trainer_state.max_steps of TRL-shaped functions
         # TRL's trainer_state counts optimizer updates; a step here makes algorithm.mu of them
         self.updates_per_step = updates_per_step
+        # trainer_state.epoch and .num_train_epochs: the train set's rows are known only once the trainer has loaded
+        # it, which sets train_rows (None: those fields keep transformers' defaults, 0)
+        self.prompts_per_step, self.train_rows = prompts_per_step, None
         # environment.reward_weight when the recipe names an environment (docs/algorithm.md §20), else None
         self.environment_weight = environment_weight
         self.functions = []                      # (label, fn, weight, kwargs it is always called with)
@@ -225,7 +228,8 @@ class Rewards:
         return cls(recipe.rewards, answer_field=recipe.data.answer_field,
                    max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field,
                    environment_weight=env.reward_weight if env is not None and env.name else None,
-                   max_steps=recipe.train.steps, updates_per_step=recipe.algorithm.mu)
+                   max_steps=recipe.train.steps, updates_per_step=recipe.algorithm.mu,
+                   prompts_per_step=recipe.train.prompts_per_step)
 
     def _load(self, label: str, spec, fn: Callable, max_new_tokens: Optional[int]) -> tuple[dict, str, list]:
         """(the kwargs it is called with, its convention, (key, message) problems) of one recipe entry."""
@@ -293,7 +297,8 @@ class Rewards:
                  prompt_messages: Optional[list[Optional[list[dict]]]] = None,
                  environment: Optional[list[Optional[float]]] = None) -> RewardResult:
         """Score completions[i], sampled for prompts[i] (the text the model saw) of dataset row rows[i].
-        completion_ids[i]: its token ids; step: optimizer steps done (TRL's trainer_state.global_step);
+        completion_ids[i]: its token ids; step: the steps done (TRL-shaped functions' trainer_state: global_step
+        step x updates_per_step, epoch);
         prompt_messages[i]: the prompt as chat messages when its row held them (else None); environment[i]: the
         environment's summed reward of completion i (None: it gave none), with an environment on."""
         import torch
@@ -410,14 +415,26 @@ class Rewards:
             "prompts": [prompt_messages[i] if chat(i) else p for i, p in enumerate(prompts)],
             "completions": [[{"role": "assistant", "content": c}] if chat(i) else c for i, c in enumerate(completions)],
             "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
-            "trainer_state": TrainerState(global_step=step * self.updates_per_step,
-                                          max_steps=self.max_steps * self.updates_per_step),
+            "trainer_state": self._trainer_state(step),
             "log_metric": log_metric,
             "log_extra": log_extra,
         }
         for column in self._columns(rows):
             args[column] = [row.get(column) if isinstance(row, dict) else None for row in rows]
         return args
+
+    def _trainer_state(self, step: int):
+        """TRL's trainer_state after `step` steps: transformers' TrainerState (imported here, for TRL-shaped functions
+        only) with global_step and max_steps in optimizer updates, and, once train_rows is known, epoch (epochs
+        through the train set so far) and num_train_epochs (the run's, rounded up, as transformers counts them).
+        Its log_history stays empty: the run's metrics are in metrics.jsonl."""
+        from transformers import TrainerState
+
+        state = TrainerState(global_step=step * self.updates_per_step, max_steps=self.max_steps * self.updates_per_step)
+        if self.train_rows:
+            state.epoch = epochs_done(step, self.prompts_per_step, self.train_rows)
+            state.num_train_epochs = ceil(epochs_done(self.max_steps, self.prompts_per_step, self.train_rows))
+        return state
 
     def _columns(self, rows) -> list[str]:
         """The dataset columns passed by name: every string field of the batch's rows (first seen first) but

@@ -14,12 +14,14 @@ its answer, tests, ...) is `rows[i]`. It returns one score per completion; None 
 group's advantage, whatever the other functions say.
 
 TRL's: every argument by keyword: prompts=, completions=, completion_ids= (each completion's token ids),
-trainer_state= (TrainerState: .global_step, .max_steps), log_metric=, log_extra=, and every dataset column but the prompt field, each a keyword
-holding one value per completion (solution=[...]). For a row whose prompt is a list of chat messages,
-prompts[i] is that list (as given to the chat template: with data.system_prompt when it was added) and
-completions[i] is [{"role": "assistant", "content": text}]; else both are text (the prompt as the model saw
-it, templates applied). None means "this function does not apply to this completion": the weighted sum leaves
-it out, and only a completion that every function returned None for has no reward (it is skipped).
+trainer_state= (transformers' TrainerState: .global_step and .max_steps in optimizer updates, .epoch and
+.num_train_epochs where the train set's size is known, an empty .log_history), log_metric=, log_extra=, and every
+dataset column but the prompt field, each a keyword holding one value per completion (solution=[...]). For a row
+whose prompt is a list of chat messages, prompts[i] is that list (as given to the chat template: with
+data.system_prompt when it was added) and completions[i] is [{"role": "assistant", "content": text}]; else both are
+text (the prompt as the model saw it, templates applied). None means "this function does not apply to this
+completion": the weighted sum leaves it out, and only a completion that every function returned None for has no
+reward (it is skipped).
 
 Which convention is `rewards.functions[].convention`; `auto` (the default) follows one rule: a function with a
 parameter named `rows` is lowmem-grpo's; else one that accepts `completions` by keyword (a parameter of that
