@@ -117,6 +117,53 @@ def earlier_run(run_dir) -> Optional[str]:
     return "its metrics.jsonl" if (Path(run_dir) / "metrics.jsonl").is_file() else None
 
 
+LOCK_NAME = ".lock"
+
+
+class RunInUse(Exception):
+    """Another live process trains in the run folder (it holds the folder's lock)."""
+
+
+_HELD: dict = {}   # run folder -> [its locked lock file, holders in this process]
+
+
+def lock_run(run_dir) -> Path:
+    """An exclusive lock on the run folder until unlock_run: two processes writing one run interleave its metrics
+    and checkpoints. flock: the kernel releases it when the process dies (kill -9 included), so a crashed run never
+    stays locked. Within one process it is shared (a test, or the TRL API, may hold two trainers on one run).
+    RunInUse names the holder's pid. Returns the key for unlock_run."""
+    import fcntl
+
+    key = Path(run_dir).resolve()
+    if key in _HELD:
+        _HELD[key][1] += 1
+        return key
+    f = open(key / LOCK_NAME, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RunInUse(holder) from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _HELD[key] = [f, 1]
+    return key
+
+
+def unlock_run(key: Path) -> None:
+    held = _HELD.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] <= 0:
+        held[0].close()   # (closing the file releases the flock)
+        del _HELD[key]
+
+
 def rng_states(saved: dict) -> list:
     """The RNG states of a loaded trainer state, one per process that wrote it (older checkpoints: one)."""
     return saved.get("rng_per_process") or [saved["rng"]]

@@ -3,7 +3,9 @@ message and exit 2; they never reach the user as a traceback."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +27,10 @@ def _user_errors() -> tuple:
 
     return (RecipeError, DataError, EngineError, EnvError, EvalError, ExportError, ModelLoadError, RewardError,
             TrainingError, MemoryModelError, DistributedError)
+
+
+SET_HELP = ("Override a recipe field, e.g. --set train.steps=10 or --set rewards.functions.0.weight=2 (an entry of a "
+            "list by its index); the value is read as YAML, and a text field takes the text as written.")
 
 
 def _run(fn, errors: tuple = ()):
@@ -58,9 +64,58 @@ def main():
         sys.path.append(os.getcwd())
 
 
+DATA_ROWS_CHECKED = 100   # validate reads this many rows of each local data file: enough to find a field, fast
+
+
+def data_problems(r, rows: int = DATA_ROWS_CHECKED) -> list[tuple[str, str]]:
+    """(recipe key, message) for what training would stop on in the recipe's local data files, read from their first
+    `rows` rows: a file that cannot be opened, and a data.prompt_field or a data.template field that none of those
+    rows has. Hub splits are not fetched (nor is the model loaded: the prompts are not tokenized)."""
+    from .hub import is_hub
+    from .sources import DataError, open_source
+
+    problems = []
+    for key in ("data.train_path", "data.eval_path"):
+        path = getattr(r.data, key.split(".")[1])
+        if not path or is_hub(path):
+            continue
+        try:
+            read = [row for _, row in open_source(path, limit=rows).iter_rows()]
+        except DataError as exc:
+            where = "" if Path(path).is_absolute() else " (a relative path is read from the current folder, then the " \
+                                                        "recipe's)"
+            problems.append((key, f"{exc}{where}"))
+            continue
+        head = [row for row in read if isinstance(row, dict)]
+        if not head:   # a row that is not a mapping is an Unreadable, or a JSON value other than an object
+            some = f"{'first ' if len(read) == rows else ''}{len(read)}"
+            problems.append((key, f"{path}: no rows" if not read else f"{path}: none of its {some} rows can be read as "
+                                  f"a row of fields (row 1: {str(read[0])[:200]})"))
+            continue
+        problems += _fields_missing(path, head, r.data, whole=len(read) < rows)
+    return problems
+
+
+def _fields_missing(path: str, head: list[dict], cfg, whole: bool) -> list[tuple[str, str]]:
+    """(recipe key, message) for each row field the recipe names (data.prompt_field, data.template's fields) that no
+    row of `head` (a file's first rows; `whole`: all of them) has."""
+    import string
+
+    have = set().union(*(map(str, row) for row in head))
+    named = [("data.prompt_field", cfg.prompt_field, repr(cfg.prompt_field))]
+    for _, field, _, _ in string.Formatter().parse(cfg.template):   # (recipe.py checked the template's syntax)
+        base = re.split(r"[.\[]", field, maxsplit=1)[0] if field else ""
+        if base and base != "prompt":   # {prompt} is the prompt field's value
+            named.append(("data.template", base, f"{{{base}}}"))
+    rows = f"its {len(head)} rows" if whole else f"its first {len(head)} rows"
+    shown = ", ".join(sorted(have)[:12]) + (f" and {len(have) - 12} more" if len(have) > 12 else "")
+    return [(key, f"{what} names a field that none of {rows} has, in {path} (they have: {shown})")
+            for key, field, what in dict.fromkeys(named) if field not in have]
+
+
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. --set train.steps=10.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def validate(recipe, overrides):
     """Check a recipe: report every problem at once, with its key path."""
     conventions: dict = {}
@@ -72,7 +127,7 @@ def validate(recipe, overrides):
 
         from .environment import environment_problems
 
-        problems = function_problems(r.rewards, conventions) + environment_problems(r.environment)
+        problems = function_problems(r.rewards, conventions) + environment_problems(r.environment) + data_problems(r)
         if problems:
             raise RecipeError(recipe, problems)
         return r
@@ -92,7 +147,7 @@ def validate(recipe, overrides):
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False), required=False)
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory from its latest checkpoint.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe field, e.g. --set train.steps=10.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Train with N processes on this machine (one GPU each; gloo on CPU): starts "
                    "torchrun --standalone --nproc_per_node N. For several machines, run torchrun with its own flags.")
@@ -111,6 +166,7 @@ def train(recipe, resume_dir, overrides, nproc):
         args = ([recipe] if recipe else []) + (["--resume", resume_dir] if resume_dir else [])
         _launch(nproc, ["train", *args] + [f"--set={o}" for o in overrides])
         return
+    from .evaluate import accuracy_text
     from .train import Trainer
 
     def go():
@@ -123,32 +179,81 @@ def train(recipe, resume_dir, overrides, nproc):
             return out
         for key, label in (("first_eval", "before"), ("final_eval", "after")):
             if out[key]:
-                click.echo(f"held-out accuracy {label}: {100 * out[key]['accuracy']:.1f}%")
+                click.echo(f"held-out accuracy {label}: {accuracy_text(out[key])}")
         click.echo(f"run directory: {trainer.run_dir}  (export with: lowmem-grpo export {trainer.run_dir} --out DIR)")
         return out
 
-    _run(go)
+    out = _run(go)
     distributed.end_worker()
+    if out and out.get("signal") and distributed.launched_size() <= 1:
+        # stopped, checkpointed, not finished: as a shell reports a process that signal ended (130 Ctrl-C, 143 SIGTERM),
+        # so that `train && export` stops there (under torchrun, torchrun reports the job's end)
+        sys.exit(128 + out["signal"])
 
 
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write adapter/ and merged/ into.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="A new or empty folder to write adapter/ and merged/ into (see --overwrite).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="dtype of the merged model (the base is loaded unquantized in it).")
 @click.option("--adapter-only", is_flag=True, help="Write only the adapter, no merged model.")
 @click.option("--step", type=int, default=None, help="Export this checkpoint step instead of the latest.")
-def export(run_dir, out_dir, dtype, adapter_only, step):
+@click.option("--overwrite", is_flag=True,
+              help="--out holds an earlier export: replace it (its adapter/ and merged/ are removed first). Without "
+                   "it, an --out that holds anything is refused.")
+def export(run_dir, out_dir, dtype, adapter_only, step, overwrite):
     """Write the LoRA adapter and a merged standalone Hugging Face model."""
     from .export import export_run
 
-    _run(lambda: export_run(run_dir, out_dir, dtype=dtype, merged=not adapter_only, step=step))
+    _run(lambda: export_run(run_dir, out_dir, dtype=dtype, merged=not adapter_only, step=step, overwrite=overwrite))
+
+
+GiB = 2 ** 30
+MIN_MEMORY = 64 * 2 ** 20   # holds no model at all: a smaller --memory is a unit mistake (8 read as bytes, KiB for GiB)
+# A number without a unit is GiB; KB, MB, GB, TB (and K, M, G, T) are read as the binary units, as GPU makers mean
+# them (an "8 GB" card has 8 GiB).
+MEMORY_FORMS = ("e.g. 8GiB, 12GB, 512MiB or 8 (a number without a unit is GiB); units KiB, MiB, GiB, TiB, and KB, "
+                "MB, GB, TB read as those")
+MEMORY_UNITS = {"": GiB, "B": 1, **{prefix + suffix: 1024 ** power for power, prefix in enumerate("KMGT", start=1)
+                                    for suffix in ("", "B", "IB")}}
+
+
+def parse_memory(text: str) -> int:
+    """--memory SIZE in bytes: '8' (GiB), '8GiB', '12GB', '7.5G', '512MiB', '1TiB'. ValueError saying what is
+    allowed, for text that is no size or one below MIN_MEMORY."""
+    from .memory import fmt
+
+    t = str(text).strip()
+    unit = re.search(r"[A-Za-z]*$", t).group()
+    try:
+        size = float(t[: len(t) - len(unit)]) * MEMORY_UNITS[unit.upper()]
+        ok = math.isfinite(size) and size > 0
+    except (ValueError, KeyError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{text!r}: expected a positive size, {MEMORY_FORMS}")
+    if size < MIN_MEMORY:
+        raise ValueError(f"{text!r} is {fmt(size) if size >= 2 ** 20 else f'{int(size)} bytes'}, below the "
+                         f"{fmt(MIN_MEMORY)} that any model needs; expected the GPU's (or with --device cpu, the "
+                         f"RAM's) size, {MEMORY_FORMS}")
+    return int(size)
+
+
+class MemorySize(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        try:
+            return value if isinstance(value, int) else parse_memory(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--memory", "memory", default=None, metavar="SIZE",
-              help="The GPU's memory, e.g. 8GiB or 12GB: the budget is what the trainer takes on such a card (less "
+@click.option("--memory", "size", type=MemorySize(), default=None, metavar="SIZE",
+              help=f"The GPU's memory, {MEMORY_FORMS}. The budget is what the trainer takes on such a card (less "
                    "its CUDA context and 10% for the allocator); with --device cpu, the RAM to fit in. Default: what "
                    "this process can reach of this machine's GPU, less 10%, or its RAM with --device cpu.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
@@ -156,18 +261,31 @@ def export(run_dir, out_dir, dtype, adapter_only, step):
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes the run will use (train --nproc N): each samples prompts_per_step / N prompts; the "
                    "figures are per process (per GPU).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
-def estimate(recipe, memory, device, nproc, overrides):
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def estimate(recipe, size, device, nproc, overrides):
     """Predict a run's peak memory (a breakdown), and the largest micro-batch that fits, without loading weights."""
     from . import memory as mm
+    from .hub import model_path_problem, shipped_model_config
+    from .model import ModelLoadError
+    from .recipe import prompts_share_problem
 
     def go():
         r = load_recipe(recipe, list(overrides))
-        size = mm.parse_size(memory) if memory else None
+        if problem := prompts_share_problem(r.train.prompts_per_step, nproc):   # as train --nproc refuses it
+            raise click.BadParameter(problem, param_hint="--nproc")
         if size is None:
             budget = mm.device_budget(device)
         else:
             budget = mm.card_budget(size) if device == "cuda" else size
+        if size is not None and budget < MIN_MEMORY:
+            raise click.BadParameter(
+                f"a {mm.fmt(size)} card leaves the trainer {mm.fmt(budget)} (its CUDA context takes "
+                f"~{mm.fmt(mm.CUDA_CONTEXT)}, the allocator {mm.ALLOCATOR_SLACK:.0%} of the rest); give the card's "
+                "whole memory, e.g. --memory 8GiB (or --device cpu for the RAM to fit in)", param_hint="--memory")
+        # the model as train finds it (a shipped config needs neither a local folder nor the hub)
+        name = r.model.name_or_path
+        if not shipped_model_config(name) and (problem := model_path_problem(name)):
+            raise ModelLoadError(problem)
         est, shape, workload = mm.estimate_recipe(r, device, processes=nproc, budget=budget)  # waves fit the budget
         click.echo(f"{recipe}: {r.model.name_or_path} (vocab {shape.vocab_size:,}, hidden {shape.hidden_size}, "
                    f"{shape.num_layers} layers), {device}" + (f", per process of {nproc}" if nproc > 1 else ""))
@@ -199,7 +317,7 @@ def estimate(recipe, memory, device, nproc, overrides):
               help="pass@k for each k, from max(k) samples per prompt at generation.temperature.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Where samples.jsonl and summary.json go (default: RUN/eval/step-N-SPLIT, or ./eval-RECIPE).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Evaluate with N processes on this machine (torchrun), each a share of the prompts.")
 def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides, nproc):

@@ -40,8 +40,14 @@ from typing import Optional
 import numpy as np
 
 from .recipe import DataConfig
-from .sources import DataChanged, DataError, ListSource, Subset, Unreadable, open_source, read_rows, row_number  # noqa: F401
+from .sources import (DataChanged, DataError, DataSettingsError, ListSource, Subset, Unreadable, open_source,  # noqa: F401
+                      read_rows, row_number)
 from .user_code import short_repr
+
+NO_CHAT_TEMPLATE = ("needs the tokenizer's chat template, and this tokenizer has none (tokenizer.chat_template is not "
+                    "set): use a chat (instruct) model's tokenizer")
+# After a row's error: the way past it, if it is that row's (a field the whole file lacks fails every row)
+ROW_SKIP_ADVICE = "if only some rows are like this, data.on_bad_row: skip skips them, counted"
 
 CHECK_HEAD = 1000      # the first rows checked at start-up
 CHECK_SAMPLE = 1000    # plus this many seeded others (every row of a source of at most the sum)
@@ -176,11 +182,13 @@ class PromptSet:
         """Raise the error naming the row (on_bad_row=error), or count the skip."""
         if isinstance(exc, DataChanged):
             raise exc
+        if isinstance(exc, DataSettingsError):   # every row would fail so: no row to skip
+            raise DataSettingsError(f"{self.path}: {exc}") from None
         number = row_number(self.source, i)
         if self.cfg.on_bad_row == "error":
             line = self.source.line(i)
             where = f"row {number}" + (f" (line {line})" if line not in (None, number) else "")
-            raise DataError(f"{self.path}: {where}: {exc} (set data.on_bad_row: skip to skip such rows)") from None
+            raise DataError(f"{self.path}: {where}: {exc} ({ROW_SKIP_ADVICE})") from None
         self.skipped.append(f"row {number}: {exc}")
 
     def render_message(self, row: dict, message: str) -> Example:
@@ -217,6 +225,9 @@ class PromptSet:
                               cfg.chat_template_kwargs)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         elif cfg.chat_template:
+            # the setting's error, whatever the row (a row of chat messages without a template is that row's)
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataSettingsError(f"data.chat_template is true, which {NO_CHAT_TEMPLATE}")
             text = fill_template(row, cfg)
             messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
             messages.append({"role": "user", "content": text})
@@ -224,15 +235,25 @@ class PromptSet:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             text = fill_template(row, cfg)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
-                ids = [tokenizer.bos_token_id] + ids
+            ids = plain_prompt_ids(tokenizer, text)
         if not ids:  # nothing to condition on: generation would fail on an empty row
             raise DataError("the prompt renders to no tokens (an empty text, or a tokenizer that has none of its "
                             "characters: check that model.name_or_path holds the model's tokenizer files)")
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
         return Example(row, text, ids, chat)
+
+
+def plain_prompt_ids(tokenizer, text: str) -> list[int]:
+    """A text prompt's tokens with the special tokens the tokenizer itself adds (tokenizer(text), as TRL and
+    transformers' pipelines tokenize): Llama's and Mistral's BOS, nothing for Qwen or GPT-2's <|endoftext|>. (A
+    BOS was prepended here whenever the tokenizer named one, which Phi-3's and GPT-2-style tokenizers never add.)
+    An EOS the tokenizer appends goes: the completion continues the prompt."""
+    ids = list(tokenizer(text)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if eos is not None and ids[-1:] == [eos] and tokenizer(text, add_special_tokens=False)["input_ids"][-1:] != [eos]:
+        ids.pop()
+    return ids
 
 
 def answer_problem(value, field: str) -> None:
@@ -290,8 +311,7 @@ def _chat_text(tokenizer, messages: list[dict], what: str, extra: Optional[dict]
     (data.chat_template_kwargs) as template variables; `what` starts the error ("... which") when the
     tokenizer has no template or it fails."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{what} needs the tokenizer's chat template, and this tokenizer has none "
-                        "(tokenizer.chat_template is not set): use a chat (instruct) model's tokenizer")
+        raise DataError(f"{what} {NO_CHAT_TEMPLATE}")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(extra or {}))
     except Exception as exc:  # a template that raises on these messages (e.g. it refuses a role order)
@@ -384,7 +404,7 @@ def split_indices(source, cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     for i, row in source.iter_rows():
         if isinstance(row, Unreadable):
             if cfg.on_bad_row == "error":
-                raise DataError(f"{source.path}:{source.line(i)}: {row} (set data.on_bad_row: skip to skip such rows)")
+                raise DataError(f"{source.path}:{source.line(i)}: {row} ({ROW_SKIP_ADVICE})")
             unreadable.append(i)
             continue
         readable.append(i)

@@ -69,7 +69,8 @@ def _generate(engine, rollout: Optional[Callable], examples: list, params: Sampl
 def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size: int = EVAL_BATCH,
            records: Optional[list] = None, done: Callable[[int], None] = lambda n: None,
            rollout: Optional[Callable] = None, first_index: int = 0, step: int = 0) -> dict:
-    """Greedy completions, one per prompt (scored as after `step` training steps): accuracy (correct / counted), mean_reward (total reward summed
+    """Greedy completions, one per prompt (scored as after `step` training steps): accuracy (correct / counted; None
+    when none was counted), mean_reward (total reward summed
     with skips as 0, over all prompts), n (prompts counted), correct and prompts (all of them, skipped ones
     too). `records` gets one dict per prompt, numbered from `first_index` (a process's share starts there).
     `rollout(examples, params)`: how completions are made, when not engine.generate (an environment)."""
@@ -90,8 +91,23 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
                 records.append({"mode": "greedy", "prompt_index": first_index + i + j, "sample": 0,
                                 "prompt": prompt_text(c, chunk[j]), "completion": text, "rewards": per, "total": total,
                                 "correct": judged.at(j), "truncated": c.truncated})
-    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted,
+    return {"accuracy": accuracy(correct, counted), "mean_reward": reward_sum / max(1, len(examples)), "n": counted,
             "correct": correct, "prompts": len(examples)}
+
+
+def accuracy(correct: int, counted: int) -> Optional[float]:
+    """correct / counted; None when no completion was judged (0/0 is no accuracy: reported as 0.0 it read as a
+    model that got everything wrong)."""
+    return correct / counted if counted else None
+
+
+def accuracy_text(result: dict) -> str:
+    """A greedy result's accuracy as the trainer, `train` and `eval` print it: '42.0%', or why there is none."""
+    if result["accuracy"] is not None:
+        return f"{100 * result['accuracy']:.1f}%"
+    return (f"none: no row could be judged, the reward skipped all {result['prompts']} completions (it returns None "
+            "for a row it cannot judge, e.g. countdown on a row without numbers, or an environment episode that ended "
+            "in an error)")
 
 
 def combine_greedy(parts: Sequence[dict]) -> dict:
@@ -103,7 +119,7 @@ def combine_greedy(parts: Sequence[dict]) -> dict:
     correct, counted = sum(p["correct"] for p in parts), sum(p["n"] for p in parts)
     prompts = sum(p["prompts"] for p in parts)
     reward_sum = sum(p["mean_reward"] * p["prompts"] for p in parts)
-    return {"accuracy": correct / max(1, counted), "mean_reward": reward_sum / max(1, prompts), "n": counted,
+    return {"accuracy": accuracy(correct, counted), "mean_reward": reward_sum / max(1, prompts), "n": counted,
             "correct": correct, "prompts": prompts}
 
 
@@ -202,10 +218,8 @@ def resolve_adapter(path: str) -> tuple[Path, Optional[Path]]:
                          "(with adapter/), or an adapter folder (with adapter_config.json)")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
+    from .hub import tokenizer_files_problem
     from .model import AdapterLoadError, ModelLoadError, load_base_model, load_policy, load_tokenizer
 
     if model_dir:
@@ -213,9 +227,8 @@ def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
             raise ModelLoadError(f"--model {model_dir}: not a model folder (no config.json); "
                                  "give a merged/standalone model, e.g. EXPORT/merged")
         # without them transformers builds an empty tokenizer: every prompt would be no tokens at all
-        if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
-            raise ModelLoadError(f"--model {model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); "
-                                 "copy them from the base model's folder")
+        if problem := tokenizer_files_problem(Path(model_dir)):
+            raise ModelLoadError(f"--model {model_dir}: {problem}")
         cfg = recipe.model.model_copy(update={"name_or_path": str(model_dir)})
         return load_base_model(cfg), load_tokenizer(cfg)
     try:
@@ -389,7 +402,7 @@ def env_error_line(s: dict) -> Optional[str]:
 
 
 def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:
-    lines = [f"greedy accuracy: {100 * s['accuracy']:.1f}% ({s['correct']}/{s['n']} prompts, "
+    lines = [f"greedy accuracy: {accuracy_text(s)} ({s['correct']}/{s['n']} prompts, "
              f"mean reward {s['mean_reward']:.3f}) on {s['split']}"]
     if env := env_error_line(s):   # next to the figures it explains (0/0 prompts when every episode failed)
         lines.append(env)

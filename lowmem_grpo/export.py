@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from . import checkpoint as ckpt
+from .hub import folder_contents
 from .model import DTYPES, load_adapter, load_base_model, load_tokenizer
 from .recipe import load_recipe
 
@@ -32,8 +33,41 @@ def find_adapter(run_dir: Path, step: Optional[int] = None) -> Path:
     return found[-1] / "adapter"
 
 
+EXPORT_ENTRIES = ("adapter", "merged")   # what an export writes into --out
+
+
+def prepare_out(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an --out that holds anything: exporting into it would leave the earlier files beside the new ones
+    (an adapter of one step next to a merged model of another), silently. With `overwrite`, an earlier export's
+    adapter/ and merged/ are removed first; other files are not an export's, and are never removed."""
+    if not out_dir.is_dir():
+        return   # new (created below), or not a folder (mkdir says so)
+    try:
+        held = list(out_dir.iterdir())
+    except OSError as exc:
+        raise ExportError(f"--out {out_dir}: cannot list the folder ({exc.strerror or exc})") from None
+    if not held:
+        return
+    if any(p.name not in EXPORT_ENTRIES for p in held):
+        raise ExportError(f"--out {out_dir}: the folder is not empty, and not an earlier export "
+                          f"({folder_contents(out_dir)}); choose another --out (a new or empty folder)")
+    if not overwrite:
+        raise ExportError(f"--out {out_dir}: the folder already holds an export ({folder_contents(out_dir)}); choose "
+                          "another --out, or pass --overwrite to replace it")
+    try:
+        for path in held:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    except OSError as exc:
+        raise ExportError(f"--out {out_dir}: cannot remove the earlier export ({exc})") from None
+
+
 def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, step: Optional[int] = None,
-               tolerance: float = 1e-5, log=print) -> dict:
+               tolerance: float = 1e-5, log=print, overwrite: bool = False) -> dict:
+    """RUN's checkpoint (the latest complete one, or `step`) into OUT/adapter and, with `merged`, OUT/merged.
+    OUT must be new or empty; `overwrite` replaces an earlier export there (prepare_out)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     recipe_path = run_dir / "recipe.yaml"
     if not recipe_path.is_file():
@@ -43,14 +77,15 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
     problem = ckpt.adapter_problem(adapter)
     if problem:
         raise ExportError(f"checkpoint {adapter.parent.name} cannot be exported: {problem}")
-    src, dst = adapter.resolve(), (out_dir / "adapter").resolve()
-    if src == dst or dst in src.parents or src in dst.parents:  # the rmtree below would delete the checkpoint itself
-        raise ExportError(f"--out {out_dir}: its adapter/ would overwrite the checkpoint being exported ({adapter}); "
-                          "choose a folder outside it")
+    src = adapter.resolve()
+    for entry in EXPORT_ENTRIES:   # what an --overwrite removes must not hold the checkpoint, nor lie inside it
+        dst = (out_dir / entry).resolve()
+        if src == dst or dst in src.parents or src in dst.parents:
+            raise ExportError(f"--out {out_dir}: its {entry}/ would overwrite the checkpoint being exported ({adapter}); "
+                              "choose a folder outside it")
+    prepare_out(out_dir, overwrite)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        if (out_dir / "adapter").exists():
-            shutil.rmtree(out_dir / "adapter")
         shutil.copytree(adapter, out_dir / "adapter")
     except OSError as exc:
         raise ExportError(f"--out {out_dir}: cannot write the adapter there ({exc})") from None
@@ -103,4 +138,4 @@ def _probe_ids(tokenizer, vocab_size: int, data_cfg=None) -> list[torch.Tensor]:
     return [torch.randint(0, min(vocab_size, len(tokenizer)), (2, 16), generator=g)]
 
 
-__all__ = ["export_run", "merge_adapter", "ExportError", "DTYPES"]
+__all__ = ["export_run", "merge_adapter", "prepare_out", "ExportError", "DTYPES"]

@@ -12,12 +12,18 @@ objects. Parquet files go the same way (`load_file`). `datasets` is imported onl
 such a source is used (importing it takes a second or two).
 
 Hub model ids too: `shipped_model_config` finds the copy of a model's config.json that ships in
-lowmem_grpo/model_configs, for what needs only the model's shape (the memory estimate).
+lowmem_grpo/model_configs, for what needs only the model's shape (the memory estimate); `model_path_problem`
+says why a model.name_or_path cannot be loaded (no such folder, no model in it, the hub out of reach) before
+transformers tries.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -137,3 +143,124 @@ def load_rows(source: str) -> list[dict]:
     """The rows of one split of a hub (or local-folder) dataset, as dicts (small splits and tests; the
     trainer reads rows by index from `load`)."""
     return load(source).to_list()
+
+
+# ----------------------------------------------------------------------------------------------------
+# model.name_or_path: a local folder or a hub id, checked before transformers tries it (train, eval, export
+# through model.py; estimate through the CLI), so that each says the same thing
+# ----------------------------------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+PROBE_TIMEOUT_S = 3.0   # a hub that answers at all opens a connection in well under a second
+
+
+def folder_contents(path: Path, most: int = 8) -> str:
+    """'it is empty' or 'it holds: a, b/, ...' (the first `most` names), for messages about a folder."""
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError as exc:   # e.g. no permission to list it
+        return f"it cannot be listed: {exc.strerror or exc}"
+    if not names:
+        return "it is empty"
+    return "it holds: " + ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def tokenizer_files_problem(folder: Path) -> Optional[str]:
+    """Why a model folder has no tokenizer to load (transformers would build an empty one, or blame a missing
+    sentencepiece), or None."""
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return (f"no tokenizer files ({', '.join(TOKENIZER_FILES)}); {folder_contents(folder)}. Copy them from the base "
+            "model's folder")
+
+
+def model_path_problem(name: str) -> Optional[str]:
+    """Why model.name_or_path cannot be loaded, found before transformers tries it, or None: a path that does not
+    exist (transformers only says the name is no valid repo id), a folder without config.json (transformers
+    blames a missing sentencepiece), a hub id that is not in the local cache while the hub cannot be reached
+    (transformers retries for ~50 s first). Where the hub cannot be reached and the model is cached, this turns
+    on offline mode for the process, so that loading it from the cache does not wait on those retries."""
+    name = str(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        return (f"model.name_or_path={name!r}: the folder has no config.json, so it is no model folder "
+                f"({folder_contents(path)}); a model folder holds config.json, the weights (*.safetensors) and the "
+                f"tokenizer's files ({', '.join(TOKENIZER_FILES)})")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or path.exists():
+        return (f"model.name_or_path={name!r}: no such model folder (a hub model is written as namespace/name, "
+                "e.g. Qwen/Qwen2.5-1.5B-Instruct)")
+    return _hub_model_problem(name)
+
+
+def _hub_model_problem(name: str) -> Optional[str]:
+    """A hub id: None when it can be loaded (cached, or the hub is reachable), else what to do."""
+    from huggingface_hub import constants
+
+    cached = _in_cache(name)
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return None
+        return (f"model.name_or_path={name!r}: HF_HUB_OFFLINE is set and the model is not in the local cache "
+                f"({constants.HF_HUB_CACHE}). {_get_it(name)}")
+    reachable = hub_reachable()
+    if reachable is not False:   # reachable, or not known (behind a proxy): transformers tries as usual
+        return None
+    if cached:
+        _go_offline()
+        return None
+    return (f"model.name_or_path={name!r}: the Hugging Face hub ({constants.ENDPOINT}) cannot be reached from this "
+            f"machine, and the model is not in the local cache ({constants.HF_HUB_CACHE}). {_get_it(name)}. Without "
+            "internet, set HF_HUB_OFFLINE=1: every hub lookup then uses the cache alone, without trying the network")
+
+
+def _get_it(name: str) -> str:
+    return (f"Give a local model folder as model.name_or_path, or download the model on a machine with internet "
+            f"(`hf download {name}`) and copy its cache folder here")
+
+
+def _in_cache(name: str) -> bool:
+    """Whether the hub model's config.json is in the local hub cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:   # not a valid repo id, an unreadable cache: not usable from the cache, either way
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable() -> Optional[bool]:
+    """Whether a connection to the hub's endpoint (HF_ENDPOINT) opens within PROBE_TIMEOUT_S; None where a proxy
+    is set (the hub is then reached through it, and a direct probe would say nothing). Once a process."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    opened: list = []
+
+    def probe():   # in a thread: a name lookup that hangs does not obey the socket's timeout
+        try:
+            socket.create_connection(address, timeout=PROBE_TIMEOUT_S).close()
+            opened.append(True)
+        except (OSError, ValueError):
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(PROBE_TIMEOUT_S + 0.5)
+    return bool(opened)
+
+
+def _go_offline() -> None:
+    """Offline mode for this process and those it starts (torchrun's, vLLM's): the hub cannot be reached, and
+    every lookup would otherwise retry for ~50 s before using the cache."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = True
+    os.environ["HF_HUB_OFFLINE"] = "1"

@@ -280,6 +280,9 @@ def base_weight_bytes(s: ModelShape, w: Workload) -> int:
     return int(linear_b + other * w.compute_bytes + experts_bytes(s, w))
 
 
+SAVED_BYTES = 2   # bytes per weight of a published checkpoint (bf16)
+
+
 def experts_bytes(s: ModelShape, w: Workload) -> float:
     """The routed experts' weights: in compute dtype, or NF4 (experts4bit.py: 4 bits, an fp32 absmax per 64)."""
     return s.expert_params() * ((0.5 + 4 / 64) if w.experts_nf4 else w.compute_bytes)
@@ -526,6 +529,13 @@ def estimate(s: ModelShape, w: Workload, budget: Optional[int] = None) -> Estima
     if w.eval_prompts:
         phases["eval"] = decode_phase(s, w, waves.eval if waves else min(EVAL_BATCH, w.eval_prompts), "eval")
     phases["train"] = train_phase(s, w, n_lora)
+    if s.experts and w.experts_nf4 and w.device == "cpu":
+        # model.load_base_model stages a mixture in host memory: every expert in compute dtype until it is quantized,
+        # beside the checkpoint's own bytes of them, memory-mapped and read once (bf16, as models are published). On
+        # a GPU that is host memory, not the device's. Measured: a 4-layer, 64-expert mixture's CPU peak was its load,
+        # 37% over the steps' (scripts/bench_memory.py, docs/benchmarks.md).
+        staged = s.expert_params() * (w.compute_bytes + SAVED_BYTES) - experts_bytes(s, w)
+        phases["load"] = {"a mixture's experts in compute dtype and as read, before NF4 (staged load)": int(staged)}
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
     est = Estimate(static, phases, peak_phase, sum(static.values()) + sum(phases[peak_phase].values()), waves=waves)
     if w.device == "cuda":
@@ -661,8 +671,8 @@ def _fields_for(term: str, w: Workload) -> str:
             return "generation.kv_cache_memory_bytes (vLLM's KV budget)"
         # advise decodes in waves: what does not fit is one sequence, however many prompts_per_step x G make
         return f"{_length_field(w)} / data.max_prompt_tokens (shorter sequences)"
-    if term.startswith("optimizer"):
-        return "optimizer.name: adamw_8bit or a smaller lora.r"
+    if term.startswith("optimizer"):   # bitsandbytes' 8-bit AdamW runs on CUDA only
+        return "optimizer.name: adamw_8bit or a smaller lora.r" if w.device == "cuda" else "a smaller lora.r"
     if term.startswith("LoRA"):
         return "a smaller lora.r"
     if term.startswith("runtime"):

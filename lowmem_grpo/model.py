@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from .hub import model_path_problem, tokenizer_files_problem
 from .internals import bnb_internals, quiet_bitsandbytes_kernels_warning
 from .recipe import LORA_LINEARS, LoraConfig, ModelConfig
 
@@ -34,22 +35,15 @@ class AdapterLoadError(ModelLoadError):
     """A saved adapter that cannot be loaded: a damaged folder, or one made for another base model."""
 
 
-def _not_a_folder(name: str) -> Optional[str]:
-    """Why `name` names neither a local folder nor a hub id, when it is written as a path that does not exist
-    (transformers would only say that it is not a valid repo id)."""
-    if Path(name).expanduser().is_dir():
-        return None
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists():
-        return (f"model.name_or_path={name!r}: no such model folder (a hub model is written as namespace/name, "
-                "e.g. Qwen/Qwen2.5-1.5B-Instruct)")
-    return None
-
-
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    if problem := _not_a_folder(cfg.name_or_path):
+    if problem := model_path_problem(cfg.name_or_path):
         raise ModelLoadError(problem)
+    folder = Path(cfg.name_or_path).expanduser()
+    # without them transformers builds an empty tokenizer, or asks for sentencepiece: neither says what is missing
+    if folder.is_dir() and (problem := tokenizer_files_problem(folder)):
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: {problem}")
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -68,7 +62,7 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
     quantized = cfg.load_in_4bit if quantized is None else quantized
     dtype = DTYPES[cfg.compute_dtype]
     kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    if problem := _not_a_folder(cfg.name_or_path):
+    if problem := model_path_problem(cfg.name_or_path):
         raise ModelLoadError(problem)
     target = device or default_device()
     # A mixture's routed experts load in compute dtype (3-D tensors, which bitsandbytes leaves) and are stored in

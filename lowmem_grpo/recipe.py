@@ -11,7 +11,7 @@ and a test checks the two agree.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -422,6 +422,14 @@ class OptimizerConfig(_Section):
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, betas):   # else pydantic reports the missing one as "optimizer.betas.1: Field required"
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:   # (the message adds a value not in a list)
+            raise ValueError("needs two numbers [beta1, beta2], e.g. [0.9, 0.99]"
+                             + (f"; got {list(betas)}" if isinstance(betas, (list, tuple)) else ""))
+        return betas
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, betas):
@@ -601,6 +609,8 @@ def _problems_from(exc: ValidationError, data: dict) -> list[tuple[str, str]]:
             got = err.get("input")
             if not isinstance(got, (dict, list)):
                 msg = f"{msg} (got {got!r})"
+            if err["type"] == "string_type" and got is None:   # null is no text: the empty one is ''
+                msg = f"{msg}; for no value write ''"
             if extra and extra not in msg:
                 msg = f"{msg}; {extra}"
         if (key, msg) not in problems:
@@ -686,22 +696,125 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def apply_override(data: dict, item: str, source: str = "<override>") -> None:
+    """One --set KEY=VALUE into the raw recipe `data`. KEY is a dotted path, a number in it an entry of a list
+    (rewards.functions.0.weight). VALUE is read as YAML, except for a text field, which takes the text as written
+    when YAML reads it as something else: 'Q: {prompt}' is a mapping to YAML, 'You are: helpful' one too."""
     if "=" not in item:
         raise RecipeError(source, [(item, "an override must look like section.key=value")])
     key, _, raw = item.partition("=")
-    if not raw.strip():   # YAML reads nothing as null: --set data.eval_path= would be "not a valid string"
-        raise RecipeError(source, [(key.strip(), f"--set {key.strip()}= gives no value: write {key.strip()}='' for an "
-                                                 f"empty string, or {key.strip()}=null for none")])
-    parts = key.strip().split(".")
+    key = key.strip()
+    parts = key.split(".")
+    kind = _field_annotation(parts)
+    if not raw.strip():   # YAML reads nothing as null, which no text field takes
+        raise RecipeError(source, [(key, f"--set {key}= gives no value: {_no_value_hint(key, kind)}")])
     node = data
-    for p in parts[:-1]:
-        node = node.setdefault(p, {}) if isinstance(node, dict) else None
-    if not isinstance(node, dict):  # (checked before indexing: a list or scalar parent raised a raw error; fuzzing)
-        raise RecipeError(source, [(key, "cannot override inside a non-mapping value")])
+    for depth, part in enumerate(parts[:-1]):
+        node = _override_child(node, part, parts[: depth + 1], wants_list=parts[depth + 1].isdigit(), source=source)
+    value = _override_value(key, raw, kind, source)
+    if isinstance(node, list):
+        node[_list_index(node, parts[-1], parts[:-1], source)] = value
+    elif isinstance(node, dict):
+        node[parts[-1]] = value
+    else:
+        raise _not_a_section(node, parts, source)
+
+
+TEXT_FIELDS = (str, Optional[str])
+
+
+def _override_value(key: str, raw: str, kind, source: str):
+    """The value of --set KEY=RAW, for a field of schema type `kind` (None: not a schema field)."""
     try:
-        node[parts[-1]] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
+        if kind in TEXT_FIELDS:
+            return raw
         raise RecipeError(source, [(key, f"value {raw!r} is not valid YAML: {getattr(exc, 'problem', None) or exc}")]) from None
+    if kind in TEXT_FIELDS and not isinstance(value, str):
+        if value is None and kind is str:   # 'null': the text "null" would be taken for a file or a prompt
+            raise RecipeError(source, [(key, f"{raw!r} is no text and {key} takes text: "
+                                             f"{_no_value_hint(key, kind)}, or --set '{key}=\"{raw}\"' for the word")])
+        if value is not None:
+            return raw   # a number, a mapping ('Q: {prompt}'), a list: the text as written is what was meant
+    return value
+
+
+def _no_value_hint(key: str, kind) -> str:
+    """What to write for 'no value' in a field of schema type `kind` (shell-quoted, so that '' reaches YAML)."""
+    if kind is str:   # e.g. data.eval_path: the empty string is "none" (no held-out file)
+        return f"write --set \"{key}=''\" for an empty value"
+    if kind is not None and type(None) in getattr(kind, "__args__", ()):
+        return f"write --set {key}=null for none"
+    return f"give a value, e.g. --set {key}=VALUE"
+
+
+def _override_child(node, part: str, path: list[str], wants_list: bool, source: str):
+    """node[part] on the way down a --set key: a missing section is created; a list is entered by index."""
+    where = ".".join(path)
+    if isinstance(node, list):
+        return node[_list_index(node, part, path[:-1], source)]
+    if not isinstance(node, dict):
+        raise _not_a_section(node, path, source)
+    if wants_list and not isinstance(node.get(part), list):
+        state = "is not in the recipe (its default applies)" if node.get(part) is None else \
+            f"is {type(node[part]).__name__} {node[part]!r}, not a list"
+        raise RecipeError(source, [(where, f"{state}, so it has no numbered entry to set: set the whole list, e.g. "
+                                           f"--set '{where}=[...]'")])
+    if part not in node or node[part] is None:
+        kind = _field_annotation(path)
+        if kind is not None and not _holds_keys(kind):   # e.g. rewards.on_error.x: a value, not a section
+            name = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+            raise RecipeError(source, [(where, f"is a value ({name}), not a section: it has no key to set; write "
+                                               f"--set {where}=VALUE")])
+        node[part] = {}
+    return node[part]
+
+
+def _not_a_section(node, path: list[str], source: str) -> RecipeError:
+    """--set a.b.c=... where the recipe holds a value, not a mapping or list, at a.b."""
+    return RecipeError(source, [(".".join(path), f"cannot set a key inside {'.'.join(path[:-1])}: it is "
+                                                 f"{type(node).__name__} {node!r}, not a section")])
+
+
+def _holds_keys(kind) -> bool:
+    """Whether a field of schema type `kind` is a section or a mapping (so that KEY.sub can be set in it)."""
+    return (isinstance(kind, type) and issubclass(kind, BaseModel)) or get_origin(kind) is dict or kind is Any
+
+
+def _list_index(items: list, part: str, path: list[str], source: str) -> int:
+    """The list entry a --set key names by number: 0 .. len-1, else an error saying which exist."""
+    where = ".".join(path)
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    have = f"entries 0..{len(items) - 1}" if len(items) > 1 else ("entry 0" if items else "no entries")
+    raise RecipeError(source, [(f"{where}.{part}", f"{where} is a list with {have}: no entry {part!r} (an entry is "
+                                                   "named by its number; to add one, set the whole list)")])
+
+
+def _field_annotation(parts: list[str]):
+    """The schema type of the field at a --set key path (list entries by number), or None where the path leaves
+    the schema (an unknown key, inside a free-form mapping such as rewards.functions.0.kwargs)."""
+    model: Any = Recipe
+    kind = None
+    for part in parts:
+        if part.isdigit():
+            continue   # an entry of a list of sections: `model` is already the entry's section
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        kind = field.annotation
+        sections = [a for a in getattr(kind, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+        model = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else (sections[0] if sections else None)
+    return kind
+
+
+def prompts_share_problem(prompts_per_step: int, processes: int) -> Optional[str]:
+    """Why a step's prompts cannot be shared among `processes` (each takes an equal share, docs/algorithm.md §21),
+    or None: what `train --nproc` and `estimate --nproc` refuse."""
+    if prompts_per_step % processes == 0:
+        return None
+    return (f"train.prompts_per_step={prompts_per_step} does not divide among {processes} processes: each takes an "
+            f"equal share of a step's prompts; use a multiple of {processes}")
 
 
 def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:

@@ -40,6 +40,10 @@ class DataChanged(DataError):
     """A file changed on disk after it was indexed: its offsets no longer fit, so no row can be trusted."""
 
 
+class DataSettingsError(DataError):
+    """A data setting that no row can meet (a chat template the tokenizer lacks): an error, never a row's skip."""
+
+
 class Unreadable(Exception):
     """A row that cannot be parsed (bad JSON, not an object, not UTF-8): why, for the caller to place."""
 

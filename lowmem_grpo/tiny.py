@@ -35,7 +35,7 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=SPECIAL["pad"], bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], unk_token=SPECIAL["unk"],
-        padding_side="left",
+        padding_side="left", add_bos_token=True,   # tokenizer(text) starts with BOS, as Llama's does
     )
 
 
@@ -220,7 +220,7 @@ def build_tool_tokenizer():
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=SPECIAL["pad"], bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], unk_token=SPECIAL["unk"],
-        padding_side="left",
+        padding_side="left", add_bos_token=True,   # tokenizer(text) starts with BOS, as Llama's does
     )
 
 

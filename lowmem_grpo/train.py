@@ -43,17 +43,18 @@ from .batch import SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs
 from .data import batch_indices, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
-from .evaluate import combine_greedy
+from .evaluate import accuracy_text, combine_greedy
 from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, off_policy_sequence_mask,
                    sampler_correction_weights, top_entropy_mask)
-from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, decode_waves, device_budget, estimate, fmt,
-                     experts_note, host_memory_problem, model_workload, out_of_memory_advice, peak_rss_mib,
-                     return_freed_memory_to_os)
+from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, completion_tokens, decode_waves,
+                     device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload,
+                     out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os)
 from .metrics import PhaseTimer, summary_line
-from .model import check_logit_head, eval_mode, load_policy, reference_mode, takes_shared_prompts, trainable_parameters
+from .model import (check_logit_head, eval_mode, load_policy, reference_mode, takes_shared_prompts, text_config,
+                    trainable_parameters)
 from .progress import Progress
-from .recipe import Recipe, recipe_to_yaml
+from .recipe import Recipe, prompts_share_problem, recipe_to_yaml
 from .rewards import Rewards
 from .rewards.judging import judging_notes
 from .rollout import make_engine
@@ -89,26 +90,32 @@ def make_optimizer(params, cfg):
 
 
 class _StopFlag:
-    """First Ctrl-C: finish the step, checkpoint, exit cleanly. Second: abort at once."""
+    """First Ctrl-C (or SIGTERM: what docker stop, Slurm and Kubernetes send): finish the step, checkpoint, exit
+    cleanly. Second: abort at once. (SIGTERM ended the run at once, losing every step since the last checkpoint.)"""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, log=print):
         self.requested = False
-        self._previous = None
+        self.signal: Optional[int] = None
+        self._previous: dict = {}
         self._log = log
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGINT, self._handler)
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
         return self
 
     def _handler(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        self._log("\n[lowmem-grpo] stopping after this step (Ctrl-C again to abort now)")
+        self.requested, self.signal = True, signum
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self._log(f"\n[lowmem-grpo] {what}: stopping after this step, checkpointed ({what} again to abort now)")
         sys.stdout.flush()
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
         return False
 
 
@@ -140,21 +147,25 @@ class Trainer:
         self.world = world if world is not None else distributed.join(recipe.train.collective_timeout_s)
         self.recipe = recipe
         self.log = log if self.world.main else (lambda *args, **kwargs: None)
-        if recipe.train.prompts_per_step % self.world.size:
-            raise TrainingError(f"train.prompts_per_step={recipe.train.prompts_per_step} does not divide among "
-                                f"{self.world.size} processes: each takes an equal share of a step's prompts; "
-                                f"use a multiple of {self.world.size}")
+        if problem := prompts_share_problem(recipe.train.prompts_per_step, self.world.size):
+            raise TrainingError(problem)
         self.run_dir = Path(run_dir or recipe.output.dir)
         self.stop_requested = False   # set (by code, not a signal) to end the run after the current step, checkpointed
+        self.stopped_by: Optional[int] = None   # the signal that stopped the run, if one did
+        self._lock = self._take_run_dir() if self.world.main else None
         if not resume and (held := ckpt.earlier_run(self.run_dir)):
             raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `lowmem-grpo train "
                                 f"--resume {self.run_dir}`, or train into another folder (--set output.dir=...), or "
                                 "delete that one")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self._check_resume_changes()
         torch.manual_seed(recipe.seed)
         start_ckpt = ckpt.latest(self.run_dir) if resume else None
-        if resume and start_ckpt is None:
-            raise TrainingError(f"{self.run_dir}: no complete checkpoint to resume from")
+        # A run stopped before its first checkpoint has nothing to continue from: it starts again (its metrics go)
+        self._restart = resume and start_ckpt is None
+        if self._restart:
+            self.log(f"[lowmem-grpo] {self.run_dir} holds no complete checkpoint yet (output.save_every="
+                     f"{recipe.output.save_every}): the run starts again from step 0")
         if start_ckpt is not None and (problem := ckpt.adapter_problem(start_ckpt / "adapter")):
             raise TrainingError(_damaged(start_ckpt, problem))
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
@@ -173,6 +184,7 @@ class Trainer:
         self.rewards = Rewards.from_recipe(recipe)
         self.env = EnvironmentFactory(recipe.environment) if recipe.environment.name else None   # §20
         self._env_error_logged = False
+        self._env_started = False   # an episode has started: its environment was made and reset (_log_env_error)
         self._no_reward_logged = False   # a step whose every completion had no reward: said once (_log_no_reward)
         for note in self.env.notes if self.env else []:
             self.log(f"[lowmem-grpo] {note}")
@@ -188,6 +200,7 @@ class Trainer:
         self.memory_budget = device_budget(self.device_type)
         self.waves = self._decode_waves()
         self._note_experts()
+        self._note_context()
         engine_cfg = EngineConfig.from_recipe(recipe, self.waves.max_batch_sequences if self.waves else None)
         self.engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, self.world)),
                                   self.model, self.tokenizer)
@@ -199,6 +212,45 @@ class Trainer:
             raise
         if self.train_set.skipped:
             self.log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
+
+    def _take_run_dir(self):
+        """The run folder, made and locked for this process (checkpoint.lock_run): a clear error where it cannot
+        be made, or where another live process trains in it."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            return ckpt.lock_run(self.run_dir)
+        except ckpt.RunInUse as exc:
+            raise TrainingError(f"{self.run_dir} is in use: another lowmem-grpo process (pid {exc}) is training there. "
+                                "Wait for it, or stop it (Ctrl-C checkpoints it) and continue with `lowmem-grpo train "
+                                f"--resume {self.run_dir}`; or train into another folder (--set output.dir=...)") from None
+        except OSError as exc:
+            raise TrainingError(f"output.dir={str(self.run_dir)!r}: cannot make or write the run folder there "
+                                f"({exc.strerror or exc}); choose another (--set output.dir=...)") from None
+
+    def _check_resume_changes(self) -> None:
+        """Refuse a resume that changes what the run's checkpoint was made with, which would be ignored or break
+        (FIXED_ON_RESUME); the run's recipe.yaml, unchanged, says what it was."""
+        from .recipe import load_recipe
+
+        try:
+            before = load_recipe(self.run_dir / "recipe.yaml")
+        except Exception:   # (an unreadable recipe.yaml: the caller read it; nothing to compare with)
+            return
+        changed = resume_changes(anchored(before), anchored(self.recipe))
+        if changed:
+            raise TrainingError(f"a resumed run cannot change {'; '.join(changed)}: its checkpoints were made with "
+                                f"the run's values ({self.run_dir / 'recipe.yaml'}). Start a new run for that "
+                                "(--set output.dir=...), or resume without those --set.")
+
+    def _apply_optimizer_settings(self) -> None:
+        """After a resume loaded the optimizer's and the schedule's state: the recipe's lr, betas and weight decay,
+        not the checkpoint's (torch's load_state_dict restores those, so a resume's --set optimizer.lr=... was
+        silently ignored). The schedule's position is the checkpoint's."""
+        cfg = self.recipe.optimizer
+        self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group.update(lr=cfg.lr * factor(self.scheduler.last_epoch), initial_lr=cfg.lr, betas=tuple(cfg.betas),
+                         weight_decay=cfg.weight_decay)
 
     def _init_loop(self, start_ckpt: Optional[Path]) -> None:
         """Optimizer, schedule, loop state and sinks: fresh, or as the checkpoint left them."""
@@ -216,12 +268,13 @@ class Trainer:
                 raise TrainingError(_damaged(start_ckpt, f"trainer_state.pt: {type(exc).__name__}: {exc}")) from None
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
+            self._apply_optimizer_settings()
             self.step = saved["step"]
             self._restore_rng(ckpt.rng_states(saved))
             self.state = LoopState(**saved["extra"].get("loop", {}))
             self.log(f"[lowmem-grpo] resumed from {start_ckpt} at step {self.step}")
         if self.world.main:   # fresh, or a resume's --set changes: the next plain --resume (and report) keep them
-            path, text = self.run_dir / "recipe.yaml", recipe_to_yaml(r)
+            path, text = self.run_dir / "recipe.yaml", recipe_to_yaml(anchored(r))
             if start_ckpt is not None and path.is_file() and path.read_text() != text:
                 self.log(f"[lowmem-grpo] {path} now holds this resume's settings")
             ckpt.write_text_atomic(path, text)
@@ -229,8 +282,9 @@ class Trainer:
             self.metrics = Sinks([])
             return
         try:  # metrics.jsonl always; TensorBoard / W&B as the recipe asks (sinks.py)
+            # a resume drops the rows after its checkpoint's step; a restart all of them (-1)
             self.metrics = open_sinks(self.run_dir, r.output, r.model_dump(mode="json"),
-                                      resume_step=self.step if start_ckpt else None)
+                                      resume_step=self.step if start_ckpt else -1 if self._restart else None)
         except SinkError as exc:
             raise TrainingError(str(exc)) from None
 
@@ -289,8 +343,15 @@ class Trainer:
                             g)
 
     def _log_env_error(self, completions) -> None:
-        """The run's first environment error, once (all of them are counted in env/errors)."""
+        """The run's first environment error, once (all of them are counted in env/errors). Until an episode has
+        started, a step in which none could (the environment's constructor or reset() failed every time) stops the
+        run: it gave every step no reward, to the end, without a word past the first."""
         bad = next((c.env.error for c in completions if c.env is not None and c.env.error), None)
+        started = [c.env is None or c.env.turns > 0 or not c.env.error for c in completions]
+        if not self._env_started and not any(started):
+            raise TrainingError(f"environment {self.recipe.environment.name!r} could not start any episode of step "
+                                f"{self.step + 1}: {bad}")
+        self._env_started = True
         if bad and not self._env_error_logged:
             self._env_error_logged = True
             self.log(f"[lowmem-grpo] environment {self.recipe.environment.name!r}: {bad} (that completion's episode "
@@ -627,6 +688,18 @@ class Trainer:
         if shape.experts:
             self.log(f"[lowmem-grpo] note: {experts_note(shape, workload)}")
 
+    def _note_context(self) -> None:
+        """Say so when the longest prompt and completion pass the model's max_position_embeddings: an audit found
+        that silent (transformers' "friendly reminder" aside); a RoPE model then runs on positions it was not
+        trained on, a model with learned positions fails."""
+        limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
+        prompt = max(len(s.longest_prompt()) for s in (self.train_set, self.eval_set) if s is not None)
+        need = prompt + completion_tokens(self.recipe)
+        if isinstance(limit, int) and need > limit:
+            self.log(f"[lowmem-grpo] note: the longest prompt ({prompt} tokens) and a completion "
+                     f"(generation.max_new_tokens, or environment.max_total_tokens) come to {need} tokens, past the "
+                     f"model's max_position_embeddings={limit}: lower them, or use a model with a longer context")
+
     def whole_run_memory_model(self) -> tuple[ModelShape, Workload]:
         """memory_model at the longest prompt, training or held-out: what every phase of the run is sized for."""
         sets = [s for s in (self.train_set, self.eval_set) if s is not None]
@@ -730,7 +803,7 @@ class Trainer:
         if self.step >= r.train.steps:   # a resumed run that had finished: its final eval is in its metrics already
             self.log(f"[lowmem-grpo] the run is complete: step {self.step} of train.steps={r.train.steps}; to train "
                      f"further, raise it: {self.resume_command} --set train.steps=N")
-            return {"first_eval": None, "final_eval": None, "stopped": False, "step": self.step}
+            return {"first_eval": None, "final_eval": None, "stopped": False, "step": self.step, "signal": None}
         if r.train.preflight:
             self.preflight()
         first_eval = None
@@ -738,7 +811,7 @@ class Trainer:
             first_eval = self.evaluate()
             self._write_eval(first_eval)
             if first_eval:
-                self.log(f"[lowmem-grpo] held-out accuracy at step 0: {100 * first_eval['accuracy']:.1f}%")
+                self.log(f"[lowmem-grpo] held-out accuracy at step 0: {accuracy_text(first_eval)}")
         stopped = False
         progress = Progress(r.train.steps, self.step, r.output.progress if self.world.main else "lines", self.log)
         with _StopFlag(self.log) as stop, progress:
@@ -775,7 +848,7 @@ class Trainer:
                     progress.log(f"[lowmem-grpo] step {self.step}: non-finite loss or gradient, update skipped "
                                  f"({self.state.nonfinite_run} in a row)")
                 if stopping:
-                    stopped = True
+                    stopped, self.stopped_by = True, stop.signal
                     break
         final = None
         if not stopped:
@@ -783,7 +856,8 @@ class Trainer:
             self._write_eval(final)
         else:
             self.log(f"[lowmem-grpo] stopped at step {self.step}; resume with: {self.resume_command}")
-        return {"first_eval": first_eval, "final_eval": final, "stopped": stopped, "step": self.step}
+        return {"first_eval": first_eval, "final_eval": final, "stopped": stopped, "step": self.step,
+                "signal": self.stopped_by}
 
     @property
     def resume_command(self) -> str:
@@ -805,11 +879,51 @@ class Trainer:
         return path
 
     def close(self) -> None:
-        """Release the rollout engine and close the sinks (idempotent)."""
+        """Release the rollout engine, close the sinks and unlock the run folder (idempotent)."""
         try:
             self.engine.close()
         finally:
             self.metrics.close()
+            if self._lock is not None:
+                ckpt.unlock_run(self._lock)
+                self._lock = None
+
+
+# What a resumed run cannot change: its checkpoints were made with them (the base, the adapter's shape, the
+# optimizer's state), or the resume restores them instead (seed: the RNG streams; output.dir: the run's folder).
+FIXED_ON_RESUME = ("model", "lora", "optimizer.name", "seed", "output.dir")
+
+
+def resume_changes(before: Recipe, after: Recipe) -> list[str]:
+    """The FIXED_ON_RESUME settings that differ, as 'key (old -> new)'."""
+    def leaves(value, key: str) -> dict:
+        if isinstance(value, dict):
+            return {k: v for name, sub in value.items() for k, v in leaves(sub, f"{key}.{name}").items()}
+        return {key: value}
+
+    a, b = before.model_dump(mode="json"), after.model_dump(mode="json")
+    out = []
+    for key in FIXED_ON_RESUME:
+        head, *rest = key.split(".")
+        old, new = leaves(a[head], head), leaves(b[head], head)
+        for k in old:
+            if (not rest or k == key) and old[k] != new.get(k):
+                out.append(f"{k} ({old[k]!r} -> {new.get(k)!r})")
+    return out
+
+
+def anchored(recipe: Recipe) -> Recipe:
+    """The recipe as a run folder keeps it (recipe.yaml): local paths absolute, so that a resume, eval or export
+    from another directory finds the same model and data (a relative model folder read from elsewhere was taken
+    for a hub id, and retried for a minute)."""
+    def local(value: str) -> str:
+        return str(Path(value).resolve()) if value and not value.startswith("hf:") and Path(value).exists() else value
+
+    return recipe.model_copy(update={
+        "model": recipe.model.model_copy(update={"name_or_path": local(recipe.model.name_or_path)}),
+        "data": recipe.data.model_copy(update={"train_path": local(recipe.data.train_path),
+                                               "eval_path": local(recipe.data.eval_path)}),
+        "output": recipe.output.model_copy(update={"dir": str(Path(recipe.output.dir).resolve())})})
 
 
 def no_reward_note(recipe: Recipe, completions, total: torch.Tensor, step: int) -> Optional[str]:

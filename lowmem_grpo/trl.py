@@ -48,14 +48,17 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import types
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .data import ROW_SKIP_ADVICE
 from .recipe import Recipe, RecipeError, recipe_from_dict
 from .rewards import epochs_done
 from .sinks import Sink, scalars
+from .sources import DataError
 
 
 class TRLCompatError(ValueError):
@@ -68,7 +71,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "output_dir": None, "learning_rate": 1e-06, "lr_scheduler_type": "linear", "warmup_steps": 0,
     "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "max_grad_norm": 1.0, "optim": "default_optim",
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_train_epochs": 3.0, "max_steps": -1,
-    "seed": 42, "logging_steps": 10, "save_steps": 500, "save_total_limit": None, "gradient_checkpointing": True,
+    "seed": 42, "logging_steps": 10, "save_steps": 500, "save_strategy": "steps", "save_total_limit": None, "gradient_checkpointing": True,
     "bf16": None, "fp16": False, "eval_strategy": "no", "eval_steps": None,
     "num_generations": 8, "max_completion_length": 512, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
     "repetition_penalty": 1.0, "beta": 0.0, "use_bias_correction_kl": True, "num_iterations": 1, "epsilon": 0.2,
@@ -102,7 +105,7 @@ IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", 
            "remove_unused_columns", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "log_completions",
            "num_completions_to_print", "log_level", "log_level_replica", "accelerator_config", "debug",
-           "pad_to_multiple_of", "save_strategy", "overwrite_output_dir", "do_train", "do_eval", "use_cpu",
+           "pad_to_multiple_of", "overwrite_output_dir", "do_train", "do_eval", "use_cpu",
            "ddp_find_unused_parameters", "ddp_timeout", "save_only_model", "save_safetensors", "bf16_full_eval",
            "tf32", "gradient_checkpointing_kwargs", "model_init_kwargs", "cast_lm_head_to_fp32", "log_on_each_node",
            "per_device_eval_batch_size", "num_generations_eval",
@@ -289,6 +292,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                         "(the recipe key generation.kv_cache_memory_bytes, 1 GiB by default); drop the setting")
     if not s["shuffle_dataset"]:
         problems.append("shuffle_dataset: false is not here (the prompts are drawn in seeded epochs)")
+    if s["save_strategy"] not in ("steps", "epoch", "no"):
+        problems.append(f"save_strategy: {s['save_strategy']!r} is not here (no metric_for_best_model): 'steps' "
+                        "(save_steps), 'epoch' or 'no'")
     if s["eval_strategy"] != "no" and not eval_path:   # transformers' Trainer refuses it too
         problems.append(f"eval_strategy: {s['eval_strategy']!r} needs an eval_dataset: pass eval_dataset to "
                         "GRPOTrainer, or set eval_strategy='no'")
@@ -311,7 +317,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     algorithm = {
         "kl_target": "ref" if s["beta"] > 0 else "none", "mu": s["num_iterations"], "delta": s["delta"],
         "aggregation": aggregation, "clip": clip, "importance_sampling_level": s["importance_sampling_level"],
-        "scale_rewards": s["scale_rewards"], "reward_aggregation": s["multi_objective_aggregation"],
+        # TRL's normalize_then_sum normalises each function within its groups whatever scale_rewards says
+        "scale_rewards": "group" if s["multi_objective_aggregation"] == "normalize_then_sum" else s["scale_rewards"],
+        "reward_aggregation": s["multi_objective_aggregation"],
         "mask_truncated_completions": s["mask_truncated_completions"],
         "top_entropy_quantile": s["top_entropy_quantile"], "entropy_coef": s["entropy_coef"],
         "sapo_temperature_pos": s["sapo_temperature_pos"], "sapo_temperature_neg": s["sapo_temperature_neg"],
@@ -365,7 +373,10 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                   "eval_every": evaluate_every,
                   # TRL evaluates every row of eval_dataset (the recipe's default: the first 200)
                   **({"eval_max_prompts": eval_rows} if eval_rows else {})},
-        "output": {"dir": s["output_dir"] or "trainer_output", "save_every": every(s["save_steps"]),
+        # save_strategy 'no': the run's last step only (save_model() exports it; TRL saves nothing)
+        "output": {"dir": s["output_dir"] or "trainer_output",
+                   "save_every": {"steps": every(s["save_steps"]), "epoch": max(1, train_rows // prompts_per_step),
+                                  "no": steps}[s["save_strategy"]],
                    "keep_last": s["save_total_limit"] or 1_000_000, "log_every": every(s["logging_steps"]),
                    "tensorboard": "auto" if "all" in report else "tensorboard" in report,
                    # transformers' WandbCallback logs to $WANDB_PROJECT, else the project "huggingface"
@@ -882,6 +893,21 @@ class GRPOTrainer:
                             eval_steps=(r.train.eval_every or 0) * mu, train_batch_size=r.train.micro_batch_size,
                             log_history=[*self._evaluations[0], *run_log.entries, *summary, *self._evaluations[1]])
 
+    def _in_trl_terms(self, message: str) -> str:
+        """A data error as the script knows its data: the dataset's row (0-based, as dataset[i]) for a line of the
+        JSON lines written from it, TRL's argument for a recipe key, and no recipe-only advice (on_bad_row)."""
+        data = self.output_dir / "data"
+        for file, what in (("train.jsonl", "train_dataset"), ("eval.jsonl", "eval_dataset")):
+            message = re.sub(rf"{re.escape(str(data / file))}:? row (\d+)(?: \(line \d+\))?",
+                             lambda m: f"{what}[{int(m.group(1)) - 1}]", message)
+            message = re.sub(rf"{re.escape(str(data / file))}:(\d+)", lambda m: f"{what}[{int(m.group(1)) - 1}]",
+                             message)
+        message = message.replace(f" ({ROW_SKIP_ADVICE})", " (fix or drop that row: dataset.filter(...))")
+        message = message.replace("data.train_path: ", "").replace("data.eval_path: ", "")   # (the files written here)
+        for key, name in FROM_TRL.items():
+            message = message.replace(f"{key}=", f"{name}=")
+        return message
+
     def _epoch(self, step: int) -> float:
         """Epochs through the train set after `step` steps (generation batches), as TRL reports them."""
         return epochs_done(step, self.recipe.train.prompts_per_step, self.train_rows)
@@ -941,7 +967,10 @@ class GRPOTrainer:
                                  "that one)")
         self._model = None   # the run loads its own policy: free the one .model may hold
         started = time.monotonic()
-        trainer = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log)
+        try:
+            trainer = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log)
+        except DataError as exc:
+            raise TRLCompatError(self._in_trl_terms(str(exc))) from None
         first = trainer.step   # the steps a resumed run had made (its metrics.jsonl now ends there)
         self._trained = True
         callbacks = None

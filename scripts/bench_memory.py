@@ -9,7 +9,10 @@ Needs the `bench` extra (pip install -e '.[bench]': TRL). Not a test: figures de
 --device cuda is GPU-only and not run in CI: bf16 compute, weights saved in bf16, and every peak is
 torch.cuda.max_memory_allocated (the CUDA context, ~0.5 GiB in nvidia-smi, is not counted, as in the
 memory model). --model-config takes a real model's shape and vocabulary from its config.json, with
-random weights (nothing is downloaded).
+random weights (nothing is downloaded). A mixture of experts' config (scripts/moe_shapes/: a Qwen3-MoE for the CPU, and
+Qwen3-30B-A3B's layers for a GPU) is built from its config.json as it is; lowmem-grpo then stores its routed experts in
+NF4 (model.quantize_experts), TRL's child loads it as a TRL user's BitsAndBytesConfig does, experts in the compute
+dtype.
 
 The model is built locally (no download): Qwen2 architecture with Qwen2.5's real vocabulary (151,936) and
 a small hidden size so a step runs on CPU; loaded as a 4-bit NF4 base + LoRA r=16 on all linear layers by
@@ -42,6 +45,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -63,23 +67,26 @@ MODEL_CONFIG = os.environ.get("BENCH_MEMORY_CONFIG")  # a folder holding a confi
 DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"  # the compute dtype (and the saved weights' dtype)
 
 
-def _shape() -> tuple[dict, int, bool, bool, int]:
-    """(layer shape, vocabulary, tied embeddings, Llama architecture, positions): a real model's config.json, or
-    the small CPU default (Qwen2). A Llama config is built as Llama (with tiny.build_tool_model's q/k/v biases:
-    0.1% of the weights), anything else as Qwen2."""
+def _shape() -> tuple[dict, int, bool, bool, int, bool]:
+    """(layer shape, vocabulary, tied embeddings, Llama architecture, positions, mixture of experts): a real model's
+    config.json, or the small CPU default (Qwen2). A Llama config is built as Llama (with tiny.build_tool_model's
+    q/k/v biases: 0.1% of the weights), a mixture of experts from its own config, anything else as Qwen2."""
     if not MODEL_CONFIG:
         return (dict(hidden_size=_HIDDEN, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=3 * _HIDDEN),
-                151_936, True, False, 2048)
+                151_936, True, False, 2048, False)
+    from lowmem_grpo.experts4bit import EXPERT_COUNT_KEYS
+
     c = json.loads((Path(MODEL_CONFIG) / "config.json").read_text())
     c = c.get("text_config", c)
     return (dict(hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
                  num_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
                  intermediate_size=c["intermediate_size"]),
             c["vocab_size"], bool(c.get("tie_word_embeddings", False)), c.get("model_type") == "llama",
-            max(2048, min(int(c.get("max_position_embeddings", 2048)), 32768)))
+            max(2048, min(int(c.get("max_position_embeddings", 2048)), 32768)),
+            max(int(c.get(k) or 0) for k in EXPERT_COUNT_KEYS) > 1)
 
 
-SHAPE, VOCAB, TIED, LLAMA, MAX_POSITIONS = _shape()
+SHAPE, VOCAB, TIED, LLAMA, MAX_POSITIONS, MOE = _shape()
 LORA_R, LORA_ALPHA, BETA, LR = 16, 32, 0.04, 1e-5
 PROMPT = "12+34="
 
@@ -117,7 +124,8 @@ def build(workdir: Path) -> None:
 
     marker = workdir / "model" / "bench_shape.json"
     want = json.dumps({"shape": SHAPE, "vocab": VOCAB, "tied": TIED, "dtype": DTYPE, "llama": LLAMA,
-                       "positions": MAX_POSITIONS}, sort_keys=True)
+                       "positions": MAX_POSITIONS,
+                       **({"moe": (Path(MODEL_CONFIG) / "config.json").read_text()} if MOE else {})}, sort_keys=True)
     if marker.is_file() and marker.read_text() == want:
         return
     tok = tiny.build_tokenizer()
@@ -125,11 +133,29 @@ def build(workdir: Path) -> None:
     # On CUDA the random weights are drawn on the GPU in the compute dtype: an 8B model's fp32 CPU init and cast
     # take minutes, this takes seconds.
     with torch.device(DEVICE), _default_dtype(getattr(torch, DTYPE)):
-        model = (tiny.build_tool_model if LLAMA else tiny.build_model)(tok, spec, seed=0).to(getattr(torch, DTYPE))
+        if MOE:
+            model = moe_model(tok).to(getattr(torch, DTYPE))
+        else:
+            model = (tiny.build_tool_model if LLAMA else tiny.build_model)(tok, spec, seed=0).to(getattr(torch, DTYPE))
     model.save_pretrained(workdir / "model")
     tok.save_pretrained(workdir / "model")
     tiny.write_jsonl([{"prompt": PROMPT, "answer": "46"}] * 4, workdir / "prompts.jsonl")
     marker.write_text(want)  # last: a build cut short is redone
+
+
+def moe_model(tok):
+    """The mixture of MODEL_CONFIG's config.json, random weights, with the tokenizer's special tokens."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(MODEL_CONFIG)
+    config.update(dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       max_position_embeddings=MAX_POSITIONS))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(model.generation_config, key, getattr(tok, key))
+    return model
 
 
 @contextlib.contextmanager
@@ -225,10 +251,11 @@ def bench_recipe(workdir: Path, length: int, micro_batch: int, opts: dict):
 def child_lowmem(workdir: Path, length: int, micro_batch: int, opts: dict) -> dict:
     """opts: G (completions), offload (train.offload_activations), scripted (ExactLengthEngine), steps (the last is
     timed)."""
-    from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
+    from lowmem_grpo.memory import estimate
     from lowmem_grpo.train import Trainer
 
     recipe = bench_recipe(workdir, length, micro_batch, opts)
+    shutil.rmtree(recipe.output.dir, ignore_errors=True)   # an earlier run's, with --workdir reused: a fresh run
     steps = recipe.train.steps
     trainer = Trainer(recipe, log=lambda *a: None)
     loaded = peak_mib()  # runtime, imports, 4-bit model, LoRA, optimizer: before any step
@@ -253,7 +280,7 @@ def child_lowmem(workdir: Path, length: int, micro_batch: int, opts: dict) -> di
         times.append(time.perf_counter() - t0)
     assert row["completion/mean_length"] == length, row["completion/mean_length"]
     prompt_tokens = len(trainer.train_set.longest_prompt())
-    est = estimate(ModelShape.from_config(trainer.model.config), workload_from_recipe(recipe, prompt_tokens, DEVICE))
+    est = estimate(*trainer.memory_model(prompt_tokens))   # (a mixture's experts and adapters as loaded)
     static = sum(est.static.values())
     return {"peak_mib": max([peak_mib(), loaded, *peaks.values()]), "loaded_mib": loaded, "resident_mib": resident,
             "prompt_tokens": prompt_tokens,
@@ -294,9 +321,11 @@ def child_trl(workdir: Path, length: int, opts: dict) -> dict:
     from lowmem_grpo.recipe import ModelConfig
 
     g, steps, scripted = opts.get("G", G), opts.get("steps", 2), bool(opts.get("scripted"))
-    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype=DTYPE, load_in_4bit=True)
+    # the same NF4 load as lowmem-grpo's, but a mixture's routed experts stay in the compute dtype, as
+    # from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True)) leaves them for a TRL user
+    cfg = ModelConfig(name_or_path=str(workdir / "model"), compute_dtype=DTYPE, load_in_4bit=True, quantize_experts=False)
     tok = load_tokenizer(cfg)
-    model = load_base_model(cfg)  # the same NF4 load as lowmem-grpo's
+    model = load_base_model(cfg)
     never_eos(model)
 
     engine, handed = None, []  # handed: completions per rollout_func call
@@ -436,7 +465,8 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_memory_"))
     build(workdir)
     what = "peak VRAM (torch.cuda.max_memory_allocated)" if DEVICE == "cuda" else "peak RSS"
-    print(f"model: Qwen2, vocab {VOCAB:,}, {SHAPE}, tied embeddings {TIED}, {DTYPE}, NF4 + LoRA r={LORA_R}; G={G}, "
+    arch = f"mixture of experts ({args.model_config})" if MOE else "Llama" if LLAMA else "Qwen2"
+    print(f"model: {arch}, vocab {VOCAB:,}, {SHAPE}, tied embeddings {TIED}, {DTYPE}, NF4 + LoRA r={LORA_R}; G={G}, "
           f"beta={BETA}; {DEVICE}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; lowmem micro_batch_size="
           f"{args.micro_batch}; memory: {what}; completions: "
           f"{'scripted for both trainers (update only)' if args.update_only else 'sampled'}")

@@ -51,7 +51,7 @@ from lowmem_grpo.memory import ALLOCATOR_SLACK  # noqa: E402
 @dataclass(frozen=True)
 class Row:
     name: str
-    model: str              # hub id; its shape comes from lowmem_grpo/model_configs/<model>/config.json
+    model: str              # hub id, its shape from lowmem_grpo/model_configs/<model>/config.json; or scripts/moe_shapes/...
     length: int             # completion tokens, exactly
     micro_batch: int
     g: int = 8
@@ -63,7 +63,7 @@ class Row:
 
     @property
     def config(self) -> Path:
-        return MODEL_CONFIGS / self.model
+        return ROOT / self.model if self.model.startswith("scripts/") else MODEL_CONFIGS / self.model
 
 
 # The recipes' lengths (gsm8k: 1.5B at 512, math: 7B at 1024) and the anchors': Unsloth's 1.5B GRPO figure and
@@ -79,6 +79,9 @@ ROWS = [
     Row("llama8b-20k", "meta-llama/Llama-3.1-8B-Instruct", 20000, 1, update_only=True, steps=1),
     Row("llama8b-20k-offload", "meta-llama/Llama-3.1-8B-Instruct", 20000, 1, offload=True, update_only=True, trl=False,
         steps=1),
+    # A mixture of experts: Qwen3-30B-A3B's layers (8 of 48: 16 GiB in bf16 fits the machine's disk), its experts in
+    # NF4 here and in bf16 under TRL (what BitsAndBytesConfig leaves them in)
+    Row("qwen3moe-8l-512", "scripts/moe_shapes/qwen3-30b-a3b-8-layers", 512, 4, steps=1),
 ]
 
 
@@ -138,14 +141,13 @@ def predictions(row: Row, prompt_tokens: int) -> dict:
     the whole run's peak and static + each phase, in MiB."""
     os.environ["BENCH_MEMORY_DEVICE"] = "cuda"  # bench_memory's compute dtype for a CUDA row: bf16 (read on import)
     import bench_memory
-    from transformers import AutoConfig
 
-    from lowmem_grpo.memory import ModelShape, estimate, workload_from_recipe
+    from lowmem_grpo.memory import estimate_recipe
 
     opts = {"G": row.g, "offload": row.offload, "autocast": row.autocast, "steps": row.steps}
     recipe = bench_memory.bench_recipe(Path("unused"), row.length, row.micro_batch, opts)
-    est = estimate(ModelShape.from_config(AutoConfig.from_pretrained(row.config)),
-                   workload_from_recipe(recipe, prompt_tokens, "cuda"))
+    recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"name_or_path": str(row.config)})})
+    est, _, _ = estimate_recipe(recipe, "cuda", prompt_tokens)   # (a mixture's experts as loading stores them)
     static = sum(est.static.values())
     return {"predicted_mib": est.peak / 2**20,
             "predicted_phase_mib": {p: (static + sum(parts.values())) / 2**20 for p, parts in est.phases.items()}}

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from lowmem_grpo import tiny
+from lowmem_grpo.evaluate import accuracy_text
 from lowmem_grpo.export import ExportError, export_run
 from lowmem_grpo.recipe import load_recipe
 from lowmem_grpo.train import Trainer
@@ -72,10 +73,10 @@ def main() -> None:
     t0 = time.time()
     result = Trainer(recipe).fit()
     print(f"[quickstart] trained in {time.time() - t0:.0f}s")
-    print(f"held-out accuracy before: {100 * result['first_eval']['accuracy']:.1f}%")
-    print(f"held-out accuracy after: {100 * result['final_eval']['accuracy']:.1f}%")
-    try:
-        export = export_run(run_dir, out / "export", log=lambda *a: None)
+    print(f"held-out accuracy before: {accuracy_text(result['first_eval'])}")
+    print(f"held-out accuracy after: {accuracy_text(result['final_eval'])}")
+    try:   # (the run was made anew above: so is its export)
+        export = export_run(run_dir, out / "export", log=lambda *a: None, overwrite=True)
     except ExportError as exc:
         sys.exit(f"[quickstart] export failed: {exc}")
     print(f"Run (metrics.jsonl, checkpoints/): {run_dir}\nExported adapter: {export['adapter']}\n"

@@ -60,6 +60,9 @@ def _rewards(fn, on_error="raise"):
     ("user_rewards:wrong_count", "returned 4 scores for 3 completions"),
     ("user_rewards:not_numbers", "score 0 is 'high'"),
     ("user_rewards:nan_scores", "score 0 is nan"),
+    # found by an audit: a dict was read as its keys ("returned 1 scores"); sys.exit() ended the trainer, silently
+    ("user_rewards:a_dict", r"returned dict, expected a list of 3 numbers \(one per completion\)"),
+    ("user_rewards:exits", r"'exits' raised RuntimeError: sys.exit\(3\) was called"),
 ])
 def test_bad_reward_functions_are_named(fn, message):
     with pytest.raises(RewardError, match=message):

@@ -202,7 +202,7 @@ def test_files_a_careless_user_makes(tmp_path):
 class _NoTokens:
     """A tokenizer that knows none of the text's characters (what transformers builds from a model folder
     without tokenizer files)."""
-    bos_token_id, chat_template = None, None
+    bos_token_id, eos_token_id, chat_template = None, None, None
 
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": []}
@@ -286,3 +286,20 @@ def test_an_answer_that_is_not_text_or_a_finite_number_is_a_bad_row(tmp_path, an
     assert [e.row["answer"] for e in _open(f).examples] == [4, 0.5]
     f.write_text(json.dumps({"prompt": "2+2=", "answer": answer}) + "\n")
     assert len(PromptSet(str(f), DataConfig(train_path=str(f)), tiny.build_tokenizer(), require_answer=False)) == 1
+
+
+def test_a_setting_no_row_can_meet_is_an_error_without_row_advice(tmp_path):
+    """Found by an audit: data.chat_template: true on a tokenizer without a template failed on row 1 with "set
+    data.on_bad_row: skip to skip such rows", which then skipped every row ("no usable rows (40 skipped)"). It is
+    the setting's error now, skip or not; a row's own error keeps the advice, worded for a few rows."""
+    tok = tiny.build_tokenizer()
+    f = tmp_path / "d.jsonl"
+    tiny.write_jsonl(tiny.addition_rows(5, 0), f)
+    for on_bad_row in ("error", "skip"):
+        cfg = DataConfig(train_path=str(f), chat_template=True, on_bad_row=on_bad_row)
+        with pytest.raises(DataError) as err:
+            PromptSet(str(f), cfg, tok)
+        assert "needs the tokenizer's chat template, and this tokenizer has none" in str(err.value)
+        assert "on_bad_row" not in str(err.value) and "skipped" not in str(err.value)
+    with pytest.raises(DataError, match=r"row 1: .*if only some rows are like this, data.on_bad_row: skip skips them"):
+        PromptSet(str(f), DataConfig(train_path=str(f), max_prompt_tokens=2), tok)

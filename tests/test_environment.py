@@ -1091,3 +1091,22 @@ def test_the_recipe_reference_names_the_python_tools_call_format():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `environment.name` |"))
     assert "call_format: tags (default) or tool_call" in row
+
+
+def test_an_environment_that_cannot_start_an_episode_stops_the_run(tiny_model_dir, tiny_data, tmp_path):
+    """Found by an audit: an environment whose constructor always raised gave every step no reward, to the end,
+    with one line after the first step. A first step in which no episode could start now stops the run with the
+    error; an environment whose step() fails is counted (env/errors), and the run goes on."""
+    from lowmem_grpo.train import Trainer, TrainingError
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
+                    environment={"name": "toy_envs:Faulty", "kwargs": {"how": "init"}, "max_total_tokens": 12},
+                    generation={"num_generations": 2, "max_new_tokens": 4},
+                    train={"steps": 3, "prompts_per_step": 2, "eval_max_prompts": 2, "preflight": False})
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    with pytest.raises(TrainingError, match=r"environment 'toy_envs:Faulty' could not start any episode of step 1: "
+                                            r".*cannot start"):
+        trainer.fit()
+    d["environment"]["kwargs"] = {"how": "raise", "at": 1}   # started, then step() failed: counted, the run goes on
+    d["output"] = {"dir": str(tmp_path / "run2")}
+    assert Trainer(recipe_from_dict(d), **QUIET).fit()["step"] == 3

@@ -266,7 +266,7 @@ def test_damaged_checkpoints_and_folders_are_named_errors(tiny_model_dir, tiny_d
     _fake_run(tiny_model_dir, tiny_data, good)
     (tmp_path / "exp2").mkdir()
     (tmp_path / "exp2" / "merged").write_text("x")  # a file where the merged model's folder goes
-    assert "merged: exists and is not a folder" in cli("export", good, "--out", tmp_path / "exp2")
+    assert "the folder already holds an export (it holds: merged)" in cli("export", good, "--out", tmp_path / "exp2")
     assert "--out" in cli("eval", recipe, "--split", "train", "--out", tmp_path / "afile" / "sub")
     bare = tmp_path / "bare"  # a model folder without tokenizer files: transformers would build an empty tokenizer
     bare.mkdir()
@@ -274,6 +274,71 @@ def test_damaged_checkpoints_and_folders_are_named_errors(tiny_model_dir, tiny_d
         if not f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, bare / f.name)
     assert "no tokenizer files" in cli("eval", recipe, "--model", bare, "--split", "train")
+
+
+@pytest.mark.slow(15)
+def test_no_judged_row_is_no_accuracy_not_zero(tiny_model_dir, tiny_data, tmp_path):
+    """countdown on rows without numbers skips every completion: 0 judged of 4 is no accuracy (None in the
+    summary and metrics, not 0.0, which read as a model that got all wrong), and every line that prints it says
+    why (the trainer's log, `train`'s summary, `eval`'s)."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+    from lowmem_grpo.evaluate import accuracy_text, combine_greedy, run_eval
+    from lowmem_grpo.recipe import recipe_from_dict
+
+    why = "none: no row could be judged, the reward skipped all 4 completions"
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": [{"function": "countdown"}]},
+                    train={"steps": 1, "eval_max_prompts": 4})
+    recipe = write_recipe(tmp_path / "r.yaml", d)
+    res = CliRunner().invoke(main, ["train", str(recipe)])
+    assert res.exit_code == 0, res.output
+    assert f"held-out accuracy at step 0: {why}" in res.output and f"held-out accuracy after: {why}" in res.output
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval/accuracy" in r]
+    assert [(r["eval/accuracy"], r["eval/n"], r["eval/prompts"]) for r in evals] == [(None, 0, 4), (None, 0, 4)]
+    lines = []
+    summary = run_eval(recipe_from_dict(d), name="r", out_dir=str(tmp_path / "ev"), log=lines.append)
+    assert summary["accuracy"] is None and summary["n"] == 0
+    assert json.loads((tmp_path / "ev" / "summary.json").read_text())["accuracy"] is None
+    assert lines[0].startswith(f"greedy accuracy: {why}")
+    parts = [{"accuracy": None, "correct": 0, "n": 0, "prompts": 2, "mean_reward": 0.0}] * 2
+    assert combine_greedy(parts)["accuracy"] is None and accuracy_text(combine_greedy(parts)).startswith("none:")
+    assert accuracy_text({"accuracy": 0.0, "prompts": 4}) == "0.0%"   # judged and all wrong: a real 0
+
+
+@pytest.mark.slow(15)
+def test_export_refuses_an_out_that_holds_files(tiny_model_dir, tiny_data, tmp_path):
+    """`export RUN --out E` then `export RUN --out E --step 1 --adapter-only` left step 1's adapter/ beside the
+    earlier merged/, silently. Now an --out that holds anything is refused, naming it and what it holds; --overwrite
+    replaces an earlier export (all of it), and never removes what is not an export's."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    run = tmp_path / "run"
+    _fake_run(tiny_model_dir, tiny_data, run)
+    exp = tmp_path / "exp"
+
+    def export(*args):
+        return CliRunner().invoke(main, ["export", str(run), "--out", str(exp), *args])
+
+    assert export().exit_code == 0 and sorted(p.name for p in exp.iterdir()) == ["adapter", "merged"]
+    stamp = (exp / "merged" / "config.json").stat().st_mtime_ns
+    res = export("--step", "1", "--adapter-only")
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert res.output == (f"error: --out {exp}: the folder already holds an export (it holds: adapter/, merged/); "
+                          "choose another --out, or pass --overwrite to replace it\n")
+    assert (exp / "merged" / "config.json").stat().st_mtime_ns == stamp   # untouched
+    res = export("--step", "1", "--adapter-only", "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert [p.name for p in exp.iterdir()] == ["adapter"]   # the earlier merged model went with the earlier export
+    (exp / "notes.txt").write_text("mine")
+    res = export("--overwrite")
+    assert res.exit_code == 2 and "the folder is not empty, and not an earlier export (it holds: adapter/, notes.txt)" \
+        in res.output
+    assert (exp / "notes.txt").read_text() == "mine" and (exp / "adapter" / "adapter_config.json").is_file()
+    (tmp_path / "empty").mkdir()   # an empty folder is a new one
+    assert CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "empty"), "--adapter-only"]).exit_code == 0
 
 
 def test_summary_lines_count_samples_in_english():

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pydantic import ValidationError
 
 from lowmem_grpo import tiny
-from lowmem_grpo.data import DataError, PromptSet
+from lowmem_grpo.data import DataError, DataSettingsError, PromptSet
 from lowmem_grpo.recipe import DataConfig, Recipe, RecipeError, RewardsConfig, load_recipe, recipe_from_dict
 from lowmem_grpo.rewards import RewardError, Rewards
 
@@ -110,6 +110,8 @@ def test_fuzz_dataset_rows(row, template, chat, max_tokens):
         return
     try:
         ps = PromptSet("fuzz.jsonl", cfg, TOK, rows=[row])
+    except DataSettingsError as exc:   # a setting no row can meet: the file and the setting, no row
+        assert "fuzz.jsonl" in str(exc) and "data.chat_template" in str(exc), str(exc)
     except DataError as exc:
         assert "fuzz.jsonl" in str(exc) and "row 1" in str(exc), str(exc)
     else:

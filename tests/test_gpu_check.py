@@ -31,11 +31,13 @@ def test_dry_run_plans_every_row_from_a_shipped_config_and_runs_nothing():
     proc = run("--dry-run")
     assert proc.returncode == 0, proc.stderr
     names = ["qwen1.5b-512", "qwen1.5b-4k", "qwen1.5b-16k", "qwen7b-1024", "llama8b-512", "llama8b-20k",
-             "llama8b-20k-offload"]
+             "llama8b-20k-offload", "qwen3moe-8l-512"]
     for name in names:
         assert f"  {name}: " in proc.stdout
     assert "pytest tests/gpu" in proc.stdout
-    for folder in re.findall(r"\((lowmem_grpo/model_configs/[^)]+)\)", proc.stdout):
+    folders = re.findall(r"\(((?:lowmem_grpo/model_configs|scripts/moe_shapes)/[^)]+)\)", proc.stdout)
+    assert len(folders) == len(names)
+    for folder in folders:
         assert (ROOT / folder / "config.json").is_file(), folder
     assert "device:" not in proc.stdout  # nothing touched CUDA
     assert "offload on, autocast on, update only" in proc.stdout
@@ -120,6 +122,26 @@ def test_the_memory_model_is_within_15_percent_of_every_recorded_h100_row():
     ratios = {r["row"]["name"]: r["ours"]["reserved_peak_mib"] / r["ours"]["peak_mib"]
               for p in files for r in json.loads(p.read_text())["results"] if r["ours"].get("reserved_peak_mib")}
     assert all(x <= 1 / (1 - ALLOCATOR_SLACK) for x in ratios.values()), ratios
+
+
+def test_the_mixture_rows_prediction_stores_its_experts_as_the_trainer_does(monkeypatch):
+    """The MoE row's prediction comes from the recipe's path (memory.estimate_recipe: the experts counted on a
+    meta-device copy as loading stores them), not from the dense workload: its base weights are Qwen3-30B-A3B's
+    8 layers with NF4 experts, and turning model.quantize_experts off would add their bf16 bytes."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+    from transformers import AutoConfig
+
+    from lowmem_grpo import memory as mm
+
+    row = next(r for r in gpu_check.ROWS if r.name == "qwen3moe-8l-512")
+    predicted = gpu_check.predictions(row, 7)["predicted_mib"]
+    shape = mm.ModelShape.from_config(AutoConfig.from_pretrained(row.config))
+    assert shape.experts == 128 and shape.num_layers == 8
+    bf16_experts_mib = shape.expert_params() * 2 / 2**20   # 8 x 128 x 3 x 2048 x 768 x 2 bytes = 9 GiB
+    nf4_experts_mib = shape.expert_params() * (0.5 + 4 / 64) / 2**20
+    # the whole prediction is below what the bf16 experts alone would take, and above the NF4 experts
+    assert nf4_experts_mib < predicted < bf16_experts_mib, (predicted, nf4_experts_mib, bf16_experts_mib)
 
 
 def _name(req: str) -> str:

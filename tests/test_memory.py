@@ -142,6 +142,50 @@ def test_parse_size_rejects_garbage(text):
         mm.parse_size(text)
 
 
+@pytest.mark.parametrize("text,expected", [("8", 8 * 2**30), ("0.5", 2**29), ("8GiB", 8 * 2**30), ("12GB", 12 * 2**30),
+                                           ("12 gb", 12 * 2**30), ("7.5G", int(7.5 * 2**30)), ("512MiB", 512 * 2**20),
+                                           ("65536KiB", 64 * 2**20), ("1TiB", 2**40), ("1TB", 2**40),
+                                           ("1e11B", 10**11)])
+def test_the_memory_option_reads_a_bare_number_as_gib(text, expected):
+    from lowmem_grpo.cli import parse_memory
+
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text,says", [("8B", "'8B' is 8 bytes, below the 64 MiB"), ("1KiB", "'1KiB' is 1024 bytes"),
+                                       ("0.01", "'0.01' is 10 MiB, below the 64 MiB"),
+                                       ("8GiBs", "'8GiBs': expected a positive size"),
+                                       ("lots", "'lots': expected a positive size"),
+                                       ("nan", "'nan': expected a positive size")])
+def test_the_memory_option_refuses_sizes_no_card_has(text, says):
+    from lowmem_grpo.cli import parse_memory
+
+    with pytest.raises(ValueError, match=says) as err:
+        parse_memory(text)
+    assert "a number without a unit is GiB" in str(err.value) and "KiB, MiB, GiB, TiB" in str(err.value)
+
+
+def test_estimate_refuses_what_train_refuses(tmp_path, tiny_model_dir, tiny_data):
+    """A card smaller than its CUDA context, and --nproc that train --nproc refuses (the same sentence): exit 2."""
+    from lowmem_grpo.recipe import prompts_share_problem
+
+    path = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run",
+                                                         train={"prompts_per_step": 2}))
+    res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "500MiB"])
+    assert res.exit_code == 2 and "a 500 MiB card leaves the trainer 0 MiB" in res.output, res.output
+    assert CliRunner().invoke(main, ["estimate", str(path), "--memory", "500MiB", "--device", "cpu"]).exit_code == 1
+    res = CliRunner().invoke(main, ["estimate", str(path), "--nproc", "3", "--memory", "8"])
+    assert res.exit_code == 2 and " ".join(prompts_share_problem(2, 3).split()) in " ".join(res.output.split())
+    assert "fits" not in res.output
+    assert CliRunner().invoke(main, ["estimate", str(path), "--nproc", "2", "--memory", "8"]).exit_code == 0
+
+
+def test_every_command_with_set_explains_it():
+    helps = {name: CliRunner().invoke(main, [name, "--help"]).output for name in ("validate", "train", "estimate", "eval")}
+    for name, text in helps.items():
+        assert "rewards.functions.0.weight=2" in " ".join(text.split()), (name, text)
+
+
 def test_eval_counts_for_a_held_out_file_or_split(tiny_model_dir, tiny_data, tmp_path):
     from lowmem_grpo.memory import workload_from_recipe
 
@@ -187,8 +231,10 @@ def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
     assert res.exit_code == 0, res.output
     assert "base weights" in res.output and "log-prob tile" in res.output and "predicted peak" in res.output
     assert "fits" in res.output and "longest prompt" in res.output
-    res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "1000"])
+    res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "256MiB", "--device", "cpu"])
     assert res.exit_code == 1 and "does not fit" in res.output
+    # bitsandbytes' 8-bit AdamW runs on CUDA only: the CPU advice names the fields that apply there
+    assert "a smaller lora.r" in res.output and "adamw_8bit" not in res.output, res.output
     res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "plenty"])
     assert res.exit_code == 2 and "8GiB" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(main, ["estimate", str(path), "--device", "cpu"])   # no --memory: says what it took
@@ -394,6 +440,11 @@ def _named_fields(line: str) -> list[str]:
     import re
 
     return re.findall(r"[a-z_]+\.[a-z_]+", line)
+
+
+def test_only_cuda_advice_names_the_8bit_optimizer():
+    assert "adamw_8bit" in mm._fields_for("optimizer state (adamw)", mm.Workload(device="cuda"))
+    assert mm._fields_for("optimizer state (adamw)", mm.Workload(device="cpu")) == "a smaller lora.r"
 
 
 def test_advise_never_names_a_field_twice(monkeypatch):

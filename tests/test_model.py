@@ -92,6 +92,27 @@ def test_missing_model_is_a_clear_error(tmp_path):
             load_policy(_cfg(name), LoraConfig())
 
 
+def test_a_folder_without_a_model_in_it_says_what_it_holds(tmp_path, tiny_model_dir):
+    """An empty folder, or one without tokenizer files: named, with what the folder holds (transformers blamed a
+    missing sentencepiece, or built an empty tokenizer)."""
+    import shutil
+
+    from lowmem_grpo.model import ModelLoadError, load_tokenizer
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError) as err:
+        load_policy(_cfg(tmp_path / "empty"), LoraConfig())
+    assert str(err.value).startswith(f"model.name_or_path={str(tmp_path / 'empty')!r}: the folder has no config.json")
+    assert "(it is empty)" in str(err.value) and "sentencepiece" not in str(err.value)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, weights / f.name)
+    with pytest.raises(ModelLoadError, match=r"no tokenizer files \(tokenizer.json, .*\); it holds: config.json, "):
+        load_tokenizer(_cfg(weights))
+
+
 # -- architectures whose forward transforms the LM head's logits (model.logit_transform) ----------------
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3_text", "cohere", "granite"])

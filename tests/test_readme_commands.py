@@ -18,6 +18,7 @@ def test_a_reward_module_in_the_working_directory_is_importable(tmp_path, monkey
     # an environment is 'importable from where you train'. The console script, unlike `python -m` and
     # torchrun (--nproc), does not put the working directory on sys.path by itself.
     (tmp_path / "readme_cwd_rewards.py").write_text(REWARDS)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')   # validate reads its first rows
     (tmp_path / "recipe.yaml").write_text(
         "model: {name_or_path: model}\n"
         "data: {train_path: train.jsonl}\n"

@@ -67,12 +67,85 @@ def test_overrides(tmp_path):
     f.write_text(yaml.safe_dump(MIN))
     r = load_recipe(f, ["train.steps=7", "lora.target_modules=[q_proj, v_proj]"])
     assert r.train.steps == 7 and r.lora.target_modules == ["q_proj", "v_proj"]
-    # nothing after '=' is no value (YAML would read null): named, with the two ways to say what was meant
+    # nothing after '=' is no value (YAML would read null): named, with what the field takes for "none" (a text
+    # field: '', quoted so that a shell passes it on; null only where the schema takes it)
     with pytest.raises(RecipeError) as err:
         load_recipe(f, ["data.eval_path="])
-    assert err.value.problems == [("data.eval_path", "--set data.eval_path= gives no value: write data.eval_path='' "
-                                                     "for an empty string, or data.eval_path=null for none")]
+    assert err.value.problems == [("data.eval_path", "--set data.eval_path= gives no value: write "
+                                                     "--set \"data.eval_path=''\" for an empty value")]
     assert load_recipe(f, ["data.eval_path=''"]).data.eval_path == ""
+    with pytest.raises(RecipeError, match="write --set algorithm.entropy_target=null for none"):
+        load_recipe(f, ["algorithm.entropy_target="])
+    assert load_recipe(f, ["algorithm.entropy_target=null"]).algorithm.entropy_target is None
+
+
+def test_set_takes_text_fields_as_written_and_indexes_lists(tmp_path):
+    """--set values are YAML, which reads 'Q: {prompt}' as a mapping: a field whose schema type is text takes the
+    text as written instead; a number in the key path is an entry of a list; each misuse is one named problem."""
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({**MIN, "rewards": {"functions": [{"function": "math"}, {"function": "format"}]}}))
+    r = load_recipe(f, ["data.template=Q: {prompt}", "data.system_prompt=You are: helpful", "data.answer_field=42",
+                        'data.prompt_field="question"', "rewards.functions.1.weight=2", "train.steps=7"])
+    assert (r.data.template, r.data.system_prompt, r.data.answer_field) == ("Q: {prompt}", "You are: helpful", "42")
+    assert r.data.prompt_field == "question" and r.train.steps == 7
+    assert [fn.weight for fn in r.rewards.functions] == [1.0, 2.0]
+
+    def problem(*overrides, recipe=f):
+        with pytest.raises(RecipeError) as err:
+            load_recipe(recipe, list(overrides))
+        assert len(err.value.problems) == 1, err.value.problems
+        return err.value.problems[0]
+
+    assert problem("rewards.functions.2.weight=2") == (
+        "rewards.functions.2", "rewards.functions is a list with entries 0..1: no entry '2' (an entry is named by "
+                               "its number; to add one, set the whole list)")
+    assert problem("rewards.functions.x.weight=2")[0] == "rewards.functions.x"
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(yaml.safe_dump(MIN))   # no rewards.functions in the file: its default list is not there to index
+    key, msg = problem("rewards.functions.0.weight=2", recipe=bare)
+    assert key == "rewards.functions" and "is not in the recipe (its default applies)" in msg
+    assert "--set 'rewards.functions=[...]'" in msg
+    assert problem("rewards.on_error.x=1") == ("rewards.on_error", "is a value (Literal['raise', 'zero']), not a "
+                                                                   "section: it has no key to set; write --set "
+                                                                   "rewards.on_error=VALUE")
+    key, msg = problem("data.eval_path=null")   # the text "null" would be read as a file name
+    assert key == "data.eval_path" and "write --set \"data.eval_path=''\" for an empty value" in msg
+    assert problem("train.steps=[1")[1].startswith("value '[1' is not valid YAML")
+
+
+def test_betas_need_two_numbers():
+    for betas, got in (([0.9], "; got [0.9]"), ([0.9, 0.99, 0.999], "; got [0.9, 0.99, 0.999]"), (0.9, " (got 0.9)")):
+        p = problems({**MIN, "optimizer": {"betas": betas}})
+        assert p == {"optimizer.betas": f"needs two numbers [beta1, beta2], e.g. [0.9, 0.99]{got}"}, p
+    assert recipe_from_dict({**MIN, "optimizer": {"betas": [0.8, 0.9]}}).optimizer.betas == (0.8, 0.9)
+
+
+def test_validate_reads_the_first_rows_of_local_data(tmp_path):
+    """What train stops on in local data, validate reports (exit 2), naming the field and the file: a file that is
+    not there, a data.prompt_field or a data.template field that no row has; without loading the model."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2", "nums": [1, 2]}\n' * 3)
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"model": {"name_or_path": "no-such/model"}, "data": {"train_path": str(data)}}))
+
+    def validate(*overrides):
+        return CliRunner().invoke(main, ["validate", str(f)] + [f"--set={o}" for o in overrides])
+
+    assert validate().exit_code == 0
+    assert validate("data.template=Q: {prompt} {nums[0]}").exit_code == 0
+    res = validate(f"data.train_path={tmp_path / 'nope.jsonl'}", "rewards.functions=[{function: code}]")
+    assert res.exit_code == 2 and f"data.train_path: {tmp_path / 'nope.jsonl'}: file not found" in res.output
+    res = validate("data.prompt_field=question")
+    assert res.exit_code == 2, res.output
+    assert f"data.prompt_field: 'question' names a field that none of its 3 rows has, in {data} (they have: answer, " \
+           "nums, prompt)" in res.output
+    res = validate("data.template=Q: {question}", f"data.eval_path={data}")
+    assert res.exit_code == 2 and "2 problem(s)" in res.output   # the file, read as train_path and as eval_path
+    assert f"data.template: {{question}} names a field that none of its 3 rows has, in {data}" in res.output
 
 
 def test_every_shipped_recipe_validates():

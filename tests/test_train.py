@@ -285,3 +285,18 @@ def test_resuming_a_finished_run_does_nothing_and_a_resumes_settings_are_kept(ti
     assert again.train.steps == 3 and again.train.micro_batch_size == 2
     assert any("recipe.yaml now holds this resume's settings" in line for line in lines)
     assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 3
+
+
+def test_a_prompt_and_completion_past_the_models_context_are_noted(tiny_model_dir, tiny_data, tmp_path):
+    """Found by an audit: prompt + generation.max_new_tokens past max_position_embeddings (64 for the tiny model)
+    was silent: the start-up says so now, and not for a run that fits."""
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    for new_tokens, said in ((60, True), (4, False)):
+        lines = []
+        d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / f"run{new_tokens}", train={"preflight": False},
+                        generation={"max_new_tokens": new_tokens})
+        Trainer(recipe_from_dict(d), log=lines.append).close()
+        noted = [line for line in lines if "past the model's max_position_embeddings=64" in line]
+        assert bool(noted) == said, lines

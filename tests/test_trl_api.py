@@ -677,3 +677,39 @@ def test_a_resumed_runs_callbacks_see_the_log_history_the_state_rebuilds(tiny_mo
     resumed.train(resume_from_checkpoint=True)
     assert [e["step"] for e in keep.history] == [2, 4, 4]   # step 4's window holds steps 3 and 4, then the summary
     assert keep.history == resumed.state.log_history
+
+
+def test_normalize_then_sum_normalises_within_groups_whatever_scale_rewards_says():
+    """TRL's normalize_then_sum branch (grpo_trainer.py) normalises each function within its groups and ignores
+    scale_rewards; here scale_rewards 'batch' or 'none' changed the per-function step (0.31 against TRL's 0.71 for
+    one completion, an audit found). The recipe keeps group scaling under normalize_then_sum."""
+    for scale in ("group", "batch", "none"):
+        d = _recipe(multi_objective_aggregation="normalize_then_sum", scale_rewards=scale)
+        assert (d["algorithm"]["reward_aggregation"], d["algorithm"]["scale_rewards"]) == ("normalize_then_sum", "group")
+    assert _recipe(scale_rewards="batch")["algorithm"]["scale_rewards"] == "batch"
+
+
+def test_a_data_error_names_the_datasets_row_and_trls_setting(tiny_model_dir, tmp_path):
+    """Found by an audit: a prompt over max_prompt_length failed train() with the recipe's words ("over
+    data.max_prompt_tokens=2 (set data.on_bad_row: skip ...)"), a key and a setting the script does not have. It
+    names the dataset's row as dataset[i] and TRL's argument now."""
+    rows = [{"prompt": "1+1="}, {"prompt": "12+34="}]
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows,
+                          args=_args(tmp_path, max_prompt_length=2), log=lambda *a: None)
+    with pytest.raises(TRLCompatError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "train_dataset[0]: prompt is 5 tokens, over max_prompt_length=2 (fix or drop that row" in message, message
+    assert "data." not in message and "on_bad_row" not in message
+
+
+def test_save_strategy_is_read_not_ignored():
+    """It was ignored: checkpoints followed save_steps whatever it said. 'epoch' saves every epoch's steps, 'no' the
+    run's last step only (which save_model() exports), 'best' (no metric_for_best_model here) is refused."""
+    assert _recipe(rows=10, save_steps=2)["output"]["save_every"] == 2   # (steps: TRL's 8 prompts' batch of G = 8)
+    d = _recipe(rows=24, per_device_train_batch_size=8, num_generations=4, save_strategy="epoch")
+    assert d["output"]["save_every"] == 24 // d["train"]["prompts_per_step"]
+    d = _recipe(rows=10, max_steps=7, save_strategy="no")
+    assert d["output"]["save_every"] == d["train"]["steps"] == 7
+    with pytest.raises(TRLCompatError, match="save_strategy: 'best' is not here"):
+        _recipe(save_strategy="best")

@@ -431,7 +431,8 @@ def test_eval_fraction_groups_message_prompts():
 
 def _validate(tmp_path, *functions):
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+    (tmp_path / "t.jsonl").write_text('{"prompt": "p", "answer": "1"}\n')   # validate reads the data's first rows
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"train_path": str(tmp_path / "t.jsonl")},
                                     "rewards": {"functions": list(functions)}}))
     return CliRunner().invoke(main, ["validate", str(path)])
 

@@ -235,7 +235,7 @@ def test_first_ctrl_c_finishes_the_step_checkpoints_and_prints_resume(tiny_model
     proc, log, run = _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every=1000)  # no periodic checkpoint
     assert ckpt.latest(run) is None
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    assert proc.wait(timeout=60) == 130, log.read_text()[-3000:]   # (a shell's code for SIGINT: the run is not done)
     out = log.read_text()
     assert "stopping after this step" in out and "Traceback" not in out
     last = max(r["step"] for r in read_metrics(run))
@@ -244,6 +244,19 @@ def test_first_ctrl_c_finishes_the_step_checkpoints_and_prints_resume(tiny_model
     assert ckpt.load_trainer_state(ckpt.latest(run))["step"] == last and 3 <= last < 500
     resumed = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, **QUIET)
     assert resumed.step == last
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_and_checkpoints_as_ctrl_c_does(tiny_model_dir, tiny_data, tmp_path):
+    """Found by an audit: SIGTERM (docker stop, Slurm, Kubernetes) ended the run at once, 47 steps lost since the
+    last checkpoint. It is handled as Ctrl-C now: the step finishes, is checkpointed, and train exits 143."""
+    proc, log, run = _ctrl_c_run(tiny_model_dir, tiny_data, tmp_path, save_every=1000)  # no periodic checkpoint
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "SIGTERM: stopping after this step, checkpointed" in out and "Traceback" not in out
+    last = max(r["step"] for r in read_metrics(run))
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == [f"step-{last:06d}"] and last >= 3
 
 
 def _recipe_of(run: Path) -> dict:
@@ -353,3 +366,90 @@ def test_out_of_memory_in_held_out_evaluation_is_one_error_naming_it(tiny_model_
     msg = str(err.value)
     assert msg.startswith("ran out of memory in the held-out evaluation (MemoryError)"), msg
     assert f"Last checkpoint: {tmp_path / 'run' / 'checkpoints' / 'step-000002'}" in msg, msg
+
+
+# -- the run folder: one process at a time, a restart, what a resume may change --------------------------------
+
+def test_a_second_process_cannot_train_into_a_run_folder_in_use(tiny_model_dir, tiny_data, tmp_path):
+    """Found by an audit: two runs started into one output.dir both ran to the end, interleaving their metrics
+    (600 rows for 300 steps) and checkpoints. The folder is locked by the process training in it; the kernel
+    drops the lock when that process dies, kill -9 included."""
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom lowmem_grpo import checkpoint as c\n"
+                               f"c.lock_run({str(run)!r})\nprint('locked', flush=True)\ntime.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        d = recipe_dict(tiny_model_dir, tiny_data, run, train={"preflight": False})
+        with pytest.raises(TrainingError, match=rf"is in use: another lowmem-grpo process \(pid {holder.pid}\) is "
+                                                r"training there"):
+            Trainer(recipe_from_dict(d), **QUIET)
+    finally:
+        holder.kill()
+        holder.wait()
+    trainer = Trainer(recipe_from_dict(d), **QUIET)   # (the killed holder left no lock)
+    trainer.close()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_on_resume(tiny_model_dir, tiny_data, tmp_path):
+    """Found by an audit: killed before its first checkpoint (output.save_every steps), a run was a dead end:
+    --resume found no checkpoint, a fresh run was refused (the folder holds a run). Resuming it now starts it
+    again from step 0, its metrics rows dropped."""
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 2, "preflight": False, "eval_max_prompts": 2},
+                    output={"save_every": 100})
+    first = Trainer(recipe_from_dict(d), **QUIET)
+    first.metrics.write({"step": 1, "loss": 0.5})   # a step made, then kill -9 (nothing checkpointed)
+    first.close()
+    assert ckpt.latest(run) is None and read_metrics(run)
+    lines = []
+    again = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, log=lines.append)
+    assert again.step == 0 and not read_metrics(run)
+    assert any("holds no complete checkpoint yet (output.save_every=100): the run starts again from step 0" in line
+               for line in lines), lines
+    assert again.fit()["step"] == 2 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+
+
+def test_a_resume_refuses_what_its_checkpoints_were_made_with_and_applies_new_optimizer_settings(
+        tiny_model_dir, tiny_data, tmp_path):
+    """Found by an audit: `--resume --set lora.r=4` trained on with the r=8 adapter (and `optimizer.name=adamw_8bit`
+    ended in a KeyError), yet recipe.yaml said r: 4 from then on; `--set optimizer.lr=...` was silently ignored
+    (torch's load_state_dict restores the checkpoint's lr, betas and weight decay). The base, the adapter, the
+    optimizer, the seed and the folder are refused now, naming old and new; the optimizer's lr, betas and weight
+    decay are the resume's."""
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 2, "preflight": False, "eval_max_prompts": 2},
+                    output={"save_every": 1}, optimizer={"lr": 1e-3, "warmup_steps": 4})
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    saved = _recipe_of(run)
+    changed = json.loads(json.dumps(saved))
+    changed["lora"]["r"], changed["seed"], changed["optimizer"]["name"] = 8, 5, "adamw_8bit"
+    with pytest.raises(TrainingError, match=r"cannot change lora.r \(4 -> 8\); optimizer.name \('adamw' -> "
+                                            r"'adamw_8bit'\); seed \(3 -> 5\)"):
+        Trainer(recipe_from_dict(changed), run_dir=run, resume=True, **QUIET)
+    assert _recipe_of(run) == saved   # (refused before recipe.yaml was rewritten)
+    changed = json.loads(json.dumps(saved))
+    changed["train"]["steps"] = 3
+    changed["optimizer"].update(lr=5e-4, betas=[0.8, 0.95], weight_decay=0.25)
+    resumed = Trainer(recipe_from_dict(changed), run_dir=run, resume=True, **QUIET)
+    group = resumed.optimizer.param_groups[0]
+    # 2 steps done of a 4-update warm-up: the next update's lr is the new lr x 3/4 (optimizer.warmup_steps)
+    assert group["lr"] == pytest.approx(5e-4 * resumed.scheduler.lr_lambdas[0](resumed.scheduler.last_epoch))
+    assert resumed.scheduler.last_epoch == 2 and tuple(group["betas"]) == (0.8, 0.95) and group["weight_decay"] == 0.25
+    assert 0 < group["lr"] < 5e-4   # (still warming up)
+    assert resumed.fit()["step"] == 3
+
+
+def test_the_run_folder_keeps_local_paths_absolute_and_a_folder_that_cannot_be_made_is_named(
+        tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """Found by an audit: recipe.yaml kept a relative model folder, which a resume from another directory took for
+    a hub id (a minute of retries, then an error); an output.dir that is a file ended in FileExistsError."""
+    monkeypatch.chdir(tiny_model_dir.parent)
+    d = recipe_dict(tiny_model_dir.name, tiny_data, tmp_path / "run", train={"preflight": False})
+    Trainer(recipe_from_dict(d), **QUIET).close()
+    assert _recipe_of(tmp_path / "run")["model"]["name_or_path"] == str(tiny_model_dir.resolve())
+    (tmp_path / "a_file").write_text("x")
+    d["output"] = {"dir": str(tmp_path / "a_file")}
+    with pytest.raises(TrainingError, match=r"output.dir='.*a_file': cannot make or write the run folder there"):
+        Trainer(recipe_from_dict(d), **QUIET)

@@ -72,3 +72,13 @@ def marks_its_calls(completions, **_):
 
     Path(f"{os.environ['LOWMEM_TEST_MARK']}.{os.environ.get('RANK', '0')}").touch()
     return has_digit(completions)
+
+
+def a_dict(completions, **_):
+    return {"score": 1.0, "other": 0.0, "third": 1.0}
+
+
+def exits(completions, **_):
+    import sys
+
+    sys.exit(3)

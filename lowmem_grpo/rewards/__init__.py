@@ -65,9 +65,12 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
     if torch is not None and isinstance(scores, torch.Tensor):
         scores = scores.tolist()
     try:
+        if isinstance(scores, (dict, str, bytes)):   # iterable, but its keys or characters are no scores
+            raise TypeError
         scores = list(scores)
     except TypeError:
-        raise RewardError(f"reward {name!r} returned {type(scores).__name__}, expected a list of {n} numbers") from None
+        raise RewardError(f"reward {name!r} returned {type(scores).__name__}, expected a list of {n} numbers (one "
+                          "per completion)") from None
     if len(scores) != n:
         raise RewardError(f"reward {name!r} returned {len(scores)} scores for {n} completions")
     out: list[Optional[float]] = []
@@ -163,6 +166,8 @@ def _outputs(calls: list[tuple[Callable, tuple, dict]]) -> list:
             out = fn(*args, **kwargs)
         except Exception as exc:  # any failure of user code is reported with the reward named, not raised raw
             out = _Raised(exc)
+        except SystemExit as exc:   # it ended the whole trainer, silently, with its code
+            out = _Raised(RuntimeError(f"sys.exit({exc.code!r}) was called (a reward function returns its scores)"))
         if inspect.isawaitable(out):
             pending[i] = out
         outs.append(out)
