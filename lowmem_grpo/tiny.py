@@ -114,7 +114,8 @@ def _disjoint_split(rows: list[dict], n_train: int, n_test: int) -> tuple[list[d
     return out[:n_train], out[n_train:]
 
 
-def write_jsonl(rows: list[dict], path: Path) -> None:
+def write_jsonl(rows: list[dict], path) -> None:
+    path = Path(path)   # (a str too)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for r in rows:

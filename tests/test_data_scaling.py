@@ -236,7 +236,7 @@ def test_a_bad_row_deep_in_a_large_file(tmp_path, tok, monkeypatch, bad_line, me
 
 def test_bad_rows_in_the_start_up_check_leave_the_set(tmp_path, tok):
     f = _write_addition(tmp_path / "d.jsonl", 50, {3: '{"prompt": "x"}', 10: "[1, 2]"})
-    with pytest.raises(DataError, match=r"d.jsonl: row 4 \(line 5\): missing field 'answer' \(row has: prompt\) \(set data.on_bad_row"):
+    with pytest.raises(DataError, match=r"d.jsonl: row 4 \(line 5\): missing field 'answer' \(row has: prompt\) \(if only some rows are like this, data.on_bad_row: skip skips them"):
         PromptSet(str(f), DataConfig(train_path=str(f)), tok)
     ps = PromptSet(str(f), DataConfig(train_path=str(f), on_bad_row="skip"), tok)
     assert len(ps) == 48 and ps.skipped == ["row 4: missing field 'answer' (row has: prompt)",

@@ -256,6 +256,17 @@ def test_user_function_kwargs_fit_its_signature():
     assert "rewards.functions.0.kwargs.bonsu" in msg and "'test_reward_options:strict_reward'" in msg and "bonus" in msg
 
 
+def test_a_parameter_no_call_fills_is_named_before_the_run():
+    """Found by an audit: `def f(completions, *, prompts, rows, alpha)` passed validate, then failed the first step
+    ("missing 1 required keyword-only argument"). It is a problem of the recipe entry now, and with alpha given
+    in its kwargs the function runs."""
+    with pytest.raises(RewardError, match=r"rewards\.functions\.0\.kwargs: reward 'user_rewards:needs_alpha' requires "
+                                          r"alpha, which no call passes: give it in this function's kwargs, or a default"):
+        load({"function": "user_rewards:needs_alpha"})
+    assert load({"function": "user_rewards:needs_alpha", "kwargs": {"alpha": 0.5}})(["a"], ["p"], [{}]).total.tolist() \
+        == [0.5]
+
+
 def test_user_function_with_var_kwargs_takes_any_option():
     rewards = load({"function": "user_rewards:digit_count", "kwargs": {"per_digit": 1.0, "anything": 1}})
     assert rewards(["a1b2"], ["p"], [{}]).total.tolist() == [2.0]

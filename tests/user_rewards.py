@@ -82,3 +82,7 @@ def exits(completions, **_):
     import sys
 
     sys.exit(3)
+
+
+def needs_alpha(completions, *, prompts, rows, alpha):
+    return [alpha] * len(completions)

@@ -97,6 +97,13 @@ def signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str,
     if missing:
         problems.append(("function", f"reward {name!r} must accept the keyword arguments "
                                      f"{', '.join(missing)} (or **kwargs): every call passes prompts= and rows="))
+    # what no call gives: the completions come first, by position, then prompts=, rows= and the recipe's kwargs
+    # (an audit found `def f(completions, *, prompts, rows, alpha)` validated ok, then failed the first step)
+    unfilled = [n for i, (n, p) in enumerate(params.items()) if i and p.default is p.empty and n not in _PASSED
+                and n not in kwargs and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if unfilled:
+        problems.append(("kwargs", f"reward {name!r} requires {', '.join(unfilled)}, which no call passes: give "
+                                   f"{'it' if len(unfilled) == 1 else 'them'} in this function's kwargs, or a default"))
     return problems
 
 
