@@ -63,6 +63,8 @@ def _rewards(fn, on_error="raise"):
     # found by an audit: a dict was read as its keys ("returned 1 scores"); sys.exit() ended the trainer, silently
     ("user_rewards:a_dict", r"returned dict, expected a list of 3 numbers \(one per completion\)"),
     ("user_rewards:exits", r"'exits' raised RuntimeError: sys.exit\(3\) was called"),
+    # found by an audit: +-1e200 overflowed the group std, and the run learned nothing without a word
+    ("user_rewards:huge", r"score 1 is 1e\+200, beyond \+-1e\+100: its square overflows"),
 ])
 def test_bad_reward_functions_are_named(fn, message):
     with pytest.raises(RewardError, match=message):

@@ -86,3 +86,7 @@ def exits(completions, **_):
 
 def needs_alpha(completions, *, prompts, rows, alpha):
     return [alpha] * len(completions)
+
+
+def huge(completions, **_):
+    return [1e200 if i % 2 else 0.0 for i in range(len(completions))]

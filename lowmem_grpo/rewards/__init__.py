@@ -59,6 +59,9 @@ def resolve(name: str) -> Callable:
     return fn
 
 
+MAX_SCORE = 1e100   # a score's square and a group's sum of squares stay finite in float64 (max ~1.8e308)
+
+
 def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
     """The scores as floats (None = skip), or a RewardError saying what is wrong with them."""
     torch = sys.modules.get("torch")   # a tensor exists only once torch is imported
@@ -86,6 +89,9 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
             raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}), not a number: {exc}") from None
         if not isfinite(v):
             raise RewardError(f"reward {name!r}: score {i} is {v}, expected a finite number or None")
+        if abs(v) > MAX_SCORE:   # (an audit: rewards of +-1e200 overflowed the group std, and nothing was learned)
+            raise RewardError(f"reward {name!r}: score {i} is {v:g}, beyond +-{MAX_SCORE:g}: its square overflows "
+                              "the advantages' standard deviation; rescale the reward")
         out.append(v)
     return out
 
