@@ -311,6 +311,38 @@ def test_a_value_side_that_compares_or_holds_the_expected_value_is_judged_inside
     assert run.judged_outside == [True, False, False, False] and run.passed == [False, True, True, True]
 
 
+def test_an_index_the_solution_computes_by_a_comparison_is_judged_inside():
+    """Found by a red team: an index was taken for an input, so in ['no', 'yes'][f(7) == True] an __eq__ that always
+    says yes picked the expected literal, judged outside. An index that reads the solution's objects obeys the
+    value side's rules now; one of literals and builtins, or a bool the solution must commit to, stays outside."""
+    inside = ["assert ['no', 'yes'][is_prime(7) == True] == 'yes'", "assert (0, 1)[int(is_prime(97) == True)] == 1",
+              "assert 'ny'[is_prime(5) - 0] == 'y'"]
+    outside = ["assert ['no', 'yes'][is_prime(7)] == 'yes'", "assert f(1)[len([1, 2]) - 1] == 2",
+               "assert f(1)[[k for k in range(3) if k > 1][0]] == 2", "assert f(g(1) == 2) == 3"]
+    assert [t for t in inside if judging(t).outside] == []
+    assert [t for t in outside if not judging(t).outside] == []
+    forger = "class Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n" \
+             "def is_prime(n):\n    return Any()\n"
+    run = run_tests(forger, inside[:2] + ["assert ['no', 'yes'][is_prime(7)] == 'yes'"], timeout=2)
+    assert run.judged_outside == [False, False, False]   # (the third after one judged inside)
+    assert classify_tests(inside[:2]) == (0, 2)
+    honest = "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, n))\n"
+    assert run_tests(honest, ["assert ['no', 'yes'][is_prime(7)] == 'yes'"], timeout=2).passed == [True]
+    assert run_tests(forger, ["assert ['no', 'yes'][is_prime(7)] == 'yes'"], timeout=2).passed == [False]
+
+
+def test_a_runs_values_are_capped_in_total():
+    """Found by a red team: each value may be 4 MiB, and the run's output cap grew with the tests, so 40 calls
+    returning 2,000,000-character strings made the trainer hold ~500 MiB for one completion. The run stops past
+    VALUES_CAP in all; the tests it did not reach fail."""
+    n = code.VALUES_CAP // (code.VALUE_CAP // 2) + 4
+    run = run_tests("def f(i):\n    return 'a' * 1_900_000\n", [f"assert f({i}) == 'b'" for i in range(n)], timeout=2)
+    assert len(run.sandbox.stdout) <= code.VALUES_CAP + 4096 and run.sandbox.killed_reason == "output_limit"
+    assert run.details[-1].startswith("not run") and not any(run.passed)
+    assert run_tests("def f(i):\n    return 'a' * 1_900_000\n", ["assert len(f(0)) == 1_900_000",
+                     "assert f(0) == 'a' * 1_900_000"], timeout=2).passed == [True, True]
+
+
 def test_tolerance_checks_are_judged_outside_on_the_difference():
     """abs(<expr> - <number>) < tol: the number is the expected value. Only <expr> enters the sandbox and the
     trainer takes the difference, so an object whose __sub__ gives 0, a solution that rebinds abs, and one

@@ -14,9 +14,10 @@ import pytest
 from conftest import recipe_dict
 from lowmem_grpo.recipe import recipe_from_dict
 from lowmem_grpo.rewards import Rewards, code_io
-from lowmem_grpo.rewards.code_io import code_io_binary_reward, code_io_reward, get_cases, outputs_match
+from lowmem_grpo.rewards.code_io import (code_io_binary_reward, code_io_reward, get_calls, get_cases, outputs_match,
+                                         run_calls)
 from lowmem_grpo.rewards.options import option_problems
-from lowmem_grpo.rewards.sandbox import SandboxResult
+from lowmem_grpo.rewards.sandbox import SandboxLimits, SandboxResult
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7\n", "0\n"]}
@@ -35,6 +36,16 @@ CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7\n", "0\n
 def test_the_case_shapes_of_code_datasets_are_read(value, expected):
     assert get_cases({"tests": value}) == expected
 
+
+def relay_job(stdin: bytes) -> dict:
+    """What code_io's relay is sent (its head, then each case's input streamed after it), read back."""
+    size = int.from_bytes(stdin[:8], "little")
+    job, at, inputs = marshal.loads(stdin[8:8 + size]), 8 + size, []
+    for n in job["sizes"]:
+        inputs.append(stdin[at:at + n])
+        at += n
+    assert at == len(stdin)
+    return {**job, "inputs": inputs}
 
 def test_livecodebench_testtype_keeps_stdin_cases_and_skips_functional_ones():
     # LiveCodeBench's public_test_cases (and DeepCoder's lcbv5 `tests`): a JSON list of {input, output, testtype};
@@ -188,7 +199,7 @@ def test_the_expected_output_never_enters_the_sandbox(monkeypatch):
     real = code_io.run_python
 
     def spy(program, timeout_s, *, stdin=None, limits=None):
-        seen.append((program, repr(marshal.loads(stdin)), limits.model_dump_json()))   # all it is given
+        seen.append((program, repr(relay_job(stdin)), limits.model_dump_json()))   # all it is given
         return real(program, timeout_s, stdin=stdin, limits=limits)
 
     monkeypatch.setattr(code_io, "run_python", spy)
@@ -203,7 +214,7 @@ def test_nothing_that_follows_from_the_expected_output_enters_the_sandbox(monkey
     expected outputs are, and a program reading its cap from the relay's frames scores as in its own sandbox."""
     jobs = []
     real = code_io.run_python
-    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: jobs.append(marshal.loads(k["stdin"])) or real(*a, **k))
+    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: jobs.append(relay_job(k["stdin"])) or real(*a, **k))
     for expected in ("YES\n", "NO\n", "1 2 3\n" * 3000):
         code_io.run_cases("print('NO')", [("1\n", expected)])
     assert len(jobs) == 3 and all({**j, "nonce": ""} == {**jobs[0], "nonce": ""} for j in jobs)
@@ -218,7 +229,7 @@ def test_nothing_that_follows_from_the_expected_output_enters_the_sandbox(monkey
 def test_one_sandboxed_program_runs_the_cases_and_max_cases_keeps_the_first(monkeypatch):
     jobs = []
     real = code_io.run_python
-    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: jobs.append(marshal.loads(k["stdin"])) or real(*a, **k))
+    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: jobs.append(relay_job(k["stdin"])) or real(*a, **k))
     rows = [{"tests": {"inputs": ["1 1\n", "2 2\n", "3 3\n"], "outputs": ["0\n", "4\n", "6\n"]}}]   # case 0 is wrong
     assert code_io_binary_reward([ADD], rows=rows) == [0.0] and len(jobs) == 1 and len(jobs[0]["inputs"]) == 3
     jobs.clear()
@@ -482,7 +493,7 @@ def test_checked_cases_run_together_are_judged_as_each_in_its_own():
 def test_the_checker_runs_apart_from_the_program_and_only_on_other_outputs(monkeypatch):
     calls = []
     real = code_io.run_python
-    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: calls.append(marshal.loads(k["stdin"])) or real(*a, **k))
+    monkeypatch.setattr(code_io, "run_python", lambda *a, **k: calls.append(relay_job(k["stdin"])) or real(*a, **k))
     expected_program = "n = int(input())\nprint(n // 2, n - n // 2)"
     assert code_io.run_cases(expected_program, PAIR_CASES, checker=PAIR_CHECKER) == [True] * 3
     assert len(calls) == 1   # the expected outputs need no judge
@@ -718,11 +729,67 @@ def test_an_output_of_nan_fails_before_a_checker_that_nan_would_fool():
         assert together == code_io.run_cases_separately(program, cases, checker=checker) == expected, program
 
 
+def test_the_called_function_must_be_the_programs_own_and_future_imports_stay_first():
+    """Found by a red team: the star imports were prepended to the program, so `pass` answered an APPS/Codewars row
+    whose fn_name is lcm, factorial or gcd with math's own (and sum with the builtin), and a solution whose first
+    line is `from __future__ import annotations` was a SyntaxError. The imported names sit with the builtins now:
+    the called name must be defined by the program (an explicit `from math import lcm` is the program's own)."""
+    rows = [{"tests": {"fn_name": name, "inputs": inputs, "outputs": outputs}} for name, inputs, outputs in (
+        ("lcm", [[2, 5], [2, 3, 4]], [[10], [12]]), ("factorial", [[0], [5]], [[1], [120]]),
+        ("sum", [[[1, 2]]], [[3]]))]
+    assert code_io_reward(["```python\npass\n```"] * 3, rows=rows) == [0.0, 0.0, 0.0]
+    imported = "```python\nfrom math import lcm\n```"
+    defined = "```python\ndef factorial(n):\n    return prod(range(1, n + 1))\n```"   # prod: math's, unimported
+    assert code_io_reward([imported, defined], rows=rows[:2]) == [1.0, 1.0]
+    assert run_calls("x = 1", get_calls(rows[0]), timeout=2) == [False, False]
+    future = {"tests": {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9]], "outputs": [[[0, 1]]]}}
+    honest = ("```python\n\"\"\"Two sum.\"\"\"\nfrom __future__ import annotations\n\nclass Solution:\n"
+              "    def twoSum(self, nums: List[int], target: int) -> list[int]:\n        seen = {}\n"
+              "        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+              "                return [seen[target - x], i]\n            seen[x] = i\n```")
+    assert code_io_reward([honest], rows=[future]) == [1.0]
+
+
+def test_the_nan_rule_reads_numbers_as_a_python_checker_does_and_spares_words():
+    """Found by a red team: the NaN rule split on ASCII whitespace only, but a Python checker's float() strips any
+    Unicode whitespace, so "nan\\u00a0" passed `if abs(exp - got) > eps: reject`; "1e999" (inf) passed a relative
+    check. And it failed the right answer "nan" on a problem whose answers are words. Judged by _before_checker
+    alone (no sandbox): False is a failure before any checker, None leaves the output to it."""
+    before = code_io._before_checker
+    for got in ("nan", "nan\u00a0", "\u2003nan", "nan\x85", "\x1cnan", "NaN\u3000", "1e999", "-inf", "1" * 400,
+                "0.5,nan", "+nan\n"):
+        assert before(got, "1.4142135624\n") is False, repr(got)
+    assert before("inf", "inf\n") is True and before("1e999", "inf\n") is None   # the kind the expected one holds
+    assert before("nan", "aba\n") is None and before("infinity", "word\n") is None
+    assert before("1.41421356", "1.4142135624\n") is None
+
+
+def test_the_relay_and_the_reference_agree_on_stderr_future_imports_and_large_inputs():
+    """Found by a red team, each a difference between run_cases and its reference: the reference capped stderr
+    (the relay drops it), so a right program's debug output failed it; its exit() line came before a
+    `from __future__` import (a SyntaxError there only); and the relay held every case's input, which counted
+    against each case's RLIMIT_AS (8 cases of 6 MB under memory_mb=256 failed a program using 200 MB).
+    Each case's input is streamed to it now."""
+    chatty = "import sys\nn = int(input())\nfor i in range(n):\n    print('debug', i, file=sys.stderr)\nprint(n * 2)\n"
+    future = '"""Doubles."""\r\nfrom __future__ import annotations\nfrom __future__ import division\nprint(2 * int(input()))'
+    cases = [("10\n", "20\n"), ("2000\n", "4000\n")]
+    for program in (chatty, future):
+        assert code_io.run_cases(program, cases) == code_io.run_cases_separately(program, cases) == [True, True]
+    big = "x" * (6 << 20)
+    cases = [(big[:-1] + str(i), f"{len(big) + 1}\n") for i in range(6)]
+    program = "import sys\ndata = sys.stdin.buffer.read()\nbuf = bytearray(200 << 20)\nprint(len(data))\n"
+    limits = SandboxLimits(memory_mb=256)
+    assert code_io.run_cases(program, cases, limits=limits) == [True] * 6
+    assert code_io.run_cases_separately(program, cases[:1], limits=limits) == [True]
+    over = program.replace("200 << 20", "250 << 20")   # the limit is still there
+    assert code_io.run_cases(over, cases[:2], limits=limits) == [False, False]
+
+
 def test_function_call_problems_get_the_sites_imports_and_large_arguments_and_values():
     """Found by a red team, each failing an honest solution: LiveCodeBench's starter code annotates with List[int]
-    and imports nothing (NameError: the datasets' own judges prepend star imports; so does CALL_PRELUDE, builtins
-    last so that pow keeps its modulus); 300,000 argument pairs as a Python literal took the sandbox's whole memory
-    to compile (they travel as JSON text now); a returned list of 100,000 ints was over the 1 MiB value cap."""
+    and imports nothing (NameError: the datasets' own judges prepend star imports; CALL_PRELUDE gives the names,
+    the builtins winning so that pow keeps its modulus); 300,000 argument pairs as a Python literal took the
+    sandbox's whole memory to compile (they travel as JSON text now); a returned list of 100,000 ints was over the 1 MiB value cap."""
     row = {"tests": {"fn_name": "count", "inputs": [[[[i, i + 1] for i in range(300_000)]], [[[1, 2]]]],
                      "outputs": [[300_000], [1]]}}
     solution = ("```python\nclass Solution:\n    def count(self, edges: List[List[int]]) -> int:\n"

@@ -511,6 +511,37 @@ print(sorted(ok))
     assert eval(res.stdout) == ["/dev/shm", "/tmp", "/tmp/sandbox"]
 
 
+def test_device_nodes_work_but_their_host_inodes_stay_unchanged():
+    """Found by a red team: /dev/null and the other nodes were writable binds of the host's, so a program could
+    utime() them (write permission suffices), setting the host inode's times: a write outside the sandbox that
+    carried state to the next stdin/stdout case and to concurrent runs. The binds are read-only now; reading and
+    writing the devices still work."""
+    require_any(True, "minimal_root")
+    nodes = ("null", "zero", "full", "random", "urandom")
+    before = {n: os.stat("/dev/" + n).st_mtime_ns for n in nodes}
+    prog = """
+import errno, os
+refused = []
+for n in %r:
+    try:
+        os.utime('/dev/' + n)
+    except OSError as exc:
+        refused.append(exc.errno == errno.EROFS)
+with open(os.devnull, 'w') as f:
+    f.write('x' * 100000)
+fd = os.open('/dev/full', os.O_WRONLY)
+try:
+    full = os.write(fd, b'x') < 0
+except OSError as exc:
+    full = exc.errno == errno.ENOSPC
+print(refused, full, open('/dev/zero', 'rb').read(4) == bytes(4), len(open('/dev/urandom', 'rb').read(16)))
+""" % (nodes,)
+    res = run_python(prog, 10)
+    assert res.ok, res.stderr
+    assert res.stdout.split() == ["[True,", "True,", "True,", "True,", "True]", "True", "True", "16"], res.stdout
+    assert {n: os.stat("/dev/" + n).st_mtime_ns for n in nodes} == before
+
+
 def test_reading_files_outside_the_sandbox():
     """A world-readable file in a world-readable host directory, and the project's own data."""
     require_any(True, "minimal_root")
@@ -765,7 +796,8 @@ def test_status_lines_are_the_sandboxs_only():
 # ---------------------------------------------------------------------------------------------
 # A machine without full isolation: the code reward refuses unless told
 
-NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "ipcns", "private_proc", "private_tmp", "minimal_root", "hidden_paths", "userns")
+NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "ipcns", "private_proc", "private_tmp", "minimal_root", "hidden_paths", "userns",
+                    "oom_first")   # (only the minimal root's read-only /proc makes it hold)
 
 
 def test_code_reward_refuses_a_weak_sandbox_unless_accepted(monkeypatch):
@@ -900,5 +932,88 @@ print(got, open('/proc/self/oom_score_adj').read().strip())
 """
     res = run_python(prog, 10, namespaces=namespaces)
     assert res.ok, res.stderr
-    assert "seccomp" in res.protections and "oom_first" in res.protections, res.protections
+    assert "seccomp" in res.protections, res.protections
     assert res.stdout.split() == ["[]", "1000"], res.stdout
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_the_program_cannot_lower_its_oom_score(namespaces):
+    """Found by a red team: without CAP_SYS_RESOURCE (this machine's root lacks it) the kernel records no floor
+    for oom_score_adj, and the program wrote 0 back, for itself and what it started, while "oom_first" was listed
+    as active. The minimal root's /proc is read-only now; elsewhere the value is a hint, not a protection."""
+    if namespaces:
+        require_any(True, "minimal_root")
+    prog = """
+import os
+try:
+    open('/proc/self/oom_score_adj', 'w').write('0')
+    wrote = True
+except OSError:
+    wrote = False
+pid = os.fork()
+if pid == 0:
+    os._exit(int(open('/proc/self/oom_score_adj').read()) == 1000)
+print(wrote, open('/proc/self/oom_score_adj').read().strip(), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    res = run_python(prog, 10, namespaces=namespaces)
+    assert res.ok, res.stderr
+    if namespaces:
+        assert "oom_first" in res.protections, res.unavailable
+        assert res.stdout.split() == ["False", "1000", "1"], res.stdout
+    else:   # the host's /proc: listed as unavailable, with the reason
+        assert "oom_first" not in res.protections and "lower it" in res.unavailable["oom_first"]
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_a_program_changes_only_its_own_limits_and_priority(namespaces):
+    """Found by a red team: a process may change the rlimits, nice value, CPU affinity and scheduling of another
+    of its uid (prlimit, setpriority, sched_setaffinity, ...). A stdin/stdout case's fork changed its parent's,
+    the relay's (code_io), which every later case inherited. The calls now act on the caller only; on itself a
+    program keeps them (setrlimit, os.nice, sched_setaffinity(0)), and it may not raise its priority."""
+    if os.uname().machine not in ("x86_64", "aarch64"):
+        pytest.skip("the sandbox's seccomp filter is written for x86_64 and aarch64 only")
+    prog = """
+import ctypes, errno, multiprocessing, os, platform, resource, threading
+libc = ctypes.CDLL(None, use_errno=True)
+R = resource.RLIMIT_STACK
+def state():
+    return resource.getrlimit(R), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0)
+before = state()
+child = os.fork()
+if child == 0:
+    ppid, refused = os.getppid(), []
+    for call in (lambda: resource.prlimit(ppid, R, (1 << 20, resource.getrlimit(R)[1])),
+                 lambda: os.setpriority(os.PRIO_PROCESS, ppid, 5),
+                 lambda: os.setpriority(os.PRIO_USER, 0, 6),      # every process of the uid
+                 lambda: os.setpriority(os.PRIO_PGRP, 0, 7),
+                 lambda: os.sched_setaffinity(ppid, {0}),
+                 lambda: os.sched_setscheduler(ppid, os.SCHED_IDLE, os.sched_param(0)),
+                 lambda: os.sched_setparam(ppid, os.sched_param(0))):
+        try:
+            call()
+            refused.append(False)
+        except OSError as exc:
+            refused.append(exc.errno == errno.EPERM)
+    nr = {'x86_64': 251, 'aarch64': 30}[platform.machine()]   # ioprio_set(IOPRIO_WHO_PROCESS, ppid, idle)
+    refused.append(libc.syscall(nr, 1, ppid, 3 << 13) == -1 and ctypes.get_errno() == errno.EPERM)
+    os._exit(0 if all(refused) else 1 + refused.index(False))
+print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), state() == before)
+resource.setrlimit(R, (1 << 20, resource.getrlimit(R)[1]))
+os.nice(1)
+os.sched_setaffinity(0, os.sched_getaffinity(0))
+t = threading.Thread(target=print, args=('thread',))
+t.start(); t.join()
+p = multiprocessing.Process(target=print, args=('process',))
+p.start(); p.join()
+try:
+    os.nice(-1)
+    raised = True
+except OSError:
+    raised = False
+print(state()[:2] == ((1 << 20, before[0][1]), 1), resource.getrlimit(resource.RLIMIT_NICE),
+      resource.getrlimit(resource.RLIMIT_RTPRIO), raised)
+"""
+    res = run_python(prog, 20, namespaces=namespaces)
+    assert res.ok, res.stderr
+    assert {"seccomp", "rlimit:nice", "rlimit:rtprio"} <= set(res.protections), res.protections
+    assert res.stdout.splitlines() == ["0 True", "thread", "process", "True (0, 0) (0, 0) False"], res.stdout

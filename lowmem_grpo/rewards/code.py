@@ -75,9 +75,12 @@ from .sandbox import SandboxError, SandboxLimits, SandboxResult, missing_protect
 DEFAULT_TEST_TIMEOUT_S = 3.0
 DEFAULT_WORKERS = 2
 VALUE_CAP = 4 << 20      # bytes of one test's encoded value (~12 a small int: a list of 300,000); a larger one fails
+VALUES_CAP = 64 << 20    # bytes of all of a run's values: the trainer holds a few copies, per completion in flight
 _MAX_DEPTH = 100         # nesting of a returned value
 _MAX_SAME_HASH = 16      # elements of one decoded set (keys of one dict) that may share a hash
 _GRACE_S = 0.5           # past a test's own limit, the reporter stops waiting for the solver
+_COMPILE_S_PER_BYTE = 1e-6   # and waits this much more per byte of the test's source, compiled off its clock
+                             # (a literal of 400,000 pairs, 5.6 MB, compiled in 1.1 s: a 5x margin for load)
 
 _PY_TAGS = {"python", "py", "python3", "py3"}
 
@@ -136,6 +139,7 @@ import _signal as signal, marshal, os, select, sys, time
 
 CAP = %(cap)d
 GRACE = %(grace)r
+COMPILE_S_PER_BYTE = %(compile)r
 MAX_DEPTH = %(depth)d
 # No json here, and the builtin _signal (json costs ~6 ms a run, the signal package ~3 ms): the job and
 # the commands come as marshal (plain data from the trainer and the reporter), and values go out as ASCII
@@ -237,6 +241,14 @@ def solver(cmd_r, rep_w):
     limit = job["timeout"]
     namespace = {"__name__": "__solution__", "__builtins__": __builtins__}
     try:
+        if job["prelude"]:
+            # the prelude's names sit with the builtins (which win over them), not in the solution's globals:
+            # a name the tests call must be one the solution defined, and its `from __future__` stays first
+            names = {"__builtins__": __builtins__}
+            exec(compile(job["prelude"], "<prelude>", "exec"), names)
+            names = {k: v for k, v in names.items() if not k.startswith("__")}
+            names.update(vars(__builtins__) if hasattr(__builtins__, "__dict__") else __builtins__)
+            namespace["__builtins__"] = names
         try:
             signal.setitimer(signal.ITIMER_REAL, limit)
             exec(compile(job["solution"], "<solution>", "exec"), namespace)
@@ -244,6 +256,10 @@ def solver(cmd_r, rep_w):
             signal.setitimer(signal.ITIMER_REAL, 0)
     except BaseException as exc:
         reply(job["key"], "fail", type(exc).__name__)
+        return
+    missing = [name for name in job["defines"] if name not in namespace]
+    if missing:
+        reply(job["key"], "fail", "not_defined:" + missing[0])
         return
     reply(job["key"], "ok")
     while True:
@@ -338,7 +354,8 @@ def reporter(child, cmd_w, rep_r, private):
     # one deadline, taken before the solver can run the solution: taken after send(), a solver that stopped this
     # process first would have its time from whenever it let it go on
     deadline = time.monotonic() + limit + GRACE
-    sent = send({"key": key, "solution": job["solution"], "timeout": limit}, deadline)
+    sent = send({"key": key, "solution": job["solution"], "timeout": limit, "prelude": job["prelude"],
+                 "defines": job["defines"]}, deadline)
     got = receive(key, deadline) if sent else "gone"
     verdict, _, payload = got.partition(" ")
     if verdict != "ok":
@@ -347,7 +364,7 @@ def reporter(child, cmd_w, rep_r, private):
     tests = job["tests"]
     for i, test in enumerate(tests):
         key = os.urandom(8).hex()
-        deadline = time.monotonic() + limit + GRACE
+        deadline = time.monotonic() + limit + GRACE + len(test["src"]) * COMPILE_S_PER_BYTE
         sent = send({"key": key, "i": i, "kind": test["kind"], "src": test["src"]}, deadline)
         got = receive(key, deadline) if sent else "gone"
         verdict, _, payload = got.partition(" ")
@@ -396,7 +413,8 @@ def main():
 
 
 main()
-""" % {"cap": VALUE_CAP, "grace": _GRACE_S, "depth": _MAX_DEPTH, "common": HARNESS_COMMON}
+""" % {"cap": VALUE_CAP, "grace": _GRACE_S, "compile": _COMPILE_S_PER_BYTE, "depth": _MAX_DEPTH,
+       "common": HARNESS_COMMON}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -493,7 +511,8 @@ def _solution_call(func) -> bool:
 def _only_a_value(expr) -> bool:
     """Can the value side be judged outside? The sandbox evaluates it with the solution's objects, which answer
     every operator and comparison as they like, and the solution can read its source. So around the
-    solution's calls (their arguments and subscripts are inputs) it must not compare (`(f(x) == 2) is True`),
+    solution's calls (their arguments are inputs: what they compute goes to the solution, which answers as it
+    likes anyway; an index computed from the solution's objects is not) it must not compare (`(f(x) == 2) is True`),
     do arithmetic (`f(x) - 0.5 < 1e-9`: the expected value is in there) or call a module's function
     (`math.isclose(f(x), 0.5) is True`); such a test is judged inside, and counted so."""
     stack = [expr]
@@ -508,10 +527,23 @@ def _only_a_value(expr) -> bool:
             if isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Constant):
                 return False   # math.isclose(...), obj.method(...): may be a check of its own
         if isinstance(node, ast.Subscript):
-            stack.append(node.value)      # an index is an input
+            stack.append(node.value)
+            if _names_the_solution(node.slice):
+                # ['no', 'yes'][f(7) == True]: an index the solution's objects compute selects among the test's
+                # own literals, and an __eq__ that always says yes selects the expected one
+                stack.append(node.slice)
             continue
         stack.extend(ast.iter_child_nodes(node))
     return True
+
+
+def _names_the_solution(expr) -> bool:
+    """Does `expr` read a name other than a builtin or one it binds itself (a comprehension's or lambda's)?"""
+    bound = {a.arg for n in ast.walk(expr) if isinstance(n, ast.Lambda) for a in ast.walk(n.args)
+             if isinstance(a, ast.arg)}
+    bound |= {n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    return any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound
+               and n.id not in _BUILTIN_NAMES for n in ast.walk(expr))
 
 
 def unforgeable(plans: Sequence[Judging]) -> list[bool]:
@@ -726,25 +758,32 @@ def get_tests(row: dict, tests_field: str = "tests") -> Optional[list]:
 
 
 def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
-              total_timeout: Optional[float] = None, limits: Optional[SandboxLimits] = None) -> SuiteRun:
+              total_timeout: Optional[float] = None, limits: Optional[SandboxLimits] = None,
+              prelude: str = "", defines: Sequence[str] = ()) -> SuiteRun:
     """Run `code`, then each of `tests` (sources, or how each is judged: a Judging), in one sandboxed program;
     report which tests passed.
 
     timeout: seconds allowed for the solution's top level and for each test (SIGALRM inside the program;
-        the reporter gives up on the solver 0.5 s later).
-    total_timeout: wall-clock limit of the whole program, default timeout * (len(tests) + 1) + 2 s
-        (the sum of the per-step limits, plus interpreter start-up); past it the program is killed
+        the reporter gives up on the solver 0.5 s later, plus 1 us per byte of the test, compiled off the clock).
+    total_timeout: wall-clock limit of the whole program, default timeout * (len(tests) + 1) + 2 s, plus the
+        compiling allowance (the sum of the per-step limits, plus interpreter start-up); past it the program is killed
         and the tests that did not report count as failed.
     limits: the sandbox's limits (memory_mb, max_procs, namespaces, ...); default SandboxLimits().
+    prelude: source run before the solution, whose names the solution sees as it sees the builtins (which
+        win over them); none of them is the solution's own.
+    defines: names the solution must define itself; where one is missing every test fails ("not_defined").
     """
     tests = list(tests)
     plans = [t if isinstance(t, Judging) else judging(t) for t in tests]
     nonce = secrets.token_hex(16)
-    job = marshal.dumps({"nonce": nonce, "solution": code, "timeout": float(timeout),
+    job = marshal.dumps({"nonce": nonce, "solution": code, "timeout": float(timeout), "prelude": prelude,
+                         "defines": [str(name) for name in defines],
                          "tests": [{"kind": p.kind, "src": p.src} for p in plans]})
-    wall = total_timeout if total_timeout is not None else float(timeout) * (len(tests) + 1) + 2.0
+    compiling = sum(len(p.src) for p in plans) * _COMPILE_S_PER_BYTE
+    wall = total_timeout if total_timeout is not None else float(timeout) * (len(tests) + 1) + compiling + 2.0
     lim = limits or SandboxLimits()
-    room = len(tests) * (VALUE_CAP + 256) + 4096   # stdout carries only the reporter's lines, values included
+    # stdout carries only the reporter's lines, values included; past VALUES_CAP the run stops (output_limit)
+    room = min(len(tests) * (VALUE_CAP + 256), VALUES_CAP) + 4096
     if lim.max_output_bytes < room:
         lim = SandboxLimits.of(lim, max_output_bytes=room)
     result = run_python(_HARNESS, wall, stdin=job, limits=lim)

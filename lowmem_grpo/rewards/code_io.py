@@ -61,6 +61,7 @@ ones. The checker sees the program's output only as data, as a contest's does.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import json
@@ -218,9 +219,16 @@ def returns_match(value, expected, unwrap: bool = False) -> bool:
 _CLASS_SOLUTION = re.compile(r"^class\s+Solution\b", re.MULTILINE)
 
 
+def _callee(code: str, calls: Calls) -> tuple[str, str]:
+    """(what a case calls, the name the program must define for it): LeetCode's class Solution, else fn_name."""
+    if _CLASS_SOLUTION.search(code):
+        return f"Solution().{calls.fn_name}", "Solution"
+    return calls.fn_name, calls.fn_name
+
+
 def call_tests(code: str, calls: Calls) -> list[Judging]:
     """Each case as a test judged outside: the call enters the sandbox, its value is compared here."""
-    callee = f"Solution().{calls.fn_name}" if _CLASS_SOLUTION.search(code) else calls.fn_name
+    callee = _callee(code, calls)[0]
     match = functools.partial(returns_match, unwrap=calls.unwrap)
     return [Judging("value", f"{callee}(*{_arguments(args)})", expected=out, matches=match) for args, out in calls.cases]
 
@@ -236,20 +244,23 @@ def _arguments(args: list) -> str:
     return f"__import__('json').loads({text!r})" if json.loads(text) == args else repr(args)
 
 
-# What a function-call problem's program starts with, as on the sites and in the datasets' own judges (LiveCodeBench
-# and TACO prepend star imports): starter code annotates with List[int] and solutions call deque or heappush
-# without importing them. builtins last: math's pow must not stand for the built-in three-argument pow.
+# The names a function-call problem's program may use unimported, as on the sites and in the datasets' own judges
+# (LiveCodeBench and TACO prepend these star imports): starter code annotates with List[int] and solutions call
+# deque or heappush without importing them. The program sees them as it sees the builtins, which win (math's pow
+# must not stand for the built-in three-argument pow); the function a case calls must be the program's own (a
+# program that defines nothing must not answer "lcm" with math's), and `from __future__` can stay its first line.
 CALL_PRELUDE = ("from typing import *\nfrom collections import *\nfrom heapq import *\nfrom bisect import *\n"
-                "from itertools import *\nfrom functools import *\nfrom math import *\nfrom builtins import *\n"
+                "from itertools import *\nfrom functools import *\nfrom math import *\n"
                 "import bisect, collections, functools, heapq, itertools, math, operator, re, string, sys\n")
 
 
 def run_calls(code: str, calls: Calls, *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
               limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> list[bool]:
-    """Run the program (after CALL_PRELUDE) once, then each case's call, in one sandboxed program (rewards/code.py's);
-    one bool per case, judged here on the value it returns."""
-    return private_run(run_tests(CALL_PRELUDE + code, call_tests(code, calls), timeout=timeout, limits=limits),
-                       allow_weak_sandbox, "code_io").passed
+    """Run the program (with CALL_PRELUDE's names) once, then each case's call, in one sandboxed program
+    (rewards/code.py's); one bool per case, judged here on the value it returns."""
+    run = run_tests(code, call_tests(code, calls), timeout=timeout, limits=limits, prelude=CALL_PRELUDE,
+                    defines=[_callee(code, calls)[1]])
+    return private_run(run, allow_weak_sandbox, "code_io").passed
 
 
 @functools.lru_cache(maxsize=1024)   # a row's checker comes back every epoch
@@ -357,8 +368,34 @@ def outputs_match(got: str, expected: str, float_tolerance: float = DEFAULT_FLOA
 
 # The sandbox runs Python with -S (no site module), which is what defines exit() and quit(); contest programs end
 # with them often enough ("print(ans); exit()") that a right program would fail with a NameError. Both runners
-# define them first, as sys.exit (the reference by a first line, so a `from __future__` import fails there only).
+# define them first, as sys.exit.
 _EXIT_BUILTINS = "import builtins, sys; builtins.exit = builtins.quit = sys.exit; del builtins, sys\n"
+# What the relay does for each case's program before running it, as the reference's lines: exit() and quit(), and
+# stderr to /dev/null (a right program's debug output to stderr must not count against its output cap).
+_REFERENCE_FIRST = _EXIT_BUILTINS + ("import os as _os; _fd = _os.open(_os.devnull, _os.O_WRONLY); _os.dup2(_fd, 2); "
+                                     "_os.close(_fd); del _os, _fd\n")
+_LINE_END = re.compile(r"\r\n|\r|\n")   # where Python's tokenizer ends a line
+
+
+def _after_future_imports(first: str, code: str) -> str:
+    """`code` with `first` (source lines) put before it, or after its `from __future__` imports (and the docstring
+    before them), which must open a module."""
+    try:
+        body = ast.parse(code).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return first + code
+    end = 0
+    for i, node in enumerate(body):
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            end = node.end_lineno
+        elif not (i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            break
+    if not end:
+        return first + code
+    ends = [m.end() for m in _LINE_END.finditer(code)]
+    if end > len(ends):   # its last line, without a line end
+        return code + "\n" + first
+    return code[:ends[end - 1]] + first + code[ends[end - 1]:]
 
 
 def _output_cap(expected: str, float_tolerance: float) -> int:
@@ -410,18 +447,33 @@ def checker_accepts(exit_status: Optional[int], stdout: str) -> bool:
     return first.strip(".!:;,").lower() in _ACCEPT_WORDS
 
 
-_NON_FINITE = {"nan", "inf", "infinity"}
+# What a Python checker splits on: str.split()'s whitespace (Unicode's: U+00A0, U+3000, \x1c-\x1f, ...), and
+# the commas and semicolons of "x,y" output; float() strips that whitespace itself.
+_CHECKER_TOKENS = re.compile(r"[\s,;]+")
+
+
+def _as_float(token: str) -> Optional[float]:
+    try:
+        return float(token)
+    except (ValueError, OverflowError):
+        return None
 
 
 def _before_checker(got: str, expected: str) -> Optional[bool]:
     """The verdict on an output that needs no checker, else None. The expected output token for token passes (and
-    saves the checker's sandbox). A NaN or infinity the expected output does not hold fails: the usual generated
-    check `if abs(expected - got) > eps: reject` accepts NaN, since every comparison with it is false."""
+    saves the checker's sandbox). A number that reads as NaN ("nan", "-NaN\u00a0") or as an infinity ("inf",
+    "1e999", 400 digits) fails where the expected output holds numbers and none of that kind: every comparison
+    with NaN is false, so the usual generated check `if abs(expected - got) > eps: reject` accepts it, and inf/inf
+    is NaN in a relative one. Where the expected output holds no number ("aba"), "nan" may be a right word."""
     if outputs_match(got, expected, 0.0):
         return True
-    claimed = {t.lower().lstrip("+-") for t in _tokens(got)} & _NON_FINITE
-    if claimed - {t.lower().lstrip("+-") for t in _tokens(expected)}:
-        return False
+    kinds = [v for v in map(_as_float, _CHECKER_TOKENS.split(expected)) if v is not None]
+    if not kinds:
+        return None
+    allowed = {"nan" if math.isnan(v) else "inf" for v in kinds if not math.isfinite(v)}
+    for value in map(_as_float, _CHECKER_TOKENS.split(got)):
+        if value is not None and not math.isfinite(value) and ("nan" if math.isnan(value) else "inf") not in allowed:
+            return False
     return None
 
 
@@ -435,7 +487,7 @@ def run_cases_separately(code: str, cases: list[tuple[str, str]], *, timeout: fl
     lim = limits or SandboxLimits()
 
     def run(program, seconds, stdin, cap):
-        result = run_python(_EXIT_BUILTINS + program, seconds, stdin=stdin,
+        result = run_python(_after_future_imports(_REFERENCE_FIRST, program), seconds, stdin=stdin,
                             limits=SandboxLimits.of(lim, max_output_bytes=cap))
         if result.killed_reason == "sandbox_error":
             raise SandboxError(f"the sandbox could not be set up: {result.error}")
@@ -626,7 +678,27 @@ def reset(dirs):
         return False
 
 
-def run_case(code, data, limit, cap):
+def read_exactly(n):
+    # n bytes of stdin, fewer only at its end
+    chunks = []
+    while n > 0:
+        chunk = os.read(0, min(n, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def frame():
+    # an 8-byte length, then that many bytes
+    return read_exactly(int.from_bytes(read_exactly(8), "little"))
+
+
+def run_case(code, size, limit, cap):
+    # The case's input comes from this process's stdin as the program takes it, 64 KiB at a time: held whole here,
+    # it (and every case's, in one job) would count against the program's RLIMIT_AS in each fork, which its own
+    # sandbox would not count.
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     # The clock starts before the case can run: taken after the fork, a case that stopped this process first (or
@@ -647,10 +719,10 @@ def run_case(code, data, limit, cap):
     os.close(in_r)
     os.close(out_w)
     os.set_blocking(in_w, False)
-    pending, out = memoryview(data), bytearray()
+    pending, out, left_in = b"", bytearray(), size
     reading = [out_r]
-    writing = [in_w] if pending else []
-    if not pending:
+    writing = [in_w] if left_in else []
+    if not left_in:
         os.close(in_w)
     verdict, status = None, None
     while verdict is None:
@@ -660,13 +732,19 @@ def run_case(code, data, limit, cap):
             break
         readable, writable, _ = select.select(reading, writing, [], min(left, 0.05))
         if writable:
+            if not pending:
+                pending = read_exactly(min(left_in, 1 << 16))
+                left_in -= len(pending)
+                left_in = left_in if pending else 0
             try:
-                pending = pending[os.write(in_w, pending[:65536]):]
+                pending = pending[os.write(in_w, pending):]
             except BlockingIOError:
                 pass
             except OSError:   # the program closed its stdin
-                pending = pending[:0]
-            if not pending:
+                pending = b""
+                read_exactly(left_in)
+                left_in = 0
+            if not pending and not left_in:
                 os.close(in_w)
                 writing = []
         if readable:
@@ -705,6 +783,7 @@ def run_case(code, data, limit, cap):
         status = os.waitpid(pid, 0)[1]
     for fd in writing + [out_r]:
         os.close(fd)
+    read_exactly(left_in)   # what it did not take: the next case's input follows
     if verdict is None:
         verdict = "exit:%%d" %% os.WEXITSTATUS(status) if os.WIFEXITED(status) else "signal:%%d" %% os.WTERMSIG(status)
     return verdict, bytes(out[:cap])
@@ -719,7 +798,7 @@ def main():
     except Exception:
         private = 0
     dirs = private_dirs()
-    job = read_job()
+    job = marshal.loads(frame())
     nonce = job["nonce"]
     me = os.getpid()
 
@@ -729,8 +808,8 @@ def main():
             data = data[os.write(1, data):]
 
     report("ready %%d" %% private)
-    for i, (data, cap) in enumerate(zip(job["inputs"], job["caps"])):
-        verdict, out = run_case(job["code"], data, job["timeout"], cap)
+    for i, (size, cap) in enumerate(zip(job["sizes"], job["caps"])):
+        verdict, out = run_case(job["code"], size, job["timeout"], cap)
         # Nothing of this case may run on, or stay on disk, into the next (each case is its own run in the
         # reference, run_cases_separately): a daemon started in case 0 worked on case 3's answer past case 3's
         # limit. If that cannot be made sure, the later cases are not run (they fail).
@@ -763,7 +842,9 @@ def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limi
     "over" (past its cap)."""
     nonce = secrets.token_hex(16)
     inside = [_relay_cap(cap) for cap in caps]
-    job = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": inside, "inputs": inputs})
+    head = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": inside,
+                          "sizes": [len(data) for data in inputs]})
+    job = b"".join([len(head).to_bytes(8, "little"), head, *inputs])   # each input streamed to its case (run_case)
     room = sum(2 * cap + 64 for cap in inside) + 4096   # hex doubles each output
     result = run_python(_IO_HARNESS, len(inputs) * (float(timeout) + _IO_GRACE_S) + 2.0, stdin=job,
                         limits=SandboxLimits.of(limits, max_output_bytes=max(room, limits.max_output_bytes)))

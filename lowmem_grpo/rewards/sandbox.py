@@ -11,6 +11,9 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
   (`python -I -S -c _BOOTSTRAP`) there, in its own session/process group, with an environment reduced
   to PATH/LANG (no variable of the parent reaches the program).
 * The bootstrap, best effort and in this order:
+  - oom_score_adj 1000 (the out-of-memory killer takes the program before the trainer), inherited by all
+    that follows. Without CAP_SYS_RESOURCE the kernel keeps no floor: only the minimal root's read-only
+    /proc stops the program writing 0 back, so only there is it reported as the protection "oom_first";
   - `unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)` through libc (_ctypes; Python 3.11
     has no os.unshare). As root this needs no user namespace; as an ordinary user it retries with
     CLONE_NEWUSER. A new network namespace has only a loopback device that is down: no network at all,
@@ -19,7 +22,8 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
     mounted over the run's directory holding read-only binds of only what the interpreter needs (the
     interpreter, its sys.path, the directories of the libraries and data files it maps; `_root_layout`
     finds them once per interpreter), the host's symlinks on the way to them, a minimal /dev (null, zero,
-    full, random, urandom), a fresh /proc (other processes and their environments become invisible),
+    full, random, urandom: read-only binds, so that their host inodes' times stay unchanged), a fresh
+    read-only /proc (other processes and their environments become invisible),
     size-capped tmpfs /tmp and /dev/shm, a two-line /etc/passwd; the program is copied to /tmp/sandbox;
     then it pivot_roots into it, detaches the host's tree (nothing else of the host is reachable) and
     chroots into the tree's directory (a chrooted process may not create a user namespace).
@@ -30,17 +34,17 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
     including ones that called setsid(). (The program is not PID 1 itself: PID 1 ignores signals it has
     no handler for, RLIMIT_CPU's SIGXCPU among them.)
   - in the program's process: rlimits RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (largest file),
-    RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC (processes and threads);
+    RLIMIT_NOFILE, RLIMIT_CORE=0, RLIMIT_NPROC (processes and threads), RLIMIT_NICE=RLIMIT_RTPRIO=0;
   - when started as root: drops to an unprivileged uid/gid drawn at random per run from a reserved
     range (no supplementary groups). Root ignores RLIMIT_NPROC and may write anywhere; the unprivileged
     uid makes NPROC bite, makes the host's files read-only (or unreadable) to the program, forbids
     signalling the trainer, and — being unique to the run — lets the parent kill every process of that
     uid afterwards even without a PID namespace;
-  - oom_score_adj 1000 (the out-of-memory killer takes the program before the trainer),
-    PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), a seccomp filter denying a few
+  - PR_SET_NO_NEW_PRIVS (no privilege gain through setuid binaries), a seccomp filter denying a few
     system calls (kernel keys; memfd_create and System V IPC, which hold memory RLIMIT_AS does not count;
     setsid, which would give a process its own share of the CPU; POSIX message queues and extended
-    attributes, state that outlives a process), PR_SET_PDEATHSIG=SIGKILL (the program dies with its parent);
+    attributes, state that outlives a process) and limiting prlimit, setpriority, the sched_set* calls and
+    ioprio_set to the calling process, PR_SET_PDEATHSIG=SIGKILL (the program dies with its parent);
   - execs `python -I -S -B main.py`.
 * The bootstrap's status line (on stderr, before the exec) carries a per-run secret from its environment,
   so that the program cannot write one.
@@ -224,6 +228,18 @@ def give_up(msg):
 
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 my_uid, my_gid = os.getuid(), os.getgid()
+
+# The kernel's out-of-memory killer picks the process with the highest score: this program and what it starts
+# first, not the trainer (the largest process on the machine), should the runs' memory together exhaust the host.
+# Written here, through the host's /proc: the program's own is read-only. Without CAP_SYS_RESOURCE (in
+# init's user namespace) the kernel records no floor, so the program could write 0 back through any
+# writable /proc: only the minimal root, where the read-only one is the only /proc, makes this a protection.
+try:
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    oom_set = None
+except OSError as exc:
+    oom_set = str(exc)
 run_uid = cfg["uid"]
 
 # RLIMIT_NPROC counts every process of the (real) uid. For a fresh sandbox uid that is this run only;
@@ -277,16 +293,15 @@ def sys_mount(src, dst, fstype, flags, data, what):
         raise OSError("%s: %s" % (what, errno_text()))
 
 
-def bind(src, dst, writable=False):
+def bind(src, dst, device=False):
     sys_mount(src.encode(), dst.encode(), None, MS_BIND, None, "bind " + src)
-    if writable:
-        return
     # Read-only remount. It must repeat the flags the source mount has that a user namespace locks
-    # (noexec, atime); nosuid and nodev are always added.
+    # (noexec, nodev, atime); nosuid is always added, and nodev unless it is a device the program may use
+    # (a device node on a read-only mount still reads and writes; only its inode, times included, is frozen).
     have = os.statvfs(src).f_flag
-    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
-    for st, ms in ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
-                   (os.ST_RELATIME, MS_RELATIME)):
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV)
+    for st, ms in ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NODEV, MS_NODEV), (os.ST_NOATIME, MS_NOATIME),
+                   (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME)):
         if have & st:
             flags |= ms
     sys_mount(None, dst.encode(), None, flags, None, "read-only " + src)
@@ -294,7 +309,7 @@ def bind(src, dst, writable=False):
 
 def build_root(spec, program):
     """Mount a tmpfs over the run's directory and make it the root: read-only binds of what the interpreter
-    needs (spec, computed by the parent), a minimal /dev, a fresh /proc, size-capped tmpfs /tmp and /dev/shm,
+    needs (spec, computed by the parent), a minimal /dev, a fresh read-only /proc, size-capped tmpfs /tmp and /dev/shm,
     the program in /tmp/sandbox; then pivot_root into it and detach the host's tree. Raises OSError before
     the pivot (nothing changed for the caller but extra mounts in this namespace)."""
     new = os.getcwd()
@@ -327,10 +342,12 @@ def build_root(spec, program):
                       b"size=4k,mode=755", "cover " + d)
         if not os.path.isdir("dev"):
             os.mkdir("dev", 0o755)
+        # Read-only binds of the host's nodes: writable ones let the program set the host inodes' times
+        # (utime needs only write permission), a write outside the sandbox that carried state between runs.
         for name in ("null", "zero", "full", "random", "urandom"):
             if os.path.exists("/dev/" + name):
                 os.close(os.open("dev/" + name, os.O_WRONLY | os.O_CREAT, 0o666))
-                bind("/dev/" + name, "dev/" + name, writable=True)
+                bind("/dev/" + name, "dev/" + name, device=True)
         for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                              ("stderr", "/proc/self/fd/2")):
             os.symlink(target, "dev/" + name)
@@ -339,7 +356,8 @@ def build_root(spec, program):
             os.mkdir(d, 0o755)
             sys_mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts, "tmpfs /" + d)
         os.mkdir("proc", 0o555)
-        sys_mount(b"proc", b"proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "proc")
+        # Read-only: the program may not write its own /proc files (oom_score_adj back to 0, for one).
+        sys_mount(b"proc", b"proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "proc")
         if not os.path.isdir("etc"):
             os.mkdir("etc", 0o755)
         me = run_uid if run_uid is not None else os.getuid()
@@ -420,11 +438,13 @@ if ns:
             failed["minimal_root"] = str(exc)
             if "minimal_root" in cfg["require"]:
                 give_up("cannot build the minimal root: %s" % exc)
+    if oom_set is None and not rooted:
+        oom_set = "set, but another /proc of the host's tree may let the program lower it (no minimal_root)"
     if not rooted:
         # The weaker fallback (minimal_root: false, or a machine where it fails): the host's tree stays,
         # with a private /proc and /tmp and some directories hidden.
         # A /proc that shows only this namespace: other processes (and their environ) become invisible.
-        if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
+        if libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
             active.append("private_proc")
         else:
             failed["private_proc"] = errno_text()
@@ -480,24 +500,16 @@ if ns:
                 os._exit(0)
     os.close(status_w)
 
+# RLIMIT_NICE and RLIMIT_RTPRIO 0: no process of the run may raise its priority above the runs beside it.
 limits = [("RLIMIT_CPU", cfg["cpu_s"], cfg["cpu_s"] + 1), ("RLIMIT_AS", cfg["memory_bytes"], None),
           ("RLIMIT_FSIZE", cfg["fsize_bytes"], None), ("RLIMIT_NOFILE", cfg["max_open_files"], None),
-          ("RLIMIT_NPROC", nproc, None)]
+          ("RLIMIT_NPROC", nproc, None), ("RLIMIT_NICE", 0, None), ("RLIMIT_RTPRIO", 0, None)]
 for name, soft, hard in limits:
     try:
         resource.setrlimit(getattr(resource, name), (soft, soft if hard is None else hard))
         active.append(name.lower().replace("rlimit_", "rlimit:"))
     except (ValueError, OSError) as exc:
         failed[name] = str(exc)
-
-# The kernel's out-of-memory killer picks the process with the highest score: this program and what it starts
-# first, not the trainer (the largest process on the machine), should the runs' memory together exhaust the host.
-try:
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write("1000")
-    active.append("oom_first")
-except OSError as exc:
-    failed["oom_first"] = str(exc)
 
 if run_uid is not None:
     try:
@@ -509,6 +521,13 @@ if run_uid is not None:
         active.append("uid")
     except OSError as exc:
         failed["uid"] = str(exc)
+
+if not ns and oom_set is None:
+    oom_set = "set, but the program may lower it through the host's /proc (no namespaces)"
+if oom_set is None:
+    active.append("oom_first")
+else:
+    failed["oom_first"] = oom_set
 
 if os.getuid() == 0 and "rlimit:nproc" in active:
     active.remove("rlimit:nproc")
@@ -527,6 +546,14 @@ class Char(_ctypes._SimpleCData):
 # mq_open, setxattr, lsetxattr, fsetxattr, setxattrat
 DENIED = {"x86_64": (0xC000003E, (248, 249, 250, 319, 29, 68, 64, 112, 240, 188, 189, 190, 463)),
           "aarch64": (0xC00000B7, (217, 218, 219, 279, 194, 186, 190, 157, 180, 5, 6, 7, 463))}
+# Calls allowed on the calling process only: (number, ((argument, value it must have), ...)) of prlimit64
+# (pid 0), setpriority (PRIO_PROCESS, 0), sched_setparam, sched_setscheduler, sched_setaffinity, sched_setattr
+# (pid 0) and ioprio_set (IOPRIO_WHO_PROCESS, 0); otherwise EPERM.
+_OWN = ((0, 0),)
+SELF_ONLY = {"x86_64": ((302, _OWN), (141, ((0, 0), (1, 0))), (142, _OWN), (144, _OWN), (203, _OWN), (314, _OWN),
+                        (251, ((0, 1), (1, 0)))),
+             "aarch64": ((261, _OWN), (140, ((0, 0), (1, 0))), (118, _OWN), (119, _OWN), (122, _OWN), (274, _OWN),
+                         (30, ((0, 1), (1, 0))))}
 
 
 def deny_syscalls():
@@ -539,7 +566,10 @@ def deny_syscalls():
     gives each session an equal share of the CPU (autogroups), so 28 spinning processes in sessions of their own
     took 28/29 of it from the other programs judged beside them, which then timed out. mq_open and the setxattr
     calls: a POSIX message queue (the run's IPC namespace) and extended attributes carried state from one
-    stdin/stdout case to the next, which are separate runs in the reference (code_io.run_cases_separately)."""
+    stdin/stdout case to the next, which are separate runs in the reference (code_io.run_cases_separately).
+    The calls of SELF_ONLY act on the calling process only: a process of the same uid may change another's
+    rlimits, nice value, CPU affinity, scheduling and I/O priority, and each stdin/stdout case's fork of the
+    relay (code_io) changed the relay's, which every later case inherited."""
     arch, nrs = DENIED[os.uname().machine]
     bo = sys.byteorder
 
@@ -547,10 +577,19 @@ def deny_syscalls():
         return code.to_bytes(2, bo) + bytes((jt, jf)) + k.to_bytes(4, bo)
 
     deny, allow, enosys = 0x00050001, 0x7FFF0000, 0x00050026   # SECCOMP_RET_ERRNO | EPERM, ALLOW, ERRNO | ENOSYS
+    lo, hi = (0, 4) if bo == "little" else (4, 0)   # the halves of a 64-bit argument (seccomp_data.args at 16)
+    checked = []
+    for nr, conds in SELF_ONLY[os.uname().machine]:
+        n, body = len(conds), []
+        for i, (arg, value) in enumerate(conds):   # both halves must match, else on to this block's deny
+            body += [insn(0x20, 0, 0, 16 + 8 * arg + lo), insn(0x15, 0, 4 * (n - i) - 1, value),
+                     insn(0x20, 0, 0, 16 + 8 * arg + hi), insn(0x15, 0, 4 * (n - i) - 3, 0)]
+        # another call skips the block with its number still loaded
+        checked += [insn(0x15, 0, len(body) + 2, nr)] + body + [insn(0x06, 0, 0, allow), insn(0x06, 0, 0, deny)]
     code = [insn(0x20, 0, 0, 4), insn(0x15, 1, 0, arch), insn(0x06, 0, 0, enosys),   # arch == ours, or ENOSYS
-            insn(0x20, 0, 0, 0), insn(0x45, len(nrs) + 1, 0, 0x40000000)]            # nr; x32 ABI: denied
-    code += [insn(0x15, len(nrs) - k, 0, nr) for k, nr in enumerate(nrs)]
-    code += [insn(0x06, 0, 0, allow), insn(0x06, 0, 0, deny)]
+            insn(0x20, 0, 0, 0), insn(0x45, len(nrs) + len(checked) + 1, 0, 0x40000000)]   # nr; x32 ABI: denied
+    code += [insn(0x15, len(nrs) - k + len(checked), 0, nr) for k, nr in enumerate(nrs)]
+    code += checked + [insn(0x06, 0, 0, allow), insn(0x06, 0, 0, deny)]
 
     def buffer(data):
         class Buf(_ctypes.Array):
