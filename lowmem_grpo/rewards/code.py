@@ -791,7 +791,7 @@ def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEO
         raise SandboxError(f"the sandbox could not be set up: {result.error}")
     verdicts: dict = {}
     setup_error, private = None, False
-    for line in result.stdout.split("\n"):
+    for line in _each_line(result.stdout):
         parts = line.split(" ", 3)
         if len(parts) < 3 or parts[0] != nonce:
             continue
@@ -824,6 +824,16 @@ def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEO
         passed.append(bool(ok))
         details.append(detail)
     return SuiteRun(passed, details, result, unforgeable(plans), private)
+
+
+def _each_line(text: str):
+    """The lines of `text`, one at a time: a run's output may be 64 MiB, and a list of its lines one more copy."""
+    start = 0
+    while start <= len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        yield text[start:end]
+        start = end + 1
 
 
 def sandbox_check(limits: Optional[SandboxLimits] = None, allow_weak_sandbox: bool = False) -> str:

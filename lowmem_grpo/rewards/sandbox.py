@@ -1063,7 +1063,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
         except ValueError:
             name = str(-returncode)
         reason = "cpu_limit" if -returncode == signal.SIGXCPU else f"signal:{name}"
-    return SandboxResult(returncode=returncode, stdout=bytes(out[0]).decode("utf-8", "replace"),
+    return SandboxResult(returncode=returncode, stdout=out[0].decode("utf-8", "replace"),
                          stderr=err_bytes.decode("utf-8", "replace"), timed_out=timed_out,
                          killed_reason=reason, duration_s=time.monotonic() - start,
                          stdout_truncated=out[1], stderr_truncated=err[1],
