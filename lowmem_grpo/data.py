@@ -49,6 +49,16 @@ NO_CHAT_TEMPLATE = ("needs the tokenizer's chat template, and this tokenizer has
 # After a row's error: the way past it, if it is that row's (a field the whole file lacks fails every row)
 ROW_SKIP_ADVICE = "if only some rows are like this, data.on_bad_row: skip skips them, counted"
 
+# No token spans more than this many characters (a generous bound: runs of spaces make the longest): text cut to
+# chars_within(n) before tokenizing keeps all its first n tokens, and a megabyte of it costs no seconds.
+CHARS_PER_TOKEN, CHARS_FLOOR = 64, 4096
+
+
+def chars_within(tokens: int) -> int:
+    """The most characters `tokens` tokens can cover (CHARS_PER_TOKEN each, plus a floor)."""
+    return CHARS_FLOOR + CHARS_PER_TOKEN * max(0, tokens)
+
+
 CHECK_HEAD = 1000      # the first rows checked at start-up
 CHECK_SAMPLE = 1000    # plus this many seeded others (every row of a source of at most the sum)
 CACHE_EXAMPLES = 1024  # rendered examples kept (eval's first prompts; a step's batch)
@@ -194,7 +204,11 @@ class PromptSet:
     def render_message(self, row: dict, message: str) -> Example:
         """`message` (an environment's first user message, docs/algorithm.md §20) rendered as this row's prompt
         would be: in place of its prompt field, through data.template and the chat template. DataError as for
-        a row."""
+        a row; a message too long for data.max_prompt_tokens is refused before it is tokenized (an environment may
+        return megabytes, once per episode)."""
+        if isinstance(message, str) and len(message) > chars_within(self.cfg.max_prompt_tokens):
+            raise DataError(f"the message is {len(message)} characters: more than data.max_prompt_tokens="
+                            f"{self.cfg.max_prompt_tokens} tokens can hold")
         return self._render({**row, self.cfg.prompt_field: message}, self.tokenizer)
 
     def _render_at(self, i: int) -> Example:

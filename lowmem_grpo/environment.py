@@ -10,10 +10,13 @@ An environment is any class with this shape (subclassing `Environment` is option
         def step(self, model_text: str) -> tuple[str | None, float | None, bool]: ...
             # (observation appended as environment tokens or None, a reward for this turn or None, done)
 
-Two optional extras: a classmethod `startup(**kwargs) -> list[str]`, run once when the trainer loads the
-environment (lines to log; what it raises stops the run: e.g. a sandbox too weak to run model-written code),
-and a method `counters() -> dict[str, number]`, read when an episode ends and summed over the step's
-completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors, tool_timeouts).
+Optional extras: a classmethod `startup(**kwargs) -> list[str]`, run once when the trainer loads the
+environment (lines to log; what it raises stops the run: e.g. a sandbox too weak to run model-written code);
+a classmethod `longest_step_s(**kwargs) -> float`, the longest a step may rightly take (an
+environment.step_timeout_s below it is refused: a step cut there would read as the environment hanging, and its
+episode be skipped, not scored); and a method `counters() -> dict[str, number]`, read when an episode ends and
+summed over the step's completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors,
+tool_timeouts).
 
 The recipe names it as 'package.module:Class' (environment.name), or a built-in by its short name. The
 trainer builds one instance per completion and drives it (rollout/turns.py): reset once, then step after
@@ -209,6 +212,19 @@ def _load(cfg) -> tuple[list[tuple[str, str]], Optional[tuple[type, tuple, list]
         notes = startup_notes(cfg.name, cls, dict(cfg.kwargs))
     except EnvError as exc:
         return [("environment.kwargs", str(exc))], None
+    longest = getattr(cls, "longest_step_s", None)
+    if callable(longest):
+        try:
+            need = float(longest(**dict(cfg.kwargs)))
+        except USER_ERRORS as exc:
+            return [("environment.name", f"environment {cfg.name!r}: longest_step_s raised {type(exc).__name__}: "
+                                         f"{exc}")], None
+        if not cfg.step_timeout_s >= need:   # (nan too)
+            # found by a red team: a tool call looping to its own 3 s limit past a 1 s step limit was an
+            # environment error, its episode skipped where a zero was due (a model could learn to stall)
+            return [("environment.step_timeout_s", f"{cfg.step_timeout_s:g} s is shorter than one {cfg.name!r} step "
+                     f"may rightly take ({need:g} s); a step cut there counts as the environment hanging, and its "
+                     "episode is skipped, not scored: raise it, or lower the environment's own limit")], None
     return [], (cls, stop, notes)
 
 
@@ -386,10 +402,15 @@ class PythonTool(Environment):
         return tuple(cls.stop) if call_format == "tags" else (cls.FORMATS[call_format][1],)
 
     @classmethod
+    def longest_step_s(cls, timeout_s: float = 5.0, **_) -> float:
+        """The call's own limit, plus the sandbox's start and teardown (~0.1 s each; a loaded machine's margin)."""
+        return float(timeout_s) + 2.0
+
+    @classmethod
     def startup(cls, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
                 allow_weak_sandbox: bool = False, call_format: str = "tags") -> list[str]:
         """Refuse a sandbox weaker than full isolation unless allow_weak_sandbox (as the code rewards do)."""
-        from .rewards.sandbox import SandboxLimits, missing_protections, sandbox_summary
+        from .rewards.sandbox import SandboxLimits, missing_protections, run_python, sandbox_summary
 
         # (not `timeout_s <= 0`: nan passes that, and inf would fail each call in the sandbox's int(cpu_s))
         if not (isfinite(timeout_s) and timeout_s > 0) or max_output_chars < 1 or memory_mb < 1:
@@ -402,6 +423,13 @@ class PythonTool(Environment):
             raise ValueError("refusing to run model-written code with weaker isolation; missing: "
                              + "; ".join(f"{k} ({v})" for k, v in missing.items())
                              + ". Set allow_weak_sandbox: true in environment.kwargs to accept that (docs/sandbox.md).")
+        # Under too small a memory_mb Python itself cannot start, and every call's "output" would be the loader's
+        # error, read by the model as its code's (found by a red team: 8 MiB passed validate)
+        probe = run_python("print(6 * 7)", max(timeout_s, 5.0), limits=limits)
+        if probe.stdout.strip() != "42":
+            why = (probe.error or probe.stderr.strip().splitlines()[-1:] or [probe.killed_reason or "no output"])
+            raise ValueError(f"memory_mb={memory_mb}: the sandbox's Python cannot run a line under it "
+                             f"({why if isinstance(why, str) else why[0]}); raise it (the default is 512)")
         return [f"environment python: {sandbox_summary(limits)}; tool calls in the {call_format!r} format"]
 
     def reset(self, row: dict) -> Optional[str]:
@@ -441,6 +469,8 @@ class PythonTool(Environment):
         from .rewards.sandbox import run_python
 
         result = run_python(code, self.timeout_s, memory_mb=self.memory_mb)
+        if result.killed_reason == "sandbox_error":   # the machine's failure, not the model's: the episode is skipped
+            raise EnvOutputError(f"the sandbox could not run the call: {result.error}")
         output = (result.stdout + result.stderr)[: self.max_output_chars]
         if result.timed_out:
             self.timeouts += 1

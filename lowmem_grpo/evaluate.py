@@ -30,7 +30,7 @@ import torch
 from .diagnostics import solved
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import prompt_text, score
+from .rollout.turns import completion_texts, prompt_text, score
 
 
 class EvalError(Exception):
@@ -78,7 +78,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
     for i in range(0, len(examples), batch_size):
         chunk = examples[i: i + batch_size]
         completions = _generate(engine, rollout, chunk, SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
-        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        texts = completion_texts(tokenizer, completions)
         result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], step)
         judged = solved(result)
         correct += int(judged.correct.sum())
@@ -148,7 +148,7 @@ def sampled_counts(engine, tokenizer, rewards, examples, params: SamplingParams,
     for i in range(0, len(examples), step):
         chunk = examples[i: i + step]
         completions = _generate(engine, rollout, chunk, params)
-        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        texts = completion_texts(tokenizer, completions)
         result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
         counts = [[0, 0] for _ in chunk]
         judged = solved(result)

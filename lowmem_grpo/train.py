@@ -59,7 +59,8 @@ from .rewards import Rewards
 from .rewards.judging import judging_notes
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import TurnLimits, model_tokens, prompt_ids, prompt_text, runner, score, segments
+from .rollout.turns import (TurnLimits, completion_texts, model_tokens, prompt_ids, prompt_text, runner, score,
+                            segments)
 from .sinks import SinkError, Sinks, open_sinks
 
 
@@ -332,7 +333,7 @@ class Trainer:
             completions = self.generator(self.train_set)(mine, self.sampling)
         self._log_env_error(completions)
         with clock("reward"):
-            texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            texts = completion_texts(self.tokenizer, completions)
             result = score(self.rewards, texts, completions, [mine[c.prompt_index] for c in completions], self.step)
         if self.world.size == 1:
             return Rollouts(examples, completions, texts, result)

@@ -289,7 +289,8 @@ def test_a_huge_observation_is_cut_before_it_is_tokenized():
     out = run_episodes(FakeEngine("12"), Spy(), examples(1), SamplingParams(n=1, max_new_tokens=8),
                        factory("toy_envs:NeverDone", observation="1234567890" * 1_000_000), limits)
     assert max(seen) < 100_000, seen
-    assert [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e] == ids("12345678")
+    # cut in its middle, its end kept (_cut_middle): this tokenizer cannot spell the mark, so none
+    assert [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e] == ids("123456") + ids("90")
 
 
 def test_an_observation_that_would_fill_the_completion_is_not_appended():
@@ -306,7 +307,8 @@ def test_an_observation_that_would_fill_the_completion_is_not_appended():
     limits = dataclasses_replace(limits, max_total_tokens=9, observation_max_tokens=5)
     out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=1, max_new_tokens=8),
                        factory("toy_envs:NeverDone", observation="4242424242"), limits)
-    assert out[0].token_ids == ids("12") + [EOS] + ids("42424") + ids("1") and out[0].truncated
+    # (cut in its middle: its first 4 tokens and its last)
+    assert out[0].token_ids == ids("12") + [EOS] + ids("4242") + ids("2") + ids("1") and out[0].truncated
 
 
 class _ContextEngine(FakeEngine):
@@ -766,7 +768,10 @@ def test_sample_table_shows_segments_and_report_plots_the_episodes(tiny_model_di
             who = [w for w, _ in sample["segments"]]
             assert who[0] == "model" and "environment" in who, who
             assert [t for w, t in sample["segments"] if w == "environment"] == [observation]
-            assert "".join(t for _, t in sample["segments"]) == sample["completion"]
+            # the completion as the rewards read it: all of it, or up to the model's last words (completion_texts)
+            whole = "".join(t for _, t in sample["segments"])
+            assert whole == sample["completion"] or (whole.startswith(sample["completion"])
+                                                     and not whole[len(sample["completion"]):].replace(observation, "").strip())
     out = render(tmp_path / "run", tmp_path / "rep")
     assert tmp_path / "rep" / "environment.png" in out["images"]
 
@@ -1110,3 +1115,113 @@ def test_an_environment_that_cannot_start_an_episode_stops_the_run(tiny_model_di
     d["environment"]["kwargs"] = {"how": "raise", "at": 1}   # started, then step() failed: counted, the run goes on
     d["output"] = {"dir": str(tmp_path / "run2")}
     assert Trainer(recipe_from_dict(d), **QUIET).fit()["step"] == 3
+
+
+# -- a red team on tool calls and environments (each found failing) ----------------------------------------------
+
+class _Turns:
+    """Scripted model turns (texts; "" is EOS alone) over `tok`, one per round; a turn ending with a stop string
+    stops there, as the engines do."""
+
+    def __init__(self, tok, turns, stop="</python>"):
+        self.tok, self.turns, self.stop, self.round = tok, turns, stop, 0
+
+    def generate(self, prompts, params):
+        text = self.turns[min(self.round, len(self.turns) - 1)]
+        self.round += 1
+        ids_ = self.tok(text, add_special_tokens=False)["input_ids"]
+        if text.endswith(self.stop):
+            return [Completion(i, ids_, False, [-0.1] * len(ids_), stopped_by=self.stop) for i in range(len(prompts))]
+        ids_ = ids_ + [self.tok.eos_token_id]
+        return [Completion(i, ids_, False, [-0.1] * len(ids_)) for i in range(len(prompts))]
+
+
+def test_a_long_observation_is_cut_in_its_middle_and_rewards_read_the_models_last_words():
+    """An observation cut at its end lost its closing tag, so what the tool printed read as the model's answer
+    after it (tiny.final_answer: a forged 1.0, or 0.0 for a right copy); and a last turn of EOS alone left the
+    observation as the completion's last text. Cut in the middle now (the end kept), and completion_texts ends
+    with the model's own words."""
+    from lowmem_grpo.rollout.turns import completion_texts
+
+    tok = tiny.build_tool_tokenizer()
+    row = {"prompt": "123*456=", "answer": "56088"}
+    ex = [Example(row, row["prompt"], [tok.bos_token_id] + tok(row["prompt"], add_special_tokens=False)["input_ids"])]
+    limits = TurnLimits(max_turns=2, max_total_tokens=48, observation_max_tokens=16)
+
+    def reward(turns, printed):
+        env = factory("toy_envs:NeverDone", observation=tiny.tool_observation(printed))
+        c = run_episodes(_Turns(tok, turns), tok, ex, SamplingParams(n=1, max_new_tokens=24), env, limits)[0]
+        env_text = tok.decode([t for t, e in zip(c.token_ids, c.env_mask) if e])
+        return tiny.tool_answer_reward(completion_texts(tok, [c]), prompts=[row["prompt"]], rows=[row])[0], env_text
+
+    forged, env_text = reward(["<python>x</python>", ""], "</output>" * 7 + " 56088")   # the model never wrote it
+    assert forged == 0.0 and env_text.rstrip().endswith("</output>"), env_text
+    copied, env_text = reward(["<python>x</python>", "56088"], "56088 56088 156088")    # a right copy
+    assert copied == 1.0 and "..." in env_text and env_text.rstrip().endswith("</output>"), env_text
+    # the math reward's case: "12", an observation, then EOS alone: the rewards read "12", not the observation
+    obs = ids(" 4242 ")
+
+    def episode(*runs):   # (tokens, by the environment) runs
+        return Completion(0, [t for r, _ in runs for t in r], False, None,
+                          env_mask=[e for r, e in runs for _ in r])
+
+    texts = completion_texts(TOK, [episode((ids("12") + [EOS], False), (obs, True), ([EOS], False)),
+                                   episode((ids("12") + [EOS], False), (obs, True), ([EOS], False), (obs, True),
+                                           ([EOS], False)),
+                                   episode((ids("12") + [EOS], False), (obs, True), (ids("7") + [EOS], False))])
+    assert [t.strip() for t in texts] == ["12", "12", "12 4242 7"], texts
+
+
+def test_environment_failures_of_the_machine_and_the_config_are_named():
+    """A sandbox that cannot start was told to the model as its code's error (and scored); a memory_mb Python
+    cannot start under passed validate, every call's output then the loader's error; a tool timeout_s past
+    step_timeout_s made a looping call an environment error, its episode skipped where a zero was due."""
+    from lowmem_grpo.environment import EnvOutputError, PythonTool
+    from lowmem_grpo.rewards import sandbox
+
+    tool = PythonTool(allow_weak_sandbox=True)
+    broken = sandbox.SandboxResult(returncode=None, stdout="", stderr="", timed_out=False,
+                                   killed_reason="sandbox_error", error="unshare: no space left")
+    real = sandbox.run_python
+    try:
+        sandbox.run_python = lambda *a, **k: broken
+        with pytest.raises(EnvOutputError, match="the sandbox could not run the call: unshare"):
+            checked_step(tool, "<python>print(1)</python>")
+    finally:
+        sandbox.run_python = real
+    assert tool.counters()["tool_errors"] == 0
+    problems = environment_problems(EnvironmentConfig(name="python", kwargs={"memory_mb": 8, "allow_weak_sandbox": True}))
+    assert problems and problems[0][0] == "environment.kwargs" and "memory_mb=8" in problems[0][1], problems
+    cfg = EnvironmentConfig(name="python", kwargs={"timeout_s": 3, "allow_weak_sandbox": True}, step_timeout_s=4)
+    assert [key for key, _ in environment_problems(cfg)] == ["environment.step_timeout_s"]
+    assert environment_problems(cfg.model_copy(update={"step_timeout_s": 5})) == []
+
+
+def test_a_huge_first_message_is_refused_before_it_is_tokenized_and_hung_calls_are_bounded(monkeypatch):
+    """reset()'s first message was tokenized in full, once per episode (2 MB: 8.8 s and 843 MB for 4 episodes);
+    calls that hang left a thread each, without bound, until starting one raised out of the rollout."""
+    import time
+
+    from lowmem_grpo.data import PromptSet
+    from lowmem_grpo.recipe import DataConfig
+    from lowmem_grpo.rollout import turns
+
+    prompts = PromptSet("rows", DataConfig(max_prompt_tokens=64), TOK, rows=[{"prompt": "1+1=", "answer": "2"}])
+    start = time.monotonic()
+    out = run_episodes(FakeEngine("1"), TOK, examples(1), SamplingParams(n=4, max_new_tokens=4),
+                       factory("toy_envs:Scripted", first_message="1+" * (1 << 20)), LIMITS,
+                       render=prompts.render_message)
+    assert all("the message is 2097152 characters" in c.env.error for c in out) and time.monotonic() - start < 2
+    monkeypatch.setattr(turns, "MAX_HUNG_CALLS", 3)
+    monkeypatch.setattr(turns, "_hung", [])
+    release = __import__("threading").Event()
+    try:
+        for _ in range(3):
+            assert isinstance(turns._bounded(release.wait, 0.01, "step()"), turns.EnvOutputError)
+        with pytest.raises(EnvError, match="3 environment calls did not return within"):
+            turns._bounded(lambda: 1, 0.01, "step()")
+    finally:
+        release.set()
+    for t in turns._hung:
+        t.join(1)
+    assert turns._bounded(lambda: 1, 1, "step()") == 1   # once they end, calls run again

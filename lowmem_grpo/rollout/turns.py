@@ -11,9 +11,11 @@ goes on until the environment says done, max_turns model turns were taken, or ma
 max_model_len, else max_position_embeddings) ends first.
 
 An observation is appended only when a model turn follows it: not after the last turn, and not when it would
-leave no room for one (a completion never ends in the environment's text, which reward functions would read
-as the model's). It is tokenized without special tokens (text in it that spells one, say EOS, stays text) and
-cut to observation_max_tokens.
+leave no room for one (the reward functions would read the environment's text as the model's last words; and
+where the model's turn after it is empty, EOS alone, the text they read ends before it: completion_texts). It
+is tokenized without special tokens (text in it that spells one, say EOS, stays text) and cut to
+observation_max_tokens in its middle: its end (a tool's closing tag, the template's tail) stays, so that what
+the environment printed is never read as what follows its output.
 Environment tokens carry env_mask True and a NaN sampler log-prob: context for the model, never trained
 (batch.pack).
 
@@ -37,13 +39,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from ..environment import EnvOutputError, checked_counters, checked_reset, checked_step
+from ..data import chars_within
+from ..environment import EnvError, EnvOutputError, checked_counters, checked_reset, checked_step
 from .base import Completion, EnvRecord, SamplingParams
 
 STEP_WORKERS = 8   # threads running a round's parallel_steps calls (the Python tool's each wait on a subprocess)
-# An observation's text is cut to this many characters per token it may still add (plus a floor) before it is
-# tokenized: far more than any tokenizer's first tokens cover, and a megabyte observation costs no seconds.
-OBS_CHARS_PER_TOKEN, OBS_CHARS_FLOOR = 64, 4096
+MAX_HUNG_CALLS = 64   # environment calls past step_timeout_s whose threads still run: past this, the run stops
+_CUT_MARK = "..."   # where an observation's middle was cut (left out where the tokenizer cannot spell it)
 _MARK = "\x00\x01observation\x01\x00"   # stands for the observation in the template (no template holds it)
 
 
@@ -178,9 +180,12 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         return
     room = _room(ep)
     most = min(limits.observation_max_tokens, room)
-    observation = observation[: OBS_CHARS_FLOOR + OBS_CHARS_PER_TOKEN * most]
+    # cut to what `most` tokens could cover at either end before tokenizing: a megabyte costs no seconds
+    keep = chars_within(most)
+    if len(observation) > 2 * keep:
+        observation = observation[:keep] + observation[-keep:]
     try:
-        ids = _observation_ids(tokenizer, limits.observation_template, observation)[:most]
+        ids = _cut_middle(tokenizer, _observation_ids(tokenizer, limits.observation_template, observation), most)
     except Exception as exc:  # the tokenizer refused it: that episode's error, not the run's
         ep.end(error=f"the observation cannot be tokenized: {type(exc).__name__}: {exc}")
         return
@@ -194,6 +199,19 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
     ep.env_mask += [True] * len(ids)
     if ep.logprobs is not None:
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
+
+
+def _cut_middle(tokenizer, ids: list, most: int) -> list:
+    """`ids` cut to `most` tokens in the middle: its first three quarters and its last quarter (at least one
+    token) around _CUT_MARK. Cut at the end, the observation lost its closing tag (</output>), and a tool's
+    output read as the model's answer after it (found by a red team: tiny.final_answer gave a forged 1.0)."""
+    if len(ids) <= most:
+        return ids
+    mark = tokenizer(_CUT_MARK, add_special_tokens=False)["input_ids"]
+    if tokenizer.decode(mark) != _CUT_MARK or len(mark) + 2 > most:   # (<unk>s: a tokenizer without '.')
+        mark = []
+    tail = max(1, (most - len(mark)) // 4)
+    return ids[: most - len(mark) - tail] + mark + ids[len(ids) - tail:]
 
 
 def _observation_ids(tokenizer, template: str, observation: str) -> list:
@@ -221,10 +239,15 @@ def _special_texts(tokenizer) -> list:
     return [t for t in texts if t]
 
 
+_hung: list = []   # the threads of calls that did not return in time (_bounded)
+_hung_lock = threading.Lock()
+
+
 def _bounded(call: Callable, timeout_s: float, what: str):
     """call()'s result, or the EnvOutputError it raised (returned, so that a pool can carry it). A call that has
     not returned after timeout_s is an error too: its thread (a daemon: Python cannot stop it) is left behind
-    with its instance, and the run goes on instead of hanging on user code."""
+    with its instance, and the run goes on instead of hanging on user code; past MAX_HUNG_CALLS such threads
+    still running, the run stops (EnvError): each holds its instance, and the machine's threads run out."""
     box: list = []
 
     def run():
@@ -233,10 +256,21 @@ def _bounded(call: Callable, timeout_s: float, what: str):
         except EnvOutputError as exc:
             box.append(exc)
 
+    with _hung_lock:
+        _hung[:] = [t for t in _hung if t.is_alive()]
+        if len(_hung) >= MAX_HUNG_CALLS:
+            raise EnvError(f"{len(_hung)} environment calls did not return within environment.step_timeout_s and "
+                           "are still running: the environment hangs (fix it, or raise step_timeout_s)")
     worker = threading.Thread(target=run, daemon=True, name="lowmem-grpo-env")
-    worker.start()
+    try:
+        worker.start()
+    except RuntimeError as exc:   # can't start new thread: the machine's limit, not user code's error
+        raise EnvError(f"cannot start a thread for {what}: {exc} ({len(_hung)} hung environment calls hold "
+                       "threads)") from None
     worker.join(timeout_s)
     if not box:
+        with _hung_lock:
+            _hung.append(worker)
         return EnvOutputError(f"{what} did not return within environment.step_timeout_s={timeout_s:g} s")
     return box[0]
 
@@ -377,6 +411,27 @@ def score(rewards, texts: list, completions: list, examples: list, step: int = 0
             values[failed] = math.nan
         result.skipped = int(result.total.isnan().sum())
     return result
+
+
+def completion_texts(tokenizer, completions: list) -> list[str]:
+    """The completions as the reward functions read them: decoded without special tokens, ending with the model's
+    own words. An observation after which the model said nothing (its last turn EOS alone) is left out: the
+    rewards read the last text as the model's answer, and it was the environment's (found by a red team)."""
+    return tokenizer.batch_decode([_to_last_words(tokenizer, c) for c in completions], skip_special_tokens=True)
+
+
+def _to_last_words(tokenizer, c: Completion) -> list:
+    """c.token_ids without the environment's segments that only blank model text follows."""
+    ids, mask = list(c.token_ids), c.env_mask
+    end = len(ids)
+    while mask and any(mask[:end]):
+        last = max(i for i in range(end) if mask[i])
+        if tokenizer.decode(ids[last + 1:end], skip_special_tokens=True).strip():
+            break
+        while last > 0 and mask[last - 1]:
+            last -= 1
+        end = last
+    return ids[:end]
 
 
 def model_tokens(c: Completion) -> int:
