@@ -279,3 +279,25 @@ def test_word_problems_file_matches_its_generator_and_scores():
     # the worked solutions agree with the answers, and an off-by-one answer never does
     assert math_reward([r["solution"] for r in rows], rows=rows) == [1.0] * len(rows)
     assert math_reward([f"#### {int(r['answer']) + 1}" for r in rows], rows=rows) == [0.0] * len(rows)
+
+
+def test_scientific_notation_missing_golds_one_letter_variables_and_markdown():
+    """Found by a red team: math-verify read the e of 1e-07 (str() of a float column) as Euler's number, so 'e-7'
+    scored 1.0 and 0.0000001 0.0; a NaN gold (pandas' missing answer) read as a*n*n, scored 0 everywhere and 1
+    for 'n^2 a'; a one-letter word after a gold number was taken for a unit, so '2' and '2b' matched gold '2a';
+    a Markdown heading '#### Final Answer' was read as GSM8K's marker, and '**42**' failed."""
+    def score(completion, gold):
+        return math_reward([completion], rows=[{"answer": gold}], workers=0, timeout=2)[0]
+
+    cases = [(r"\boxed{0.0000001}", 1e-07, 1.0), (r"\boxed{e-7}", 1e-07, 0.0), (r"\boxed{1500}", "1.5e3", 1.0),
+             (r"\boxed{4.5e}", "1.5e3", 0.0), (r"\boxed{1.5e3}", "1500", 1.0), (r"\boxed{1e-2}", "0.01", 1.0),
+             (r"\boxed{42}", float("nan"), None), (r"\boxed{n^2 a}", float("nan"), None), (r"\boxed{nan}", "nan", None),
+             (r"\boxed{2}", "2a", 0.0), (r"\boxed{2b}", "2a", 0.0), (r"\boxed{2a}", "2a", 1.0),
+             (r"\boxed{5 \text{ cm}}", "5", 1.0),
+             ("#### Final Answer\nThe total is 42.", "42", 1.0), ("#### **42**", "42", 1.0),
+             ("<answer>**42**</answer>", "42", 1.0)]
+    got = [score(c, g) for c, g, _ in cases]
+    wrong = [(c, g, want, have) for (c, g, want), have in zip(cases, got) if want is not None and have != want]
+    assert not wrong, wrong
+    assert got[6] is None and got[7] is None and got[8] is None   # no gold: skipped, never 0 or 1
+    assert mr._numeric("5 thirds") is None and as_number("1.5e3") == 1500 and as_number("2e") is None

@@ -59,6 +59,7 @@ import threading
 import time
 from collections import deque
 from fractions import Fraction
+from math import isfinite
 from typing import NamedTuple, Optional, Sequence
 
 DEFAULT_EXTRACT = ("boxed", "answer_tag", "hashes", "last_number")
@@ -142,11 +143,13 @@ def answer_tag(text: str) -> Optional[str]:
 
 
 def after_hashes(text: str) -> Optional[str]:
-    """The first line after the last '####' (GSM8K's answer marker)."""
+    """The first line after the last '####' (GSM8K's answer marker), when it holds a digit: a Markdown heading
+    ('#### Final Answer', '#### Step 1: add') is no answer, and the next extractor reads on (found by a red team)."""
     if "####" not in text:
         return None
     tail = text.rsplit("####", 1)[1].strip()
-    return tail.splitlines()[0].strip() if tail else None
+    line = tail.splitlines()[0].strip() if tail else ""
+    return line if any(c.isdigit() for c in line) else None
 
 
 def last_number(text: str) -> Optional[str]:
@@ -190,10 +193,11 @@ _NOT_UNITS = {"pi", "e", "i", "j", "sqrt", "infty", "inf", "infinity", "x", "y",
               # ('5 dozen' or '3 quarters' can name what is counted: left as units)
               "hundred", "hundreds", "thousand", "thousands", "million", "millions", "billion", "billions",
               "trillion", "trillions", "squared", "cubed", "factorial", "tenths", "hundredths", "thousandths",
-              "reciprocal", "inverse", "below"}
+              "reciprocal", "inverse", "below", "tens", "halves", "thirds", "fourths", "fifths", "sixths",
+              "sevenths", "eighths", "ninths"}
 _UNIT = r"[A-Za-z]+(?:\^\{?\d+\}?)?(?:/[A-Za-z]+(?:\^\{?\d+\}?)?)?"
 _PLAIN = re.compile(
-    r"(?P<sign>[-+]?)\s*(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)"
+    r"(?P<sign>[-+]?)\s*(?P<num>(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3}(?![\d.]))?)"
     r"(?:\s*/\s*(?P<den>\d+(?:\.\d+)?))?"
     r"\s*(?P<pct>%|percent\b)?"
     rf"(?P<unit>(?:\s*{_UNIT}(?:\s+{_UNIT})*)?)\.?")   # words separated by whitespace: no backtracking blow-up
@@ -213,11 +217,15 @@ def _clean(text: str) -> str:
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ|°|\\degree", "", s)
     s = re.sub(r"\\(?:text|textrm|textnormal|mathrm|mbox|textbf|mathbf|operatorname)\s*\{([^{}]*)\}", r" \1", s)
     s = re.sub(r"\\left|\\right", "", s)
+    s = re.sub(r"\*\*|__", "", s)   # Markdown bold: '**42**'
     return s.strip().rstrip(".").strip()
 
 
-def _numeric(text: Optional[str]) -> Optional[_Num]:
-    """The value of a plain numeric answer, or None when it is anything else (left to math-verify)."""
+def _numeric(text: Optional[str], letters_are_units: bool = True) -> Optional[_Num]:
+    """The value of a plain numeric answer, or None when it is anything else (left to math-verify). '1.5e3' is
+    1500 (scientific notation: str() writes a float column's 1e-07 so; math-verify read the e as Euler's number).
+    letters_are_units=False (a gold answer): a one-letter word after the number is a variable ('2a'), not a unit,
+    else '2' and '2b' matched gold '2a' (found by a red team)."""
     if text is None:
         return None
     s = _clean(text)
@@ -239,7 +247,7 @@ def _numeric(text: Optional[str]) -> Optional[_Num]:
     if not m:
         return None
     words = [w.lower() for w in re.findall(r"[A-Za-z]+(?:\.[A-Za-z]+)?", m.group("unit") or "")]
-    if any(w in _NOT_UNITS for w in words):
+    if any(w in _NOT_UNITS or (len(w) == 1 and not letters_are_units) for w in words):
         return None
     try:
         value = Fraction(m.group("num").replace(",", ""))
@@ -267,9 +275,14 @@ def _numbers_equal(p: _Num, g: _Num) -> bool:
 # --------------------------------------------------------------------------------------------------
 # math-verify (inline in the main thread, or in a worker process)
 
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([-+]?\d{1,3})(?![\w.])")
+
+
 def _as_latex(s: str) -> str:
-    # math-verify looks for LaTeX anchors; a bare answer is wrapped so that it is found.
+    # math-verify looks for LaTeX anchors; a bare answer is wrapped so that it is found. It reads 1.5e3 as
+    # 1.5 * e * 3 (Euler's number): scientific notation goes as 1.5\times10^{3}.
     s = s.replace("\\$", "")
+    s = _SCIENTIFIC.sub(r"\1\\times10^{\2}", s)
     return s if "$" in s or "\\boxed" in s or "\\(" in s or "\\[" in s else f"${s}$"
 
 
@@ -490,15 +503,17 @@ def _gold_answer(gold) -> Optional[str]:
     """The answer in a gold field: a full GSM8K/MATH solution is reduced to its '####' or \\boxed answer."""
     if gold is None or isinstance(gold, bool):
         return None
+    if isinstance(gold, float) and not isfinite(gold):   # pandas' missing answer: no gold, not 'a*n*n'
+        return None
     gold = str(gold).strip()
-    if not gold:
+    if not gold or gold.lower() == "nan":
         return None
     return after_hashes(gold) or last_boxed(gold) or gold
 
 
 def _fast_judge(pred: Optional[str], gold: str) -> Optional[bool]:
     """The verdict when the exact numeric path can decide it, else None."""
-    g = _numeric(gold)
+    g = _numeric(gold, letters_are_units=False)
     if g is None:
         return None        # math-verify must at least tell whether the gold answer parses
     if pred is None or not pred.strip():
