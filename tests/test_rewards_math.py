@@ -285,7 +285,8 @@ def test_scientific_notation_missing_golds_one_letter_variables_and_markdown():
     """Found by a red team: math-verify read the e of 1e-07 (str() of a float column) as Euler's number, so 'e-7'
     scored 1.0 and 0.0000001 0.0; a NaN gold (pandas' missing answer) read as a*n*n, scored 0 everywhere and 1
     for 'n^2 a'; a one-letter word after a gold number was taken for a unit, so '2' and '2b' matched gold '2a';
-    a Markdown heading '#### Final Answer' was read as GSM8K's marker, and '**42**' failed."""
+    a Markdown heading '#### Final Answer' was read as GSM8K's marker, and '**42**' failed; an equation whose
+    left side is no name ('6 = 5') passed for 5."""
     def score(completion, gold):
         return math_reward([completion], rows=[{"answer": gold}], workers=0, timeout=2)[0]
 
@@ -295,7 +296,11 @@ def test_scientific_notation_missing_golds_one_letter_variables_and_markdown():
              (r"\boxed{2}", "2a", 0.0), (r"\boxed{2b}", "2a", 0.0), (r"\boxed{2a}", "2a", 1.0),
              (r"\boxed{5 \text{ cm}}", "5", 1.0),
              ("#### Final Answer\nThe total is 42.", "42", 1.0), ("#### **42**", "42", 1.0),
-             ("<answer>**42**</answer>", "42", 1.0)]
+             ("<answer>**42**</answer>", "42", 1.0),
+             # math-verify compared an equation's right side only: '6 = 5' passed for 5
+             (r"\boxed{6 = 5}", "5", 0.0), (r"\boxed{x = 6 = 5}", "5", 0.0), (r"\boxed{x = 5}", "5", 1.0),
+             (r"\boxed{a_{1} = 5}", "5", 1.0), (r"\boxed{\theta = \frac{\pi}{2}}", r"\frac{\pi}{2}", 1.0),
+             (r"\boxed{y = 2x + 1}", "y = 2x + 1", 1.0)]
     got = [score(c, g) for c, g, _ in cases]
     wrong = [(c, g, want, have) for (c, g, want), have in zip(cases, got) if want is not None and have != want]
     assert not wrong, wrong

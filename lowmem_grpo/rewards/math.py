@@ -511,8 +511,14 @@ def _gold_answer(gold) -> Optional[str]:
     return after_hashes(gold) or last_boxed(gold) or gold
 
 
+# What names the answer: 'x = 5', 'a_{1} = 5', 'f(2) = 5', '\\theta = 5' (one '=', a name on its left)
+_ASSIGNMENT = re.compile(r"[A-Za-z\\][\w{}\\^']*(?:\([^=]*\))?\s*=\s*[^=]+")
+
+
 def _fast_judge(pred: Optional[str], gold: str) -> Optional[bool]:
     """The verdict when the exact numeric path can decide it, else None."""
+    if pred and "=" in pred and "=" not in gold and not _ASSIGNMENT.fullmatch(_clean(pred)):
+        return False   # '6 = 5': math-verify compares an equation's right side only (found by a red team)
     g = _numeric(gold, letters_are_units=False)
     if g is None:
         return None        # math-verify must at least tell whether the gold answer parses
