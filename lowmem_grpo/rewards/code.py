@@ -247,7 +247,7 @@ def solver(cmd_r, rep_w):
             names = {"__builtins__": __builtins__}
             exec(compile(job["prelude"], "<prelude>", "exec"), names)
             names = {k: v for k, v in names.items() if not k.startswith("__")}
-            names.update(vars(__builtins__) if hasattr(__builtins__, "__dict__") else __builtins__)
+            names.update(vars(__builtins__))   # (in __main__, __builtins__ is the module)
             namespace["__builtins__"] = names
         try:
             signal.setitimer(signal.ITIMER_REAL, limit)

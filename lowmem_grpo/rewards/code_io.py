@@ -467,14 +467,20 @@ def _before_checker(got: str, expected: str) -> Optional[bool]:
     is NaN in a relative one. Where the expected output holds no number ("aba"), "nan" may be a right word."""
     if outputs_match(got, expected, 0.0):
         return True
-    kinds = [v for v in map(_as_float, _CHECKER_TOKENS.split(expected)) if v is not None]
-    if not kinds:
-        return None
-    allowed = {"nan" if math.isnan(v) else "inf" for v in kinds if not math.isfinite(v)}
-    for value in map(_as_float, _CHECKER_TOKENS.split(got)):
-        if value is not None and not math.isfinite(value) and ("nan" if math.isnan(value) else "inf") not in allowed:
-            return False
+    numbers = _numbers(expected)
+    if numbers and _non_finite(_numbers(got)) - _non_finite(numbers):
+        return False
     return None
+
+
+def _numbers(text: str) -> list[float]:
+    """The tokens of `text` that a Python checker's float() reads."""
+    return [v for v in map(_as_float, _CHECKER_TOKENS.split(text)) if v is not None]
+
+
+def _non_finite(numbers: list[float]) -> set[str]:
+    """The kinds ("nan", "inf") of the non-finite ones."""
+    return {"nan" if math.isnan(v) else "inf" for v in numbers if not math.isfinite(v)}
 
 
 def run_cases_separately(code: str, cases: list[tuple[str, str]], *, timeout: float = DEFAULT_TEST_TIMEOUT_S,
@@ -690,6 +696,12 @@ def read_exactly(n):
     return b"".join(chunks)
 
 
+def skip(n):
+    # n bytes of stdin read and dropped, 64 KiB at a time
+    while n > 0 and read_exactly(min(n, 1 << 16)):
+        n -= 1 << 16
+
+
 def frame():
     # an 8-byte length, then that many bytes
     return read_exactly(int.from_bytes(read_exactly(8), "little"))
@@ -742,7 +754,7 @@ def run_case(code, size, limit, cap):
                 pass
             except OSError:   # the program closed its stdin
                 pending = b""
-                read_exactly(left_in)
+                skip(left_in)
                 left_in = 0
             if not pending and not left_in:
                 os.close(in_w)
@@ -783,7 +795,7 @@ def run_case(code, size, limit, cap):
         status = os.waitpid(pid, 0)[1]
     for fd in writing + [out_r]:
         os.close(fd)
-    read_exactly(left_in)   # what it did not take: the next case's input follows
+    skip(left_in)   # what it did not take: the next case's input follows
     if verdict is None:
         verdict = "exit:%%d" %% os.WEXITSTATUS(status) if os.WIFEXITED(status) else "signal:%%d" %% os.WTERMSIG(status)
     return verdict, bytes(out[:cap])

@@ -422,7 +422,7 @@ def completion_texts(tokenizer, completions: list) -> list[str]:
 
 def _to_last_words(tokenizer, c: Completion) -> list:
     """c.token_ids without the environment's segments that only blank model text follows."""
-    ids, mask = list(c.token_ids), c.env_mask
+    ids, mask = c.token_ids, c.env_mask
     end = len(ids)
     while mask and any(mask[:end]):
         last = max(i for i in range(end) if mask[i])
@@ -431,7 +431,7 @@ def _to_last_words(tokenizer, c: Completion) -> list:
         while last > 0 and mask[last - 1]:
             last -= 1
         end = last
-    return ids[:end]
+    return ids if end == len(ids) else list(ids[:end])
 
 
 def model_tokens(c: Completion) -> int:
