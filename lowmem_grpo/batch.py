@@ -73,6 +73,16 @@ def trained_completions(total: torch.Tensor, group_size: int, skip_zero_std_grou
     return keep.nonzero().flatten().tolist()
 
 
+def minibatches(keep: list[int], n: int) -> list[list[int]]:
+    """`keep` cut in order into min(n, len(keep)) mini-batches of near-equal size, an optimizer update each
+    (docs/algorithm.md §7). The prompts were drawn at random, so no shuffle is needed, and a group's
+    completions stay together (its prompt computed once, §12) wherever the sizes allow."""
+    n = max(1, min(n, len(keep)))
+    size, extra = divmod(len(keep), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [keep[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
 def _ragged(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(owner, offset) of every element of sequences laid end to end: which sequence each is in, and its
     index inside it. lengths [b] -> two [sum(lengths)] long tensors."""

@@ -28,7 +28,8 @@ STEP_KEYS = (
     "update/mu_ran", "update/unclipped_fraction", "update/stop",
     "update/logp_change_pos", "update/logp_change_neg", "update/frac_pos_up", "update/frac_neg_down",
     "rollout/logprob_abs_diff", "rollout/logprob_abs_diff_max", "success_rate/skipped",
-    "sampler/weight_mean", "sampler/masked_fraction", "entropy/threshold", "entropy/kept_fraction", "entropy/coef",
+    "sampler/weight_mean", "sampler/masked_fraction", "vespo/weight_mean", "entropy/threshold",
+    "entropy/kept_fraction", "entropy/coef",
     "dynamic/draws", "dynamic/prompts_drawn", "dynamic/extra_rollouts", "dynamic/groups_discarded",
     "dynamic/groups_surplus", "dynamic/groups_short",
     "env/turns", "env/tokens", "env/errors", "env/truncated",
@@ -202,6 +203,19 @@ def sampler_correction_stats(parts: Sequence[tuple[torch.Tensor, torch.Tensor]])
     masked = torch.cat([p[1] for p in parts])
     return {"sampler/weight_mean": float(w.mean()) if w.numel() else None,
             "sampler/masked_fraction": float(masked.float().mean()) if masked.numel() else None}
+
+
+def vespo_stats(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """§14.2 over an update pass: the mean VESPO weight phi over completions (each counted once, as TRL's
+    vespo/phi_seq_mean), from (per-token phi, seq ids) per micro-batch. {} without clip: vespo."""
+    if not parts:
+        return {}
+    per_completion = []
+    for phi, seq_ids in parts:   # phi is its completion's at every token: take one per completion
+        ids, inverse = torch.unique(seq_ids, return_inverse=True)
+        per_completion.append(torch.zeros(len(ids), dtype=torch.float64).scatter(0, inverse, phi.to(torch.float64)))
+    values = torch.cat(per_completion)
+    return {"vespo/weight_mean": float(values.mean()) if values.numel() else None}
 
 
 def sampler_agreement(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -380,3 +394,19 @@ def p_star(p_ref: Optional[float], total: torch.Tensor, kl_target: str, beta: fl
     if kl_target not in ("ref", "both") or p_ref is None or not is_binary(total):
         return {"kl/p_ref": None, "kl/p_star": None}
     return {"kl/p_ref": p_ref, "kl/p_star": kl_fixed_point(p_ref, beta, mode, group_size)}
+
+
+def mean_row(rows: Sequence[dict]) -> dict:
+    """One row for the updates of a pass over several mini-batches (§7): each number averaged over the updates
+    that report one, a flag true if it was in any, anything else (a stop's reason) the last update's."""
+    out = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        values = [row[key] for row in rows if key in row]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if values and all(isinstance(v, bool) for v in values):
+            out[key] = any(values)
+        elif numbers and all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = sum(numbers) / len(numbers)
+        else:
+            out[key] = values[-1]
+    return out

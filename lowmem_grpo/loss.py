@@ -4,8 +4,9 @@
 Every tensor here is [n_tokens]: the log-prob of the sampled token under the policy (`logp`, with grad),
 under the policy that sampled it (`logp_old`) and under the reference (`logp_ref`), and the advantage of
 the token's completion. No logits, no models, no I/O. Each variant is one small function; `grpo_token_loss`
-composes the surrogate (ratio, target or CISPO clip; token or sequence ratio; optional two-sided cap), the KL
-term (ref, mirror, both, none; k1, k2 or k3), a detached per-token policy-gradient weight and an entropy bonus.
+composes the surrogate (ratio, target or CISPO clip, SAPO's gate or VESPO's weight; token or sequence ratio;
+optional two-sided cap), the KL term (ref, mirror, both, none; k1, k2 or k3), a detached per-token
+policy-gradient weight and an entropy bonus.
 `seq_index` [n_tokens] says which completion each token belongs to (any non-negative ids).
 
 Aggregation (docs/algorithm.md §5) is expressed as a per-token weight computed once for the whole batch
@@ -15,6 +16,7 @@ first micro-batch, summing micro-batch losses gives exactly the one-batch loss i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -105,8 +107,13 @@ def clip_bounds(clip: str, logp_old: torch.Tensor, eps_low: float, eps_high: flo
     raise ValueError(f"unknown clip {clip!r}")
 
 
-CLIPS = ("ratio", "target", "cispo", "sapo")
+CLIPS = ("ratio", "target", "cispo", "sapo", "vespo")
 LEVELS = ("token", "sequence")
+VESPO_SHAPE = (2.0, 3.0, 3.0, 2.0)   # (k_pos, lambda_pos, k_neg, lambda_neg): the paper's and TRL's defaults
+# Bounds in log space: a token's log-ratio within +-20, the sequence's log w within [log 1e-8, 20], as the VESPO
+# paper's code (and TRL) bound them, so that exp never overflows and a vanishing w stays a number.
+VESPO_TOKEN_LOG_RATIO_MAX = 20.0
+VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
 
 
 def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
@@ -119,15 +126,27 @@ def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
         raise ValueError("level 'sequence' needs seq_index")
     if level == "sequence" and clip == "target":
         raise ValueError("clip 'target' is not defined at level 'sequence'")
+    if clip == "vespo" and level != "token":   # its weight is a sequence ratio already (§14.2)
+        raise ValueError("clip 'vespo' builds its own sequence ratio: level must be 'token'")
+    if clip == "vespo" and seq_index is None:
+        raise ValueError("clip 'vespo' needs seq_index")
     if delta is not None and clip != "ratio":
         raise ValueError(f"delta only applies to clip 'ratio', not {clip!r}")
 
 
 def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: float, *, level: str = "token",
               seq_index: Optional[torch.Tensor] = None, delta: Optional[float] = None,
-              cispo_max_weight: float = 5.0, sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> torch.Tensor:
-    """The per-token policy-gradient objective (to maximise) of docs/algorithm.md §6, §13, §14."""
+              cispo_max_weight: float = 5.0, sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+              vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE,
+              sampler_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The per-token policy-gradient objective (to maximise) of docs/algorithm.md §6, §13, §14.
+    sampler_weight: §15's per-token correction, which only clip 'vespo' takes here (into its ratio, §14.2)."""
     check_surrogate_options(clip, level, seq_index, delta)
+    if sampler_weight is not None and clip != "vespo":
+        raise ValueError(f"sampler_weight enters clip 'vespo' only; with clip {clip!r} it is part of pg_weight (§15)")
+    if clip == "vespo":
+        phi = vespo_weight(logp, logp_old, advantages, seq_index, vespo_shape, sampler_weight)
+        return vespo_surrogate(logp, advantages, phi)
     if clip == "cispo":
         return cispo_surrogate(logp, policy_log_ratio(logp, logp_old, level, seq_index), advantages, cispo_max_weight)
     if clip == "sapo":
@@ -210,6 +229,43 @@ def sapo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float
     return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
 
 
+# -- VESPO (docs/algorithm.md §14.2) --------------------------------------------------------------------------
+
+def vespo_log_ratio(logp, logp_old, seq_index: torch.Tensor,
+                    sampler_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log w per token, detached, float64: the sum over the token's sequence of its clamped token log-ratios
+    (the log of the product of the token ratios, not GSPO's mean), plus the sum of the log of §15's token
+    correction where one is given, so that w is the ratio to the distribution the engine sampled from. A masked
+    token (weight 0) takes the bound's log 1e-8, and with it its whole sequence's w (§14.2)."""
+    with torch.no_grad():
+        x = (logp.detach() - logp_old.detach()).to(torch.float64)
+        log_w = sequence_sum(x.clamp(-VESPO_TOKEN_LOG_RATIO_MAX, VESPO_TOKEN_LOG_RATIO_MAX), seq_index)
+        if sampler_weight is not None:
+            log_c = torch.log(sampler_weight.detach().to(log_w.device, torch.float64))
+            log_w = log_w + sequence_sum(log_c.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX), seq_index)
+        return log_w.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+
+
+def vespo_weight(logp, logp_old, advantages, seq_index: torch.Tensor,
+                 shape: tuple[float, float, float, float] = VESPO_SHAPE,
+                 sampler_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """phi(w) = exp(lambda + k log w - lambda w) per token, detached: a Gamma-shaped weight of the sequence ratio
+    w (vespo_log_ratio), 1 at w = 1, vanishing as w -> 0 (k) and as w -> inf (lambda); (k, lambda) are
+    (k_pos, lambda_pos) for A >= 0, else (k_neg, lambda_neg). docs/algorithm.md §14.2."""
+    k_pos, lam_pos, k_neg, lam_neg = shape
+    with torch.no_grad():
+        log_w = vespo_log_ratio(logp, logp_old, seq_index, sampler_weight)
+        pos = advantages.detach().to(log_w.device) >= 0
+        k = torch.where(pos, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+        lam = torch.where(pos, torch.full_like(log_w, lam_pos), torch.full_like(log_w, lam_neg))
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).to(logp.dtype)
+
+
+def vespo_surrogate(logp, advantages, phi: torch.Tensor) -> torch.Tensor:
+    """VESPO: sg(phi) A lp per token, whose gradient is phi A d lp (docs/algorithm.md §14.2)."""
+    return phi.detach() * advantages * logp
+
+
 @dataclass
 class TokenLoss:
     loss: torch.Tensor                # [n] per-token loss (-objective); aggregate with aggregation_weights
@@ -218,6 +274,7 @@ class TokenLoss:
     clipped_low: torch.Tensor         # [n] bool: A < 0 and r below the lower bound (the clip binds)
     clipped_high: torch.Tensor        # [n] bool: A > 0 and r above the upper bound; for CISPO, A != 0 and
     #                                   the weight capped. r is the sequence's ratio at level 'sequence'.
+    vespo_weight: Optional[torch.Tensor] = None  # [n] clip 'vespo': phi(w) of the token's sequence (detached)
 
     @property
     def kl(self) -> Optional[torch.Tensor]:
@@ -233,7 +290,7 @@ def clip_flags(clip: str, log_ratio: torch.Tensor, logp_old: torch.Tensor, advan
         ratio = torch.exp(log_ratio)
         if clip == "cispo":
             return torch.zeros_like(ratio, dtype=torch.bool), (ratio > cispo_max_weight) & (advantages != 0)
-        if clip == "sapo":   # a soft gate: nothing is ever clipped outright
+        if clip in ("sapo", "vespo"):   # a soft gate or weight: nothing is ever clipped outright
             return torch.zeros_like(ratio, dtype=torch.bool), torch.zeros_like(ratio, dtype=torch.bool)
         low, high = clip_bounds(clip, logp_old, eps_low, eps_high)
         return (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0)
@@ -245,14 +302,24 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
                     delta: Optional[float] = None, cispo_max_weight: float = 5.0,
                     pg_weight: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
                     entropy_coef: float = 0.0, kl_ratio_weight: bool = False,
-                    sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> TokenLoss:
+                    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+                    vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE,
+                    sampler_weight: Optional[torch.Tensor] = None) -> TokenLoss:
     """-(pg * pg_weight) + KL penalty - entropy_coef * entropy per token (docs/algorithm.md §1, with the
     variants of §4, §6, §13, §14 and §16). pg_weight (detached) scales the policy term only: the sampler
     correction of §15 times the token mask of §16. kl_ratio_weight: the reference KL times the importance
-    ratio r (the token's, or its sequence's), with r's gradient (§4.4). The defaults are GRPO exactly as
-    before these options."""
-    loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
-                      delta=delta, cispo_max_weight=cispo_max_weight, sapo_temperatures=sapo_temperatures)
+    ratio r (the token's, or its sequence's), with r's gradient (§4.4). clip 'vespo' takes §15's correction
+    as sampler_weight, into its sequence ratio, instead of in pg_weight (§14.2). The defaults are GRPO exactly
+    as before these options."""
+    phi = None
+    if clip == "vespo":   # the weight once, for the loss and for TokenLoss (§14.2)
+        check_surrogate_options(clip, level, seq_index, delta)
+        phi = vespo_weight(logp, logp_old, advantages, seq_index, vespo_shape, sampler_weight)
+        loss = -vespo_surrogate(logp, advantages, phi)
+    else:
+        loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
+                          delta=delta, cispo_max_weight=cispo_max_weight, sapo_temperatures=sapo_temperatures,
+                          sampler_weight=sampler_weight)
     if pg_weight is not None:
         loss = loss * pg_weight.detach().to(loss.dtype)
     ref_weight = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index)) if kl_ratio_weight else None
@@ -266,7 +333,7 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
         log_ratio = policy_log_ratio(logp.detach(), logp_old, level, seq_index)
     clipped_low, clipped_high = clip_flags(clip, log_ratio, logp_old, advantages, eps_low, eps_high,
                                            cispo_max_weight)
-    return TokenLoss(loss, kl_ref, kl_mirror, clipped_low, clipped_high)
+    return TokenLoss(loss, kl_ref, kl_mirror, clipped_low, clipped_high, phi)
 
 
 # -- Sampler-mismatch correction (docs/algorithm.md §15) ----------------------------------------------------
@@ -357,6 +424,8 @@ def aggregation_weights(seq_index: torch.Tensor, seq_lengths: torch.Tensor, mode
         w = torch.full(seq_index.shape, 1.0 / max(1.0, n_tokens), dtype=torch.float64)
     elif mode == "constant":         # sum_i sum_t / (G * L_max)   (Dr. GRPO)
         w = torch.full(seq_index.shape, 1.0 / (n_seqs * max_completion_length), dtype=torch.float64)
+    elif mode == "sequence_sum":     # 1/G sum_i sum_t   (LUSPO: a sequence's loss times its length)
+        w = torch.full(seq_index.shape, 1.0 / max(1, n_seqs), dtype=torch.float64)
     elif mode == "sum":
         w = torch.ones(seq_index.shape, dtype=torch.float64)
     else:

@@ -278,13 +278,14 @@ class AlgorithmConfig(_Section):
         "use_bias_correction_kl, on by default there; docs/algorithm.md §4.4). Changes the gradient even at mu: 1.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Per-token KL estimator (Schulman 2020; docs/algorithm.md §4): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
-    clip: Literal["ratio", "target", "cispo", "sapo"] = Field(
-        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient, or sapo: a soft sigmoid gate of the ratio in place of the clip (sapo_temperature_pos/neg).")
+    clip: Literal["ratio", "target", "cispo", "sapo", "vespo"] = Field(
+        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient, sapo: a soft sigmoid gate of the ratio in place of the clip (sapo_temperature_pos/neg), or vespo: a detached Gamma-shaped weight of the completion's ratio (the product of its token ratios) times the log-prob (vespo_k_*/vespo_lambda_*; §14.2).")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
-    aggregation: Literal["sequence_mean", "token_mean", "constant", "sum"] = Field(
-        "sequence_mean", description="How token losses become one number (docs/algorithm.md §5).")
-    mu: int = Field(1, ge=1, le=64, description="Optimizer updates per batch of rollouts; > 1 computes old log-probs once, without grad (docs/algorithm.md §7).")
+    aggregation: Literal["sequence_mean", "token_mean", "constant", "sum", "sequence_sum"] = Field(
+        "sequence_mean", description="How token losses become one number (docs/algorithm.md §5): the mean over completions of each one's token mean (sequence_mean), the mean over the batch's tokens (token_mean), the token sum over completions x max_new_tokens (constant), the plain sum (sum), or the mean over completions of each one's token sum (sequence_sum: LUSPO, a completion's loss times its length).")
+    mu: int = Field(1, ge=1, le=64, description="Passes over a batch of rollouts, each an optimizer update per mini-batch; more than one update a step computes old log-probs once, without grad (docs/algorithm.md §7).")
+    minibatches: int = Field(1, ge=1, le=64, description="Mini-batches a batch of rollouts is cut into, in order, an optimizer update each: a step makes mu x minibatches updates from one generation (TRL's steps_per_generation / gradient_accumulation_steps; docs/algorithm.md §7). Each update's loss is normalised over its own mini-batch.")
     early_stop_unclipped_fraction: float = Field(
         0.0, ge=0, le=1, description="mu > 1 (docs/algorithm.md §7): stop a batch's updates once the fraction of tokens with A != 0 not yet clipped falls below this; 0: off.")
     early_stop_min_improvement: Optional[float] = Field(
@@ -304,13 +305,18 @@ class AlgorithmConfig(_Section):
     sapo_temperature_pos: float = Field(1.0, gt=0, description="clip: sapo (docs/algorithm.md §14): the gate's temperature for A > 0 (TRL's default).")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="clip: sapo: the gate's temperature for A <= 0; higher fades a negative token's gradient faster as its ratio leaves 1 (TRL's default).")
     cispo_max_weight: float = Field(5.0, gt=1, description="clip: cispo (docs/algorithm.md §14): the detached importance weight is capped at this (ScaleRL's 5.0).")
+    vespo_k_pos: float = Field(2.0, gt=0, description="clip: vespo (docs/algorithm.md §14.2): the power k of the weight phi(w) = exp(lambda + k log w - lambda w) for A >= 0; larger fades completions the policy made less likely (w < 1) faster (TRL's default).")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="clip: vespo: the decay lambda of the weight for A >= 0; larger fades completions the policy made more likely (w > 1) faster (TRL's default).")
+    vespo_k_neg: float = Field(3.0, gt=0, description="clip: vespo: the power k of the weight for A < 0 (TRL's default).")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="clip: vespo: the decay lambda of the weight for A < 0 (TRL's default).")
     delta: Optional[float] = Field(
         None, description="clip: ratio: two-sided clip (docs/algorithm.md §14): the unclipped ratio term is capped at delta, "
         "which bounds the loss of a negative-advantage token whose ratio ran away; must be > 1 + epsilon_high; null: off.")
     sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "none", description="Correct for the gap between the rollout engine's log-probs and the trainer's at the same weights "
         "(docs/algorithm.md §15): weight each token's policy term by the ratio, per token or per sequence, capped at "
-        "sampler_correction_max (truncate) or dropped outside [sampler_correction_min, sampler_correction_max] (mask).")
+        "sampler_correction_max (truncate) or dropped outside [sampler_correction_min, sampler_correction_max] (mask). "
+        "With clip: vespo the token_* weights enter its completion ratio instead (§14.2).")
     sampler_correction_min: float = Field(0.0, ge=0, description="sampler_correction *_mask: tokens (sequences) whose ratio is below this are dropped.")
     sampler_correction_max: float = Field(3.0, gt=0, description="sampler_correction: the truncation cap (truncate), or the ratio above which tokens (sequences) are dropped (mask).")
     off_policy_mask_threshold: Optional[float] = Field(
@@ -342,11 +348,16 @@ class AlgorithmConfig(_Section):
         # TRL's GRPOConfig also takes true (= group) and false (= none): its users' recipes keep working
         return {True: "group", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates a step makes (the learning-rate schedule counts them; TRL's global_step too)."""
+        return self.mu * self.minibatches
+
     @model_validator(mode="after")
     def _combinations(self) -> "AlgorithmConfig":
         problems = []
-        one = "with mu = 1 the only update starts at the sampling policy (r = 1)"
-        if self.kl_target in ("mirror", "both") and self.mu == 1:
+        one = "with mu = 1 and minibatches = 1 the only update starts at the sampling policy (r = 1)"
+        if self.kl_target in ("mirror", "both") and self.updates_per_step == 1:
             problems.append(("kl_target", f"{self.kl_target!r} penalises KL to the policy that sampled the batch, but "
                                           f"{one}: nothing to compare; set mu > 1, or kl_target ref or none"))
         if self.kl_target in ("ref", "both") and self.beta == 0:
@@ -357,15 +368,17 @@ class AlgorithmConfig(_Section):
         if self.kl_ratio_weight and self.kl_target not in ("ref", "both"):
             problems.append(("kl_ratio_weight", f"weights the KL to the reference, and kl_target {self.kl_target!r} has none"))
         if self.clip == "target":
-            if self.mu == 1:
+            if self.updates_per_step == 1:
                 problems.append(("clip", f"'target' never binds: {one}, short of every target; set mu > 1"))
             for name in ("epsilon_low", "epsilon_high"):  # compared with the default: a saved recipe lists every field
                 if getattr(self, name) != type(self).model_fields[name].default:
                     problems.append((name, "is a bound of the ratio clip, which clip: target does not use"))
-        for name, on in (("early_stop_unclipped_fraction", self.early_stop_unclipped_fraction > 0),
-                         ("early_stop_min_improvement", self.early_stop_min_improvement is not None)):
-            if on and self.mu == 1:
-                problems.append((name, "stops the later of a batch's mu updates; with mu = 1 there are none: set mu > 1"))
+        if self.early_stop_unclipped_fraction > 0 and self.updates_per_step == 1:
+            problems.append(("early_stop_unclipped_fraction", "stops the later of a batch's updates; with mu = 1 and "
+                                                              "minibatches = 1 there are none: set mu > 1"))
+        if self.early_stop_min_improvement is not None and self.mu == 1:   # a mini-batch against its last pass
+            problems.append(("early_stop_min_improvement", "compares a pass over the batch with the one before; "
+                                                           "with mu = 1 there is none: set mu > 1"))
         problems += self._new_option_problems()
         if problems:
             raise FieldProblems(problems)
@@ -380,6 +393,9 @@ class AlgorithmConfig(_Section):
         if self.importance_sampling_level == "sequence":
             if self.clip == "target":
                 problems.append(("importance_sampling_level", "'sequence' with clip: target is not defined; use clip ratio, cispo or sapo"))
+            if self.clip == "vespo":   # §14.2
+                problems.append(("importance_sampling_level", "clip: vespo weights by the completion's own ratio (the "
+                                                              "product of its token ratios) at any level; leave it token"))
             for name in ("epsilon_low", "epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, f"is the token-level clip bound; at importance_sampling_level sequence set "
@@ -388,7 +404,7 @@ class AlgorithmConfig(_Section):
             for name in ("sequence_epsilon_low", "sequence_epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, "is used only with importance_sampling_level: sequence"))
-        if self.clip in ("cispo", "sapo"):
+        if self.clip in ("cispo", "sapo", "vespo"):
             for name in ("epsilon_low", "epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, f"is a bound of the ratio clip, which clip: {self.clip} does not use"))
@@ -398,6 +414,14 @@ class AlgorithmConfig(_Section):
             for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, "is used only with clip: sapo"))
+        if self.clip != "vespo":
+            for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+                if getattr(self, name) != default[name].default:
+                    problems.append((name, "is used only with clip: vespo"))
+        elif self.sampler_correction.startswith("sequence_"):   # §14.2: VESPO takes the token correction into w
+            problems.append(("sampler_correction", f"{self.sampler_correction!r} with clip: vespo: VESPO puts the "
+                                                   "correction into its completion ratio token by token; use "
+                                                   "token_truncate or token_mask"))
         if self.delta is not None:
             if self.clip != "ratio":
                 problems.append(("delta", f"caps the ratio clip's unclipped term; clip is {self.clip!r}"))
@@ -514,6 +538,11 @@ class Recipe(_Section):
                 problems.append((f"rewards.functions.{i}.kwargs.buffer", f"must be less than max_length, here "
                                  f"generation.max_new_tokens ({self.generation.max_new_tokens}), got {buffer}"))
         problems += self._environment_problems()
+        completions = self.train.prompts_per_step * self.generation.num_generations
+        if self.algorithm.minibatches > completions:
+            problems.append(("algorithm.minibatches", f"cuts a batch's {completions} completions (train.prompts_per_step "
+                             f"x generation.num_generations) into {self.algorithm.minibatches} mini-batches: at most "
+                             f"{completions}"))
         if self.train.offload_activations and not self.model.gradient_checkpointing:
             problems.append(("train.offload_activations", "moves the checkpointed layer inputs to CPU memory: it needs "
                              "model.gradient_checkpointing: true (without it every activation would cross PCIe)"))

@@ -6,10 +6,12 @@ One step (Trainer.train_step):
                 episodes it answers between the model's turns (rollout/turns.py, docs/algorithm.md §20)
   3. reward     one score per completion (NaN = skipped), weighted over the functions (rewards/); then one
                 advantage per completion from its group (advantages.py, docs/algorithm.md §2)
-  4. pack       completions -> micro-batches of flat per-token tensors (batch.py)
-  5. no-grad    old log-probs (mu > 1) and reference log-probs (a KL to the reference; adapters disabled)
-  6. update     mu times (fewer on an early stop, §7): log-probs with grad -> loss (loss.py) -> backward
-                over micro-batches; clip; step
+  4. pack       completions -> algorithm.minibatches mini-batches, each in micro-batches of flat per-token
+                tensors (batch.py)
+  5. no-grad    old log-probs (more than one update per step) and reference log-probs (a KL to the reference;
+                adapters disabled)
+  6. update     mu passes over the mini-batches (fewer on an early stop, §7), an update each: log-probs with
+                grad -> loss (loss.py) -> backward over its micro-batches; clip; step
   7. diagnose   no grad: how far the batch's completions moved (§8)
   8. log        the metrics row (every statistic from diagnostics.py); a checkpoint every N steps, with the
                 loop's own state (LoopState)
@@ -39,7 +41,8 @@ from . import checkpoint as ckpt
 from . import diagnostics as diag
 from . import distributed
 from .advantages import group_advantages, normalize_then_sum_advantages
-from .batch import SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, pack, trained_completions
+from .batch import (SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, minibatches, pack,
+                    trained_completions)
 from .data import batch_indices, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
@@ -257,8 +260,9 @@ class Trainer:
         """Optimizer, schedule, loop state and sinks: fresh, or as the checkpoint left them."""
         r = self.recipe
         self.optimizer = make_optimizer(trainable_parameters(self.model), r.optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(   # the schedule counts steps * mu updates
-            self.optimizer, lr_lambda(r.optimizer.schedule, r.optimizer.warmup_steps, r.train.steps * r.algorithm.mu))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(   # the schedule counts every update (§7)
+            self.optimizer, lr_lambda(r.optimizer.schedule, r.optimizer.warmup_steps,
+                                      r.train.steps * r.algorithm.updates_per_step))
         self.step, self.state = 0, LoopState()
         self.optimizer_steps = 0  # taken by this process: whether a failed step has moved the weights yet
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
@@ -419,11 +423,12 @@ class Trainer:
                                    autocast=torch.bfloat16 if self.recipe.model.bf16_autocast else None)
 
     def no_grad_logprobs(self, batches: list[MicroBatch]) -> dict:
-        """Old log-probs (mu > 1: the ratio's denominator), reference log-probs (a KL to the reference), and
+        """Old log-probs (several updates a step: the ratio's denominator), reference log-probs (a KL to the reference), and
         with top_entropy_quantile < 1 the tokens whose entropy at the rollout weights is in the batch's top
         quantile (§16): the only ones given policy gradient."""
         a = self.recipe.algorithm
-        need_old, need_ref, need_entropy = a.mu > 1, a.kl_target in ("ref", "both"), a.top_entropy_quantile < 1
+        need_old, need_ref, need_entropy = (a.updates_per_step > 1, a.kl_target in ("ref", "both"),
+                                            a.top_entropy_quantile < 1)
         entropies = []
         with torch.no_grad(), eval_mode(self.model):
             for mb in batches:
@@ -463,6 +468,8 @@ class Trainer:
             return weight, None
         w, masked = sampler_correction_weights(logp_old, mb.logp_sampler.to(logp_old.device), mb.seq_ids.to(logp_old.device),
                                                a.sampler_correction, a.sampler_correction_min, a.sampler_correction_max)
+        if a.clip == "vespo":   # §14.2: the weight enters VESPO's completion ratio (update() passes it), not the term
+            return weight, (w.detach().cpu(), masked.cpu())
         return (w if weight is None else weight * w), (w.detach().cpu(), masked.cpu())
 
     def update(self, batches: list[MicroBatch], prev_objective: Optional[float] = None) -> dict:
@@ -475,12 +482,12 @@ class Trainer:
                              else (a.epsilon_low, a.epsilon_high))
         coef = self.entropy_coef()
         self.optimizer.zero_grad(set_to_none=True)
-        parts, sampler = [], []
+        parts, sampler, vespo = [], [], []
         for mb in batches:
             logp, entropy = self.logprobs(mb, return_entropy=True, entropy_grad=coef > 0)
-            if mb.logp_start is None:
-                mb.logp_start = logp.detach().cpu()
-            logp_old = mb.logp_old if mb.logp_old is not None else logp.detach()  # mu = 1: ratio == 1
+            if mb.logp_start is None:   # §8's "before": the rollout weights (a later mini-batch's first pass is not)
+                mb.logp_start = mb.logp_old.cpu() if mb.logp_old is not None else logp.detach().cpu()
+            logp_old = mb.logp_old if mb.logp_old is not None else logp.detach()  # one update a step: ratio == 1
             adv = mb.advantages.to(logp.device)
             pg_weight, correction = self.policy_weights(mb, logp, logp_old)
             if correction is not None:
@@ -492,17 +499,22 @@ class Trainer:
                                  cispo_max_weight=a.cispo_max_weight, pg_weight=pg_weight,
                                  entropy=entropy if coef > 0 else None, entropy_coef=coef,
                                  kl_ratio_weight=a.kl_ratio_weight,
-                                 sapo_temperatures=(a.sapo_temperature_pos, a.sapo_temperature_neg))
+                                 sapo_temperatures=(a.sapo_temperature_pos, a.sapo_temperature_neg),
+                                 vespo_shape=(a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg),
+                                 sampler_weight=correction[0] if a.clip == "vespo" and correction is not None else None)
             loss = aggregate(tl.loss, mb.weights.to(logp.device))
             loss.backward()
             parts.append(diag.TokenStats(loss.item(), entropy.detach(), tl.clipped_low, tl.clipped_high, adv,
                                          tl.kl_ref, tl.kl_mirror))
+            if tl.vespo_weight is not None:
+                vespo.append((tl.vespo_weight.detach().cpu(), mb.seq_ids.cpu()))
         # §21: the gradients summed over the processes are the batch's; its figures are every process's parts
         distributed.sum_gradients(trainable_parameters(self.model), self.world)
         parts, sampler = distributed.gather_lists(parts, self.world), distributed.gather_lists(sampler, self.world)
+        vespo = distributed.gather_lists(vespo, self.world)
         stats = diag.update_stats(parts, kl_ref_on=a.kl_target in ("ref", "both"),
                                   kl_mirror_on=a.kl_target in ("mirror", "both"))
-        extra = {**diag.sampler_correction_stats(sampler), "entropy/coef": coef}
+        extra = {**diag.sampler_correction_stats(sampler), **diag.vespo_stats(vespo), "entropy/coef": coef}
         stop = diag.early_stop_reason(stats.unclipped_fraction, -stats.loss, prev_objective,
                                       a.early_stop_unclipped_fraction, a.early_stop_min_improvement)
         if stop is not None:
@@ -518,18 +530,25 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {**stats.row(), **extra, "grad_norm": float(grad_norm), "update/stop": None, "nonfinite": not finite}
 
-    def run_updates(self, batches: list[MicroBatch]) -> dict:
-        """The mu updates of one batch (fewer when §7's early stop fires)."""
-        mu = self.recipe.algorithm.mu
-        row, ran, prev = {}, 0, None
-        for _ in range(mu):
-            out = self.update(batches, prev_objective=prev)
-            row.update(out)
-            if out["update/stop"] is not None:
+    def run_updates(self, parts: list[list[MicroBatch]]) -> dict:
+        """mu passes over the batch's mini-batches `parts`, an update each (§7); fewer when §7's early stop
+        fires, which compares a mini-batch's objective with its own on the pass before. The row's update
+        figures are the last pass's, averaged over its mini-batches."""
+        a = self.recipe.algorithm
+        row, ran, prev, stopped = {}, 0, [None] * len(parts), False
+        for _ in range(a.mu):
+            outs = []
+            for i, batches in enumerate(parts):
+                outs.append(self.update(batches, prev_objective=prev[i]))
+                if outs[-1]["update/stop"] is not None:
+                    stopped = True
+                    break
+                ran, prev[i] = ran + 1, -outs[-1]["loss"]
+            row.update(diag.mean_row(outs))
+            if stopped:
                 break
-            ran, prev = ran + 1, -out["loss"]
-        for _ in range(mu - ran):
-            self.scheduler.step()  # updates not run still tick the schedule, which counts steps * mu updates
+        for _ in range(a.updates_per_step - ran):
+            self.scheduler.step()  # updates not run still tick the schedule, which counts every update
         return {**row, "update/mu_ran": ran}
 
     def update_diagnostics(self, batches: list[MicroBatch]) -> dict:
@@ -566,11 +585,13 @@ class Trainer:
                                    exclude=truncated if a.mask_truncated_completions else None)   # §16
         if keep:
             with clock("pack"):                                                        # 4. pack
-                batches = self.pack(examples, completions, advantages.view(-1), keep)
+                parts = [self.pack(examples, completions, advantages.view(-1), part)
+                         for part in minibatches(keep, a.minibatches)]
+                batches = [mb for part in parts for mb in part]
             with clock("no_grad"):                                                     # 5. no-grad passes
                 row.update(self.no_grad_logprobs(batches))
             with clock("update"):                                                      # 6. update(s)
-                row.update(self.run_updates(batches))
+                row.update(self.run_updates(parts))
             if a.entropy_target is not None and row.get("entropy") is not None:        # §16: adapt the bonus
                 self.state.entropy_coef = adapt_entropy_coef(self.entropy_coef(), row["entropy"], a.entropy_target,
                                                              a.entropy_coef_lr)

@@ -17,8 +17,9 @@ is an ordinary run (`lowmem-grpo report`, `eval`, `export`). The reward function
 this module's `GRPOConfig` (an attribute a script reads without setting it: TRL's or transformers' default) or TRL's
 own (its enums read by their values).
 
-TRL's step counts are optimizer updates (num_iterations per generation batch; below 1, a share of the run), a step
-here is one generation batch: max_steps, save_steps, logging_steps and eval_steps are converted. `save_model` writes
+TRL's step counts are optimizer updates (num_iterations x steps_per_generation / gradient_accumulation_steps per
+generation batch; below 1, a share of the run), a step here is one generation batch and its
+algorithm.updates_per_step updates: max_steps, save_steps, logging_steps and eval_steps are converted. `save_model` writes
 the tokenizer next to the adapter, as TRL's does. After train(), `state` (transformers' TrainerState: global_step,
 log_history) reads the run's metrics.jsonl: an entry every logging_steps with the window's means, numbers only,
 TRL's metric names beside ours (_RunLog), the train summary last. `model` is the trained policy, and `evaluate()`
@@ -79,6 +80,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "scale_rewards": "group", "multi_objective_aggregation": "sum_then_normalize", "reward_weights": None,
     "mask_truncated_completions": False, "top_entropy_quantile": 1.0, "entropy_coef": 0.0,
     "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05, "off_policy_mask_threshold": None,
+    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
     "use_vllm": False, "vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_mask",
     "vllm_importance_sampling_clip_min": None, "vllm_importance_sampling_clip_max": 3.0,
     "generation_batch_size": None, "steps_per_generation": None, "chat_template_kwargs": None,
@@ -113,9 +115,12 @@ IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", 
            # resumes); TRL's RepeatSampler draws with seed, not data_seed; with eval_strategy steps or epoch the run
            # evaluates at step 0 anyway; vLLM always sleeps between rollouts on CUDA here (the README's table)
            "resume_from_checkpoint", "data_seed", "eval_on_start", "vllm_enable_sleep_mode"}
-# TRL's loss_type -> (algorithm.aggregation, algorithm.clip)
+# TRL's loss_type -> (algorithm.aggregation, algorithm.clip); luspo is GSPO's clip with each completion's loss
+# summed over its tokens (docs/algorithm.md §5), vespo TRL's dapo normaliser over VESPO's weight (§14.2)
 LOSS_TYPES = {"grpo": ("sequence_mean", "ratio"), "dapo": ("token_mean", "ratio"), "bnpo": ("token_mean", "ratio"),
-              "dr_grpo": ("constant", "ratio"), "sapo": ("sequence_mean", "sapo"), "cispo": ("token_mean", "cispo")}
+              "dr_grpo": ("constant", "ratio"), "sapo": ("sequence_mean", "sapo"), "cispo": ("token_mean", "cispo"),
+              "luspo": ("sequence_sum", "ratio"), "vespo": ("token_mean", "vespo")}
+VESPO_SETTINGS = ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 SCHEDULES = {"linear": "linear", "constant": "constant", "cosine": "cosine", "constant_with_warmup": "constant"}
 # report_to's integrations that have an output key here (TRL's default, "none", turns both off)
 REPORTERS = ("tensorboard", "wandb")
@@ -129,7 +134,7 @@ FROM_TRL = {
     "algorithm.cispo_max_weight": "epsilon_high", "algorithm.reward_aggregation": "multi_objective_aggregation",
     **{f"algorithm.{k}": k for k in ("importance_sampling_level", "scale_rewards", "mask_truncated_completions",
                                      "top_entropy_quantile", "entropy_coef", "sapo_temperature_pos",
-                                     "sapo_temperature_neg", "off_policy_mask_threshold")},
+                                     "sapo_temperature_neg", "off_policy_mask_threshold", *VESPO_SETTINGS)},
     "algorithm.sampler_correction": "vllm_importance_sampling_mode",
     "algorithm.sampler_correction_max": "vllm_importance_sampling_clip_max",
     "algorithm.sampler_correction_min": "vllm_importance_sampling_clip_min",
@@ -255,14 +260,20 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         # TRL's __post_init__: a generation batch is generation_batch_size / per_device_train_batch_size
         # micro-batches, taken as optimizer steps of gradient_accumulation_steps micro-batches each
         steps_per_generation = completions // micro
+    # TRL makes an optimizer step every gradient_accumulation_steps micro-batches: a generation batch of
+    # steps_per_generation micro-batches is that many / accumulate updates, here algorithm.minibatches
+    minibatch_count = 1
     if steps_per_generation not in (None, accumulate) and not completions % micro:
-        # (TRL's own GRPOConfig fills in both from either: name both)
-        problems.append(f"steps_per_generation / generation_batch_size ({completions} completions, "
-                        f"{completions // micro} micro-batches of per_device_train_batch_size={micro}): TRL makes an "
-                        f"optimizer step every gradient_accumulation_steps={accumulate} micro-batches, several per "
-                        "generation batch; here one step takes the whole generation batch: set "
-                        f"gradient_accumulation_steps to {completions // micro} (TRL then makes one step too), or "
-                        "leave generation_batch_size and steps_per_generation unset")
+        if steps_per_generation % accumulate:
+            # (TRL's own GRPOConfig fills in both from either: name both)
+            problems.append(f"steps_per_generation / generation_batch_size ({completions} completions, "
+                            f"{steps_per_generation} micro-batches of per_device_train_batch_size={micro}) is not a "
+                            f"multiple of gradient_accumulation_steps={accumulate}: TRL would let an optimizer step take "
+                            "micro-batches of two generation batches; here each update is a whole share of one "
+                            "(algorithm.minibatches): make steps_per_generation a multiple of "
+                            "gradient_accumulation_steps, or leave generation_batch_size and steps_per_generation unset")
+        else:
+            minibatch_count = steps_per_generation // accumulate
     if completions % g:
         problems.append(f"generation_batch_size ({completions} completions a step) must be a multiple of "
                         f"num_generations ({g})")
@@ -301,21 +312,23 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     if problems:
         raise TRLCompatError("GRPOConfig: " + "; ".join(problems))
     prompts_per_step = completions // g
-    mu = s["num_iterations"]
-    # TRL's max_steps (and every *_steps) counts optimizer updates, num_iterations of them per generation batch;
-    # a step here is one generation batch and its mu updates (the schedule and warm-up count the updates). An
-    # epoch is the whole generation batches of the data (TRL's RepeatSampler drops a partial one).
+    per_step = s["num_iterations"] * minibatch_count
+    # TRL's max_steps (and every *_steps) counts optimizer updates, num_iterations x (steps_per_generation /
+    # gradient_accumulation_steps) of them per generation batch; a step here is one generation batch and those
+    # updates (the schedule and warm-up count the updates). An epoch is the whole generation batches of the data
+    # (TRL's RepeatSampler drops a partial one).
     updates = s["max_steps"] if s["max_steps"] and s["max_steps"] > 0 else \
-        max(1, math.ceil(s["num_train_epochs"] * max(1, train_rows // prompts_per_step) * mu))
-    steps = max(1, math.ceil(updates / mu))
+        max(1, math.ceil(s["num_train_epochs"] * max(1, train_rows // prompts_per_step) * per_step))
+    steps = max(1, math.ceil(updates / per_step))
 
     def every(value) -> int:   # a *_steps count in steps here; below 1, transformers reads it as a share of the run
         value = math.ceil(updates * value) if 0 < value < 1 else int(value)
-        return max(1, math.ceil(value / mu))
+        return max(1, math.ceil(value / per_step))
     aggregation, clip = LOSS_TYPES[s["loss_type"]]
     dtype = "float16" if s["fp16"] else ("float32" if s["bf16"] is False else "bfloat16")
     algorithm = {
         "kl_target": "ref" if s["beta"] > 0 else "none", "mu": s["num_iterations"], "delta": s["delta"],
+        "minibatches": minibatch_count,
         "aggregation": aggregation, "clip": clip, "importance_sampling_level": s["importance_sampling_level"],
         # TRL's normalize_then_sum normalises each function within its groups whatever scale_rewards says
         "scale_rewards": "group" if s["multi_objective_aggregation"] == "normalize_then_sum" else s["scale_rewards"],
@@ -323,7 +336,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         "mask_truncated_completions": s["mask_truncated_completions"],
         "top_entropy_quantile": s["top_entropy_quantile"], "entropy_coef": s["entropy_coef"],
         "sapo_temperature_pos": s["sapo_temperature_pos"], "sapo_temperature_neg": s["sapo_temperature_neg"],
-        "off_policy_mask_threshold": s["off_policy_mask_threshold"]}
+        "off_policy_mask_threshold": s["off_policy_mask_threshold"], **{k: s[k] for k in VESPO_SETTINGS}}
     if s["beta"] > 0:   # TRL's use_bias_correction_kl weights that KL (no KL, nothing to weight)
         algorithm.update(beta=s["beta"], kl_ratio_weight=bool(s["use_bias_correction_kl"]))
     # TRL's epsilon/epsilon_high bound whichever clip the loss uses; here each clip has its own keys
@@ -614,7 +627,8 @@ class _Accelerator:
 # TRL's names for the step metrics of this trainer that mean what TRL's do, beside this trainer's own in
 # log_history and on_log (ours -> TRL's). Not here: num_tokens (no count of the prompts' tokens is kept),
 # completions/min_length, max_length and the *_terminated_length (not logged), sampling/importance_sampling_ratio/*
-# (measured at each update here, at the rollout there), cispo_clip_ratio (here a capped weight with any sign of A).
+# (measured at each update here, at the rollout there), cispo_clip_ratio (here a capped weight with any sign of A),
+# vespo/phi_seq_mean (VESPO's weight is not in the row).
 TRL_LOG_KEYS = {"loss": "loss", "grad_norm": "grad_norm", "lr": "learning_rate", "reward/mean": "reward",
                 "reward/std": "reward_std", "kl": "kl", "entropy": "entropy",
                 "completion/mean_length": "completions/mean_length",
@@ -637,6 +651,8 @@ def _trl_log_keys(recipe: Recipe) -> dict:
                       "rollout/logprob_abs_diff_max": "sampling/sampling_logp_difference/max"})
     if a.entropy_coef:   # TRL logs its coefficient with the bonus on
         names["entropy/coef"] = "entropy_coef"
+    if a.clip == "vespo":   # the mean weight over completions, as TRL's
+        names["vespo/weight_mean"] = "vespo/phi_seq_mean"
     return names
 
 
@@ -684,7 +700,7 @@ class _RunLog:
     _CallbackSink feeds one as the run writes its rows: the two cannot disagree."""
 
     def __init__(self, recipe: Recipe, epoch: Callable[[int], float]):
-        self.every, self.mu, self.epoch = recipe.output.log_every, recipe.algorithm.mu, epoch
+        self.every, self.updates, self.epoch = recipe.output.log_every, recipe.algorithm.updates_per_step, epoch
         self.names = _trl_log_keys(recipe)
         self.entries: list[dict] = []
         self._window: list[dict] = []
@@ -705,7 +721,7 @@ class _RunLog:
         return is_step, logs, evaluation
 
     def _entry(self, values: dict, step: int) -> dict:
-        return {**values, "epoch": self.epoch(step), "step": step * self.mu}
+        return {**values, "epoch": self.epoch(step), "step": step * self.updates}
 
 
 def _callback(callback):
@@ -725,7 +741,7 @@ class _CallbackSink(Sink):
     on_log where that row completes a logging window (_RunLog: every logging_steps, TRL's names); for an evaluation
     on_log then on_evaluate; on_save after a checkpoint is written; after the last step on_log with the train summary
     (train_runtime, train_loss, ...), then on_train_end. on_log gets the log_history entry without its step, as
-    transformers passes it. A step here is num_iterations of TRL's updates (global_step counts updates), so each
+    transformers passes it. A step here is algorithm.updates_per_step of TRL's updates (global_step counts them), so each
     event comes once a step where TRL's would come once an update. A callback that sets
     control.should_training_stop ends the run after that step, checkpointed, as a Ctrl-C does. Not called (this loop
     is not transformers'): on_substep_end, the optimizer, epoch and prediction events."""
@@ -734,9 +750,9 @@ class _CallbackSink(Sink):
         from transformers import TrainerControl, TrainerState
 
         self.callbacks, self.args, self.trainer, self.run_log = callbacks, args, trainer, run_log
-        r, mu = trainer.recipe, run_log.mu
-        self.state = TrainerState(max_steps=r.train.steps * mu, logging_steps=r.output.log_every * mu,
-                                  save_steps=r.output.save_every * mu, eval_steps=(r.train.eval_every or 0) * mu,
+        r, per_step = trainer.recipe, run_log.updates
+        self.state = TrainerState(max_steps=r.train.steps * per_step, logging_steps=r.output.log_every * per_step,
+                                  save_steps=r.output.save_every * per_step, eval_steps=(r.train.eval_every or 0) * per_step,
                                   train_batch_size=r.train.micro_batch_size)
         self.state.log_history = run_log.entries
         self.control = TrainerControl()
@@ -752,7 +768,7 @@ class _CallbackSink(Sink):
             self.trainer.stop_requested = True
 
     def _at(self, step: int) -> None:
-        self.state.global_step, self.state.epoch = step * self.run_log.mu, self.run_log.epoch(step)
+        self.state.global_step, self.state.epoch = step * self.run_log.updates, self.run_log.epoch(step)
 
     def step_begin(self, step: int) -> None:
         self._at(step - 1)   # as transformers': before the step, global_step counts the updates made so far
@@ -881,16 +897,16 @@ class GRPOTrainer:
 
         from .metrics import read_metrics
 
-        mu, r = self.recipe.algorithm.mu, self.recipe
+        per_step, r = self.recipe.algorithm.updates_per_step, self.recipe
         rows = read_metrics(self.output_dir) if self._trained else []
         run_log = _RunLog(r, self._epoch)
         for row in rows:
             run_log.add(row)
         done = max((row["step"] for row in rows), default=0)
         summary = [self._summary] if self._summary else []
-        return TrainerState(epoch=self._epoch(done), global_step=done * mu, max_steps=r.train.steps * mu,
-                            logging_steps=r.output.log_every * mu, save_steps=r.output.save_every * mu,
-                            eval_steps=(r.train.eval_every or 0) * mu, train_batch_size=r.train.micro_batch_size,
+        return TrainerState(epoch=self._epoch(done), global_step=done * per_step, max_steps=r.train.steps * per_step,
+                            logging_steps=r.output.log_every * per_step, save_steps=r.output.save_every * per_step,
+                            eval_steps=(r.train.eval_every or 0) * per_step, train_batch_size=r.train.micro_batch_size,
                             log_history=[*self._evaluations[0], *run_log.entries, *summary, *self._evaluations[1]])
 
     def _in_trl_terms(self, message: str) -> str:
@@ -997,14 +1013,14 @@ class GRPOTrainer:
         `done`): train_runtime, train_samples_per_second (completions), train_steps_per_second (optimizer updates),
         total_flos (not counted here: 0), train_loss (the mean finite step loss, a step that trained on nothing 0;
         0 without any, as transformers' is), epoch."""
-        r, mu = self.recipe, self.recipe.algorithm.mu
-        updates = (done - first) * mu
+        r, per_step = self.recipe, self.recipe.algorithm.updates_per_step
+        updates = (done - first) * per_step
         losses = [loss for loss in map(_step_loss, rows) if math.isfinite(loss)]
         return {"train_runtime": runtime,
                 "train_samples_per_second": updates * r.train.prompts_per_step * r.generation.num_generations / runtime,
                 "train_steps_per_second": updates / runtime, "total_flos": 0.0,
                 "train_loss": sum(losses) / len(losses) if losses else 0.0,
-                "epoch": self._epoch(done), "step": done * mu}
+                "epoch": self._epoch(done), "step": done * per_step}
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
         """Greedy held-out accuracy by the project's own eval (lowmem_grpo/evaluate.py, as `lowmem-grpo eval`, its
@@ -1035,8 +1051,8 @@ class GRPOTrainer:
         keys = ("accuracy", "mean_reward", "correct", "n", "prompts", "pass@1")
         metrics = {f"{metric_key_prefix}_{k}": summary[k] for k in keys if summary.get(k) is not None}
         metrics[f"{metric_key_prefix}_runtime"] = time.monotonic() - started
-        mu = recipe.algorithm.mu
-        self._evaluations[self._trained].append({**metrics, "step": step * mu})   # [0]: before train(), [1]: after
+        per_step = recipe.algorithm.updates_per_step
+        self._evaluations[self._trained].append({**metrics, "step": step * per_step})   # [0]: before train(), [1]: after
         return metrics
 
     def log_metrics(self, split: str, metrics: dict) -> None:

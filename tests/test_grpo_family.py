@@ -167,6 +167,16 @@ def test_surrogate_gradient_is_contrastive_weight(mode, k):
     ({"early_stop_min_improvement": 0.0}, "early_stop_min_improvement", "mu > 1"),
     ({"kl_estimator": "k4"}, "kl_estimator", "'k3'"),
     ({"early_stop_unclipped_fraction": 1.5, "mu": 2}, "early_stop_unclipped_fraction", "<= 1"),
+    # VESPO (§14.2): its shape only with clip vespo, and positive; what it does not use is refused
+    ({"vespo_k_pos": 2.5}, "vespo_k_pos", "only with clip: vespo"),
+    ({"clip": "sapo", "vespo_lambda_neg": 1.0}, "vespo_lambda_neg", "only with clip: vespo"),
+    ({"clip": "vespo", "vespo_lambda_pos": 0.0}, "vespo_lambda_pos", "greater than 0"),
+    ({"clip": "vespo", "vespo_k_neg": -1.0}, "vespo_k_neg", "greater than 0"),
+    ({"clip": "vespo", "importance_sampling_level": "sequence"}, "importance_sampling_level", "leave it token"),
+    ({"clip": "vespo", "sampler_correction": "sequence_truncate"}, "sampler_correction", "token_truncate or token_mask"),
+    ({"clip": "vespo", "epsilon_low": 0.1}, "epsilon_low", "clip: vespo does not use"),
+    ({"clip": "vespo", "delta": 2.0}, "delta", "clip is 'vespo'"),
+    ({"aggregation": "sequence_sums"}, "aggregation", "'sequence_sum'"),
 ])
 def test_invalid_combinations_name_the_field(algorithm, field, words):
     with pytest.raises(RecipeError) as info:
@@ -179,7 +189,9 @@ def test_invalid_combinations_name_the_field(algorithm, field, words):
 def test_valid_combinations_and_saved_recipes_reload():
     for algorithm in ({"kl_target": "none", "beta": 0.0}, {"kl_target": "both", "mu": 2},
                       {"kl_target": "mirror", "mu": 3, "kl_estimator": "k1", "clip": "target",
-                       "early_stop_unclipped_fraction": 0.3, "early_stop_min_improvement": 0.0}):
+                       "early_stop_unclipped_fraction": 0.3, "early_stop_min_improvement": 0.0},
+                      {"clip": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5, "sampler_correction": "token_mask"},
+                      {"aggregation": "sequence_sum", "importance_sampling_level": "sequence", "mu": 2}):
         r = recipe_from_dict({**MIN, "algorithm": algorithm})
         again = recipe_from_dict(yaml.safe_load(recipe_to_yaml(r)))  # resume reloads the dump of every field
         assert again.algorithm == r.algorithm
@@ -347,3 +359,54 @@ def test_mirror_target_clip_and_early_stop(tiny_model_dir, tiny_data, tmp_path):
         assert [r["time/diagnostics_s"] is not None for r in rows] == with_figures  # the forward ran
         assert all(r[k] is None for r, w in zip(rows, with_figures) if not w
                    for k in ("update/logp_change_pos", "update/logp_change_neg", "update/frac_pos_up"))
+
+
+# (option set, the extra keys that hold a number in every row): LUSPO with GSPO's ratio, VESPO with the sampler
+# correction folded into its ratio (§5, §14.2)
+NEW_LOSSES = {
+    "luspo": {"aggregation": "sequence_sum", "importance_sampling_level": "sequence", "mu": 2},
+    "vespo": {"clip": "vespo", "mu": 2, "vespo_k_pos": 1.5, "sampler_correction": "token_mask",
+              "sampler_correction_min": 0.5},
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_LOSSES))
+def test_luspo_and_vespo_train_with_every_row_key(tiny_model_dir, tiny_data, tmp_path, monkeypatch, name):
+    """A short run with each of TRL's two newest losses: every step row holds every key, and the loss sees what the
+    recipe says (LUSPO: weight 1/N on every token; VESPO: its shape, the sampler's weight in its ratio, not in
+    pg_weight)."""
+    from lowmem_grpo import train as train_mod
+
+    calls, weights = [], []
+    real_loss, real_aggregate = train_mod.grpo_token_loss, train_mod.aggregate
+
+    def spy_loss(*args, **kwargs):
+        calls.append(kwargs)
+        return real_loss(*args, **kwargs)
+
+    def spy_aggregate(token_loss, w):
+        weights.append(w.detach().cpu())
+        return real_aggregate(token_loss, w)
+
+    monkeypatch.setattr(train_mod, "grpo_token_loss", spy_loss)
+    monkeypatch.setattr(train_mod, "aggregate", spy_aggregate)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 2, "preflight": False},
+                    algorithm={"kl_target": "none", **NEW_LOSSES[name]})
+    d["data"]["eval_path"] = ""
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    rows = _steps(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [k for k in diag.STEP_KEYS if k not in row]
+        assert not missing, missing
+        assert math.isfinite(row["loss"]) and row["update/mu_ran"] == 2
+    n = 2 * 4   # prompts_per_step x num_generations
+    if name == "luspo":
+        assert all(c["level"] == "sequence" for c in calls) and all(r["vespo/weight_mean"] is None for r in rows)
+        assert weights and all(torch.allclose(w, torch.full_like(w, 1 / n)) for w in weights)
+    else:
+        assert all(r["clip/fraction"] == 0 and isinstance(r["sampler/weight_mean"], float) for r in rows)
+        # mu = 2: the second update's weights moved off 1 (phi(1) = 1, and phi <= its maximum, 1.26 here)
+        assert all(0 < r["vespo/weight_mean"] < 1.3 and r["vespo/weight_mean"] != 1.0 for r in rows)
+        assert calls and all(c["clip"] == "vespo" and c["vespo_shape"] == (1.5, 3.0, 3.0, 2.0)
+                             and c["sampler_weight"] is not None and c["pg_weight"] is None for c in calls)

@@ -595,3 +595,299 @@ def test_sapo_surrogate_equals_hand_formula(level):
     want = -adv if level == "token" else -torch.stack([adv[seq == seq[i]].sum() / (seq == seq[i]).sum()
                                                         for i in range(n)])
     assert torch.allclose(grad, want)
+
+
+# -- §14.2 VESPO ------------------------------------------------------------------------------------------------
+
+# (completion id, A, [(lp_old, lp), ...]): w < 1 and w > 1 for either sign of A, w = 1, A = 0, a token log-ratio
+# beyond the +-20 bound (-25 -> -20: the sum is -0.5, not -5.5) and a sum below log 1e-8 (-22 -> -18.42)
+VESPO_CASES = [
+    (7, 1.0, [(-1.0, -1.3), (-2.0, -2.1), (-0.7, -0.9)]),
+    (2, 0.5, [(-1.5, -1.1), (-2.2, -1.9)]),
+    (5, -1.2, [(-0.9, -1.4), (-1.7, -1.6)]),
+    (9, -0.4, [(-2.0, -1.8), (-1.1, -0.85), (-3.0, -2.9)]),
+    (0, 0.8, [(-1.2, -1.2), (-0.4, -0.4)]),
+    (4, -0.7, [(-0.5, -25.5), (-21.0, -1.5)]),
+    (3, 1.5, [(-1.0, -13.0), (-0.5, -10.5)]),
+    (6, 0.0, [(-1.0, -0.8)]),
+]
+
+
+def _vespo_flat(cases, seed):
+    """Per-token lists of VESPO_CASES, shuffled so that a completion's tokens are not contiguous."""
+    toks = [(sid, lp, lo, a) for sid, a, pairs in cases for lo, lp in pairs]
+    random.Random(seed).shuffle(toks)
+    return {k: [t[i] for t in toks] for i, k in enumerate(("ids", "lp", "lp_old", "adv"))}
+
+
+def _hand_vespo_phi(d, shape, sampler=None):
+    """phi per completion id, from the formula of §14.2 with Python floats."""
+    k_pos, lam_pos, k_neg, lam_neg = shape
+    log_w, adv = {}, {}
+    for n, (sid, lp, lo, a) in enumerate(zip(d["ids"], d["lp"], d["lp_old"], d["adv"])):
+        x = min(max(lp - lo, -20.0), 20.0)
+        if sampler is not None:
+            c = sampler[n]
+            x += min(max(math.log(c) if c > 0 else -math.inf, math.log(1e-8)), 20.0)
+        log_w[sid] = log_w.get(sid, 0.0) + x
+        adv[sid] = a
+    phi = {}
+    for sid, lw in log_w.items():
+        lw = min(max(lw, math.log(1e-8)), 20.0)
+        k, lam = (k_pos, lam_pos) if adv[sid] >= 0 else (k_neg, lam_neg)
+        phi[sid] = math.exp(lam + k * lw - lam * math.exp(lw))
+    return phi
+
+
+@pytest.mark.parametrize("shape", [(2.0, 3.0, 3.0, 2.0), (1.5, 0.8, 0.5, 4.0)])
+def test_vespo_equals_hand_formula(shape):
+    """clip: vespo (TRL's loss_type vespo): -sg(phi(w_i)) A_i lp per token, w_i the product of the completion's token
+    ratios; the gradient is -phi A: phi carries none (at w = 1 its own derivative, k - lambda, is not 0)."""
+    from lowmem_grpo.loss import vespo_weight
+
+    d = _vespo_flat(VESPO_CASES, seed=23)
+    lp, lp_old, _, adv, ids = _tensors({**d, "lp_ref": d["lp"]})
+    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids,
+                         vespo_shape=shape)
+    phi = _hand_vespo_phi(d, shape)
+    want_phi = [phi[i] for i in d["ids"]]
+    for got, want in zip(tl.vespo_weight.tolist(), want_phi):   # relative: the clamped ones are ~1e-15
+        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=0.0), (got, want)
+    assert phi[0] == 1.0 and phi[7] != 1.0 and 0 < phi[3] < 1e-10   # w = 1; w < 1; the log 1e-8 floor
+    k_neg, lam_neg = shape[2:]   # completion 4 (A < 0): -25 + 19.5 counts as -20 + 19.5, log w = -0.5
+    assert math.isclose(phi[4], math.exp(lam_neg - 0.5 * k_neg - lam_neg * math.exp(-0.5)), rel_tol=1e-12)
+    rng = random.Random(5)
+    w = [rng.uniform(0.05, 0.3) for _ in d["ids"]]
+    loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
+    hand = sum(wt * -p * a * x for wt, p, a, x in zip(w, want_phi, d["adv"], d["lp"]))
+    assert abs(loss.item() - hand) < TOL
+    (grad,) = torch.autograd.grad(loss, lp)
+    _close(grad, [-wt * p * a for wt, p, a in zip(w, want_phi, d["adv"])])
+    assert not tl.vespo_weight.requires_grad
+    assert not vespo_weight(lp, lp_old, adv, ids, shape).requires_grad
+    assert not tl.clipped_low.any() and not tl.clipped_high.any()   # a weight, not a clip
+    # on-policy (mu = 1, no sampler correction): w = 1, phi = 1, the plain policy gradient -A
+    tl = grpo_token_loss(lp, lp.detach(), None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids,
+                         vespo_shape=shape)
+    assert tl.vespo_weight.tolist() == [1.0] * len(d["ids"])
+    _close(torch.autograd.grad(tl.loss.sum(), lp)[0], [-a for a in d["adv"]])
+
+
+def test_vespo_takes_the_sampler_correction_into_its_ratio():
+    """§14.2/§15: the token correction c enters log w (log c clamped to [log 1e-8, 20]) and does not multiply the
+    loss; a masked token (c = 0) drives its completion's phi to ~0; pg_weight (the §16 masks) still multiplies."""
+    d = _vespo_flat(VESPO_CASES[:5], seed=29)
+    lp, lp_old, _, adv, ids = _tensors({**d, "lp_ref": d["lp"]})
+    rng = random.Random(31)
+    c = [rng.choice([0.6, 0.95, 1.3, 3.0]) for _ in d["ids"]]
+    c[d["ids"].index(2)] = 0.0   # one token of completion 2 masked
+    pgw = [rng.choice([0.0, 1.0]) for _ in d["ids"]]
+    shape = (2.0, 3.0, 3.0, 2.0)
+    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids,
+                         vespo_shape=shape, sampler_weight=torch.tensor(c, dtype=torch.float64),
+                         pg_weight=torch.tensor(pgw, dtype=torch.float64))
+    phi = _hand_vespo_phi(d, shape, sampler=c)
+    assert phi[2] < 1e-12 and all(phi[i] > 1e-3 for i in (7, 5, 9, 0))
+    want = [-m * phi[i] * a * x for m, i, a, x in zip(pgw, d["ids"], d["adv"], d["lp"])]   # no factor c
+    _close(tl.loss, want, tol=1e-12)
+    (grad,) = torch.autograd.grad(tl.loss.sum(), lp)
+    _close(grad, [-m * phi[i] * a for m, i, a in zip(pgw, d["ids"], d["adv"])], tol=1e-12)
+    without = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids)
+    assert not torch.allclose(without.vespo_weight, tl.vespo_weight)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(clip="vespo"), "needs seq_index"),
+    (dict(clip="vespo", level="sequence", seq_index=torch.zeros(3, dtype=torch.long)), "level must be 'token'"),
+    (dict(clip="vespo", delta=2.0, seq_index=torch.zeros(3, dtype=torch.long)), "delta only applies"),
+    (dict(clip="ratio", sampler_weight=torch.ones(3)), "sampler_weight enters clip 'vespo' only"),
+])
+def test_invalid_vespo_combinations(kwargs, words):
+    x = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=words):
+        grpo_token_loss(x, x, None, x, beta=0.0, kl_target="none", **kwargs)
+
+
+def _padded(seed, lengths, spread=1.0):
+    """A padded batch as TRL holds it ([B, T] log-probs and mask, [B] advantages of both signs) and the same tokens
+    in this project's flat layout (those under the mask, in row order, with their row as seq_index)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    lp_old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 0.05
+    lp = lp_old + spread * torch.randn(B, T, generator=g, dtype=torch.float64) / torch.tensor(lengths)[:, None] ** 0.5
+    lp[0, 0] = lp_old[0, 0] - 24.0   # one token beyond the -20 bound
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    adv[1] = 0.0   # A = 0 counts as A >= 0
+    seq = torch.arange(B)[:, None].expand(B, T)[mask]
+    return lp, lp_old, mask, adv, seq
+
+
+@pytest.mark.parametrize("correction", [None, "token_truncate", "token_mask"])
+# (TRL holds k and lambda in torch's default float32: values exact in float32, so that 1e-12 can hold)
+@pytest.mark.parametrize("shape", [(2.0, 3.0, 3.0, 2.0), (1.5, 0.75, 0.5, 4.0)])
+def test_vespo_weight_is_trls_gamma_weight(correction, shape):
+    """Our phi on the flat layout equals TRL 1.16's GRPOTrainer.get_gamma_weights on the padded batch, with TRL's
+    token importance_sampling_ratio (1 on padding, as TRL leaves it) where a sampler correction is on."""
+    trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    from lowmem_grpo.loss import vespo_weight
+
+    lengths = [5, 3, 7, 1, 6, 4, 7, 2]
+    lp, lp_old, mask, adv, seq = _padded(41, lengths)
+    ratio = None
+    if correction is not None:
+        g = torch.Generator().manual_seed(43)
+        lp_sampler = lp_old + 0.4 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
+        w, _ = sampler_correction_weights(lp_old[mask], lp_sampler[mask], seq, correction, 0.5, 1.5)
+        assert (w == 0).any() if correction == "token_mask" else (w == 1.5).any()
+        ratio = torch.ones_like(lp)
+        ratio[mask] = w
+    k_pos, lam_pos, k_neg, lam_neg = shape
+    trl_phi = trainer.GRPOTrainer.get_gamma_weights(adv[:, None], lp - lp_old, mask.to(lp.dtype), ratio,
+                                                    k_pos=k_pos, lambda_pos=lam_pos, k_neg=k_neg, lambda_neg=lam_neg)
+    ours = vespo_weight(lp[mask], lp_old[mask], adv[seq], seq, shape, None if ratio is None else ratio[mask])
+    want = trl_phi.expand_as(lp)[mask]
+    assert torch.allclose(ours, want, rtol=1e-12, atol=1e-300), (ours, want)
+    assert (want > 0.05).sum() >= 3 and (want != 1).all()   # not all vanished, none trivially 1
+
+
+class _Accelerator:
+    num_processes = 1
+
+    @staticmethod
+    def gather(x):
+        return x
+
+    @staticmethod
+    def reduce(x, reduction="sum"):
+        return x
+
+
+def _trls_loss(loss_type, level, lp_leaf, lp_old, mask, adv, ratio, eps=(0.2, 0.28), shape=(2.0, 3.0, 3.0, 2.0)):
+    """TRL 1.16's GRPOTrainer._compute_loss on a stand-in trainer whose model returns lp_leaf: no KL, no entropy
+    masks, one accumulation step, one process, so that its normalisers are the whole batch's."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    B, T = lp_leaf.shape
+    k_pos, lam_pos, k_neg, lam_neg = shape
+    me = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp_leaf, torch.zeros_like(lp_leaf), None),
+        get_gamma_weights=trainer.GRPOTrainer.get_gamma_weights, top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None, importance_sampling_level=level, beta=0.0, loss_type=loss_type,
+        epsilon_low=eps[0], epsilon_high=eps[1], use_vllm=ratio is not None, vllm_importance_sampling_correction=True,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=_Accelerator(),
+        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics=defaultdict(lambda: defaultdict(list)),
+        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1, vespo_k_pos=k_pos,
+                             vespo_lambda_pos=lam_pos, vespo_k_neg=k_neg, vespo_lambda_neg=lam_neg))
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": lp_old, "num_items_in_batch": mask.sum().to(lp_leaf.dtype)}
+    if ratio is not None:
+        inputs["importance_sampling_ratio"] = ratio
+    return trainer.GRPOTrainer._compute_loss(me, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type, level, correction", [
+    ("luspo", "sequence", None), ("luspo", "token", None), ("vespo", "token", None), ("vespo", "token", "token_mask"),
+    ("vespo", "token", "token_truncate")])
+def test_luspo_and_vespo_losses_and_gradients_are_trls(loss_type, level, correction):
+    """TRL's loss_type luspo (its normaliser: each completion's token sum, averaged over completions) and vespo (its
+    dapo normaliser; vLLM's token ratio inside the weight, not on the loss) against this project's loss, aggregated
+    as lowmem_grpo/trl.py maps them: the same number and the same gradient per token."""
+    from lowmem_grpo.loss import aggregation_weights
+
+    lengths = [5, 3, 7, 1, 6, 4, 7, 2]
+    lp, lp_old, mask, adv, seq = _padded(47, lengths, spread=0.3 if loss_type == "luspo" else 1.0)
+    lp[0, 0] = lp_old[0, 0] - 0.5
+    ratio, c = None, None
+    if correction is not None:
+        g = torch.Generator().manual_seed(53)
+        lp_sampler = lp_old + 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)
+        c, _ = sampler_correction_weights(lp_old[mask], lp_sampler[mask], seq, correction, 0.5, 1.5)
+        ratio = torch.ones_like(lp)
+        ratio[mask] = c
+    eps = (0.2, 0.28) if level == "token" else (0.05, 0.06)
+    leaf = lp.clone().requires_grad_()
+    trl_loss = _trls_loss(loss_type, level, leaf, lp_old, mask, adv, ratio, eps)
+    (trl_grad,) = torch.autograd.grad(trl_loss, leaf)
+
+    aggregation, clip = {"luspo": ("sequence_sum", "ratio"), "vespo": ("token_mean", "vespo")}[loss_type]
+    mine = lp.clone().requires_grad_()
+    tl = grpo_token_loss(mine[mask], lp_old[mask], None, adv[seq], beta=0.0, kl_target="none", clip=clip,
+                         eps_low=eps[0], eps_high=eps[1], level=level, seq_index=seq, sampler_weight=c)
+    ours = aggregate(tl.loss, aggregation_weights(seq, torch.tensor(lengths), aggregation, max(lengths)))
+    (our_grad,) = torch.autograd.grad(ours, mine)
+    assert abs(ours.item() - trl_loss.item()) < 1e-12, (ours.item(), trl_loss.item())
+    assert torch.allclose(our_grad, trl_grad, rtol=1e-10, atol=1e-14)
+    assert (our_grad[mask] != 0).sum() >= 10 and (our_grad[~mask] == 0).all()
+    if loss_type == "luspo":   # some completions clipped, some not: both branches compared
+        assert (tl.clipped_low | tl.clipped_high).any() and not (tl.clipped_low | tl.clipped_high).all()
+
+
+# -- §5 sequence_sum (LUSPO) -----------------------------------------------------------------------------------
+
+def test_sequence_sum_aggregation_equals_hand_formula_and_splits_across_processes():
+    """w_it = 1 / N: the mean over completions of each one's token sum; two processes holding halves of the batch
+    (§21, totals = the whole batch's) give the same weights, and their weighted sums add up to the one-process sum."""
+    from lowmem_grpo.loss import aggregation_weights
+
+    lengths = [3, 1, 4, 2, 5]
+    seq = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))
+    w = aggregation_weights(seq, torch.tensor(lengths), "sequence_sum", 8)
+    _close(w, [1.0 / 5] * sum(lengths), tol=1e-15)
+    losses = torch.tensor([random.Random(k).uniform(-2, 2) for k in range(sum(lengths))], dtype=torch.float64)
+    hand = sum(sum(losses[seq == i].tolist()) for i in range(5)) / 5
+    assert abs(aggregate(losses, w).item() - hand) < 1e-12
+    # process 0: completions 0-1, process 1: completions 2-4, each with the batch's totals
+    totals = (5, sum(lengths))
+    cut = lengths[0] + lengths[1]
+    w0 = aggregation_weights(seq[:cut], torch.tensor(lengths[:2]), "sequence_sum", 8, totals)
+    w1 = aggregation_weights(seq[cut:] - 2, torch.tensor(lengths[2:]), "sequence_sum", 8, totals)
+    assert torch.equal(torch.cat([w0, w1]), w)
+    assert abs(aggregate(losses[:cut], w0).item() + aggregate(losses[cut:], w1).item() - hand) < 1e-12
+    # without totals a process would normalise by its own completions: a different (wrong) weight
+    assert not torch.equal(aggregation_weights(seq[:cut], torch.tensor(lengths[:2]), "sequence_sum", 8), w0)
+
+
+def test_luspo_gives_every_token_of_an_unclipped_completion_the_same_gradient():
+    """GSPO's ratio (§13) under sequence_sum: d loss / d lp_it = -A_i s_i / N whatever |o_i| (sequence_mean divides it
+    by |o_i|), and 0 on every token of a clipped completion."""
+    from lowmem_grpo.loss import aggregation_weights
+
+    d = _sequences([(0, 2, 1.0, 0.0002), (1, 6, -0.8, 0.0001), (2, 3, 1.2, 0.01), (3, 4, -0.5, -0.01)], seed=37)
+    lp, lp_old, _, adv, ids = _tensors(d)
+    lengths = torch.bincount(ids)
+    eps = (3e-4, 4e-4)
+    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", eps_low=eps[0], eps_high=eps[1],
+                         level="sequence", seq_index=ids)
+    (grad,) = torch.autograd.grad(aggregate(tl.loss, aggregation_weights(ids, lengths, "sequence_sum", 8)), lp)
+    s, _ = _hand_seq_ratio(d)
+    want = []
+    for i, a in zip(d["ids"], d["adv"]):
+        clipped = (a > 0 and s[i] > 1 + eps[1]) or (a < 0 and s[i] < 1 - eps[0])
+        want.append(0.0 if clipped else -a * s[i] / 4)
+    _close(grad, want, tol=1e-12)
+    assert sum(g == 0.0 for g in want) >= 2 and sum(g != 0.0 for g in want) >= 2
+
+
+def test_the_trainer_puts_the_sampler_correction_into_vespos_ratio_not_its_weight():
+    """Trainer.policy_weights: with clip vespo the §15 weight stays out of the policy term's multiplier (update()
+    hands it to the loss as sampler_weight); with the other clips it multiplies the term."""
+    from types import SimpleNamespace
+
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    lp_old = torch.tensor([-1.0, -1.0, -2.0, -2.0])
+    mb = SimpleNamespace(pg_mask=torch.tensor([True, False, True, True]), logp_sampler=lp_old - 0.2,
+                         advantages=torch.ones(4), seq_ids=torch.tensor([0, 0, 1, 1]))
+    base = {"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"}}
+    for clip in ("vespo", "ratio"):
+        me = SimpleNamespace(recipe=recipe_from_dict({**base, "algorithm": {"clip": clip,
+                                                                            "sampler_correction": "token_truncate"}}))
+        weight, (c, masked) = Trainer.policy_weights(me, mb, lp_old.clone(), lp_old)
+        assert torch.allclose(c, torch.full((4,), math.exp(0.2))) and not masked.any()
+        want = [1.0, 0.0, 1.0, 1.0] if clip == "vespo" else [math.exp(0.2), 0.0, math.exp(0.2), math.exp(0.2)]
+        assert torch.allclose(weight, torch.tensor(want)), (clip, weight)

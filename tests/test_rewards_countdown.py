@@ -146,3 +146,31 @@ def test_field_names_follow_the_dataset():
     assert countdown_reward(["<answer>4 * 6 * 1</answer>"], rows=[row]) == [None]   # no `numbers`: skip, not 0
     assert countdown_reward(["<answer>4 * 6</answer>"], rows=[{"n": [4, 6, 1], "t": 24}], numbers_field="n",
                             target_field="t", use_all=True) == [0.0]
+
+
+@pytest.mark.parametrize("answer", ["(25 - 5) * 4.", "\\left(25 - 5\\right) * 4", "(25 - 5) \u00b7 4", "(25 - 5) \u22c5 4",
+                                    "(25 - 5) \u00d7 4", "(25 - 5) \\times 4", "(25 - 5) \\cdot 4", "`(25 - 5) * 4`",
+                                    "`(25 - 5) * 4`.", "$(25 - 5) * 4$.", "\\((25 - 5) * 4\\)", "```\n(25 - 5) * 4\n```",
+                                    "(25 - 5) * 4 = 80.", "\\left(25 - 5\\right) \\times 4 = 80."])
+def test_harmless_formatting_is_accepted(answer):
+    """F8 (red team): a final period, \\left( \\right), the middle dot, backticks: each scored 0 for a right
+    expression. Tagged or on the last line, they are read as the plain expression."""
+    assert score(f"<answer>{answer}</answer>") == 1.0
+    assert score(f"We need 80.\n{answer}\n") == 1.0
+
+
+@pytest.mark.parametrize("answer", ["(25 - 5) ** 4.", "25 // 5 * 16.", "`(25 - 5) * 4.0`", "(25 - 5) * 4 * 4.",
+                                    "`20 * 4`", "4 / (5 - 5).", "(25 - 5) \\cdot\\cdot 4", "(25 - 5) \u00d7\u00d7 4",
+                                    "25 \\div\\div 5", "\\left[25 - 5\\right] * 4", "`(25 - 5) * 3`."])
+def test_formatting_never_changes_the_arithmetic(answer):
+    row = {"numbers": [25, 5, 4, 16, 3], "target": 80}
+    assert score(f"<answer>{answer}</answer>", row) == 0.0
+
+
+def test_the_expression_after_the_reasoning_wins():
+    """As for the math reward: after a closing </think>, a draft inside the reasoning is no answer."""
+    assert score("<think><answer>(25 - 5) * 4</answer></think><answer>25 * 3</answer>") == 0.0
+    assert score("<think><answer>25 * 3</answer></think>\n<answer>(25 - 5) * 4</answer>") == 1.0
+    assert score("<think>\n(25 - 5) * 4\n</think>\nI give up.") == 0.0
+    assert score("<think><answer>(25 - 5) * 4</answer></think> no idea") == 0.0
+    assert score("<think>\n25 * 3\n</think>\n(25 - 5) * 4\n") == 1.0

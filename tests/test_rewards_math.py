@@ -306,3 +306,96 @@ def test_scientific_notation_missing_golds_one_letter_variables_and_markdown():
     assert not wrong, wrong
     assert got[6] is None and got[7] is None and got[8] is None   # no gold: skipped, never 0 or 1
     assert mr._numeric("5 thirds") is None and as_number("1.5e3") == 1500 and as_number("2e") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Red team, second round: each case scored the other way before its fix
+
+def _score(completion, gold, **kw):
+    return math_reward([completion], rows=[{"answer": gold}], workers=0, timeout=3, **kw)[0]
+
+
+def _wrong(cases, **kw):
+    got = [_score(c, g, **kw) for c, g, _ in cases]
+    return [(c, g, want, have) for (c, g, want), have in zip(cases, got) if have != want]
+
+
+def test_words_after_a_number_are_units_or_make_it_another_value():
+    """F3: '2p' passed for gold 2 (the p read as a unit), and '3 \\text{ tens}' for 3 (math-verify drops \\text{}).
+    The word right after a number is a variable when it is one letter (bar a unit symbol set apart: '2 m') or letters
+    glued to it (bar a unit abbreviation: '5cm'); value words are never units; the same rule reads the gold answer."""
+    cases = [(r"\boxed{2p}", "2", 0.0), (r"\boxed{2 p}", "2", 0.0), (r"\boxed{2 \text{p}}", "2", 0.0),
+             (r"\boxed{3 \text{ tens}}", "3", 0.0), (r"\boxed{5 \text{ thirds}}", "5", 0.0),
+             (r"\boxed{5 \text{ squared}}", "5", 0.0), (r"\boxed{5 \text{ thousand}}", "5", 0.0),
+             ("<answer>3 tens</answer>", "3", 0.0), (r"\boxed{2ab}", "2", 0.0), (r"\boxed{5m}", "5", 0.0),
+             (r"\boxed{5 M}", "5", 0.0), (r"\boxed{2e}", "2", 0.0),
+             # past the exact path, math-verify dropped them too: kept in parentheses for it
+             (r"\boxed{\frac{1}{2} \text{ tens}}", r"\frac12", 0.0), (r"\boxed{\frac{1}{2}t}", r"\frac12", 0.0),
+             (r"\boxed{\sqrt{2}m}", r"\sqrt2", 0.0), (r"\boxed{\frac{1}{2} \text{ hour}}", r"\frac12", 1.0),
+             (r"\boxed{4\sqrt{2}\text{ cm}}", r"4\sqrt2", 1.0), (r"\boxed{\frac{t}{2}}", r"\frac12t", 1.0),
+             # the gold side: '2ab' and '2t' are products (math-verify read 2 for both: 't' is one of its units)
+             (r"\boxed{2}", "2ab", 0.0), (r"\boxed{2}", "2t", 0.0), (r"\boxed{2s}", "2t", 0.0),
+             (r"\boxed{2ab}", "2ab", 1.0), (r"\boxed{2ba}", "2ab", 1.0), (r"\boxed{2x}", "2x", 1.0),
+             (r"\boxed{2 x}", "2x", 1.0), (r"\boxed{2y}", "2x", 0.0),
+             # real units still pass
+             (r"\boxed{2 m}", "2", 1.0), (r"\boxed{2 \text{ m}}", "2", 1.0), (r"\boxed{2\,\mathrm{s}}", "2", 1.0),
+             (r"\boxed{5 cm}", "5", 1.0), (r"\boxed{5cm}", "5", 1.0), (r"\boxed{5 \text{ m/s}}", "5", 1.0),
+             (r"\boxed{\$5}", "5", 1.0), (r"\boxed{5\%}", "5", 1.0), (r"\boxed{3 \text{ apples}}", "3", 1.0),
+             (r"\boxed{3rd}", "3", 1.0), ("<answer>12 in total</answer>", "12", 1.0),
+             ("<answer>5 apples a day</answer>", "5", 1.0)]
+    assert not _wrong(cases)
+
+
+def test_a_markdown_heading_after_hashes_is_no_answer():
+    """F4: '#### Step 1: add the numbers' was read as GSM8K's marker, so 1 was the answer. '####' followed by words
+    (or a numbered title, '1. Add') is a heading, passed over; the last '####' that holds an answer counts."""
+    text = "#### Step 1: add the numbers\n3 + 4 = 7, so the answer is 7."
+    cases = [(text, "7", 1.0), (text, "1", 0.0),
+             ("#### 1. Add the numbers\n3 + 4 = 7", "7", 1.0), ("#### **Step 1**\n3 + 4 = 7", "7", 1.0),
+             ("##### Step 5\nso 7", "7", 1.0), ("#### 7\n#### Check: 3 + 4 = 7, fine", "7", 1.0),
+             ("#### 42", "42", 1.0), ("####42", "42", 1.0), ("#### $1,080", "1080", 1.0), ("#### -5", "-5", 1.0),
+             ("#### **42**", "42", 1.0), ("#### 5 apples", "5", 1.0), ("#### x = 5", "5", 1.0), ("#### 3.5", "3.5", 1.0)]
+    assert not _wrong(cases)
+    both = "#### Step 1: add the numbers\n3 + 4 = 7\n\\boxed{7}"
+    assert extract_answer(both, ("hashes", "boxed")) == "7"
+    assert _score(both, "7", extract="hashes,boxed") == 1.0 and _score(both, "1", extract="hashes,boxed") == 0.0
+
+
+def test_an_equation_names_the_answer_on_either_side():
+    """F5: against a gold answer that is no equation, 'x = 5' passed and '5 = x' failed. A name on either side of
+    the single '=' counts the same; a constant or an operation names nothing ('\\pi = 3', '\\frac{1}{2} = 5')."""
+    cases = [(r"\boxed{5 = x}", "5", 1.0), (r"\boxed{x = 5}", "5", 1.0), (r"\boxed{5 = f(2)}", "5", 1.0),
+             (r"\boxed{5 = a_{1}}", "5", 1.0), (r"\boxed{5 = AB}", "5", 1.0),
+             (r"\boxed{\frac{\pi}{2} = \theta}", r"\frac{\pi}{2}", 1.0), (r"\boxed{2x + 3 = y}", "2x+3", 1.0),
+             (r"\boxed{5 = 6}", "5", 0.0), (r"\boxed{6 = 5}", "5", 0.0), (r"\boxed{5 = 5}", "5", 0.0),
+             (r"\boxed{x = 5 = 6}", "5", 0.0), (r"\boxed{6 = x}", "5", 0.0), (r"\boxed{x = y}", "5", 0.0),
+             (r"\boxed{y = 5x}", "5", 0.0), (r"\boxed{2x+3 = 5}", "5", 0.0), (r"\boxed{\pi = 3}", "3", 0.0),
+             (r"\boxed{\frac{1}{2} = 5}", "5", 0.0), (r"\boxed{\sqrt{4} = 5}", "5", 0.0)]
+    assert not _wrong(cases)
+
+
+def test_decimals_are_exact_values():
+    """F6: math-verify rounds floats to 6 places, so 0.866025 passed for sqrt(3)/2 while 0.333333 failed for 1/3.
+    A decimal is the rational number it writes: its value passes, an approximation does not."""
+    cases = [(r"\boxed{0.866025}", r"\frac{\sqrt3}{2}", 0.0), (r"\boxed{0.333333}", r"\frac13", 0.0),
+             (r"\boxed{3.141593}", r"\pi", 0.0), (r"\boxed{\approx 0.866025}", r"\frac{\sqrt3}{2}", 0.0),
+             (r"\boxed{(0.5, 1.26]}", r"(\frac12, \frac54]", 0.0), (r"\boxed{\frac{\sqrt3}{2}}", "0.866025", 0.0),
+             (r"\boxed{0.5}", r"\frac12", 1.0), (r"\boxed{0.25}", "1/4", 1.0), (r"\boxed{2.50}", r"\frac52", 1.0),
+             (r"\boxed{0.5\sqrt{3}}", r"\frac{\sqrt3}{2}", 1.0), (r"\boxed{1.5\sqrt{2}}", r"\frac{3\sqrt2}{2}", 1.0),
+             (r"\boxed{(0.5, 1.25]}", r"(\frac12, \frac54]", 1.0), (r"\boxed{x^{0.5}}", r"\sqrt{x}", 1.0),
+             (r"\boxed{0.5}", r"\sin(\frac{\pi}{6})", 1.0), (r"\boxed{50\%}", r"\frac{1}{2}", 1.0)]
+    assert not _wrong(cases)
+
+
+def test_the_final_answer_after_the_reasoning_wins():
+    """F7: a \\boxed{} draft inside <think>...</think> beat the final <answer>. After a closing </think> only what
+    follows is read (a boxed answer inside <answer> still counts); without </think> the whole text is."""
+    cases = [("<think>try \\boxed{3}</think>\n<answer>4</answer>", "4", 1.0),
+             ("<think>try \\boxed{3}</think>\n<answer>4</answer>", "3", 0.0),
+             ("<THINK>\\boxed{3}</THINK><answer>4</answer>", "4", 1.0),
+             ("<think>\\boxed{3}</think><answer>\\boxed{4}</answer>", "4", 1.0),
+             ("<think>so 3</think>\nThe answer is \\boxed{4}.", "4", 1.0),
+             ("<think>\\boxed{4}</think>", "4", 0.0),                       # nothing after the reasoning
+             ("<think>still thinking... \\boxed{3}", "3", 1.0)]               # no </think>: the whole text
+    assert not _wrong(cases)
+    assert extract_answer("<think>\\boxed{3}</think>#### 4\n", ("boxed", "hashes")) == "4"

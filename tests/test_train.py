@@ -42,11 +42,11 @@ def test_lora_moves_and_base_does_not(tiny_model_dir, tiny_data, tmp_path):
     assert moved and all("lora_" in n for n in moved)
 
 
-@pytest.mark.parametrize("mu", [1, 2])
-def test_resume_gives_identical_losses(tiny_model_dir, tiny_data, tmp_path, mu):
+@pytest.mark.parametrize("mu, minibatches", [(1, 1), (2, 1), (1, 2)])
+def test_resume_gives_identical_losses(tiny_model_dir, tiny_data, tmp_path, mu, minibatches):
     """Run 4 steps straight; separately run 2, stop, resume to 4: the losses of steps 3-4 must be equal."""
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "full", train={"steps": 4}, output={"save_every": 2},
-                    algorithm={"mu": mu, "beta": 0.04})
+                    algorithm={"mu": mu, "minibatches": minibatches, "beta": 0.04})
     full, cut, _ = straight_and_resumed(d, tmp_path)
     assert sorted(cut) == [1, 2, 3, 4]
     for step in (3, 4):

@@ -52,6 +52,16 @@ def test_a_script_that_sets_nothing_gets_trls_training():
     (dict(loss_type="dr_grpo"), ("algorithm", "aggregation"), "constant"),
     (dict(loss_type="cispo", epsilon_high=5.0), ("algorithm", "cispo_max_weight"), 5.0),
     (dict(loss_type="sapo"), ("algorithm", "aggregation"), "sequence_mean"),   # TRL normalises sapo as grpo
+    # luspo: GSPO's clip, each completion's token sum averaged over completions (docs/algorithm.md §5)
+    (dict(loss_type="luspo"), ("algorithm", "aggregation"), "sequence_sum"),
+    (dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
+     ("algorithm", "sequence_epsilon_high"), 4e-4),
+    # vespo: VESPO's weight (§14.2) under TRL's dapo normaliser
+    (dict(loss_type="vespo"), ("algorithm", "clip"), "vespo"),
+    (dict(loss_type="vespo"), ("algorithm", "aggregation"), "token_mean"),
+    (dict(loss_type="vespo", vespo_lambda_neg=2.5), ("algorithm", "vespo_lambda_neg"), 2.5),
+    (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask"),
+     ("algorithm", "sampler_correction"), "token_mask"),
     (dict(importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
      ("algorithm", "sequence_epsilon_high"), 4e-4),
     (dict(epsilon=0.2, epsilon_high=0.28), ("algorithm", "epsilon_high"), 0.28),
@@ -60,6 +70,13 @@ def test_a_script_that_sets_nothing_gets_trls_training():
     (dict(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=8),
      ("train", "prompts_per_step"), 2),
     (dict(generation_batch_size=32, num_generations=8, gradient_accumulation_steps=4), ("train", "prompts_per_step"), 4),
+    # several optimizer updates per generation batch: steps_per_generation / gradient_accumulation_steps of them
+    (dict(steps_per_generation=4), ("algorithm", "minibatches"), 4),
+    (dict(steps_per_generation=4), ("train", "prompts_per_step"), 4),      # 4 micro-batches of 8, G = 8
+    (dict(generation_batch_size=32, num_generations=8), ("algorithm", "minibatches"), 4),
+    (dict(steps_per_generation=4, gradient_accumulation_steps=2), ("algorithm", "minibatches"), 2),
+    (dict(steps_per_generation=4, num_iterations=2, max_steps=24), ("train", "steps"), 3),   # 8 updates a step
+    (dict(steps_per_generation=4, max_steps=40, save_steps=8), ("output", "save_every"), 2),
     (dict(max_steps=7), ("train", "steps"), 7),
     (dict(optim="paged_adamw_8bit"), ("optimizer", "name"), "adamw_8bit"),
     (dict(adam_beta2=0.99), ("optimizer", "betas"), [0.9, 0.99]),
@@ -86,13 +103,12 @@ def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     (dict(vllm_mode="server"), "vllm_mode: 'server' is not here .* drop vllm_mode"),
     (dict(use_vllm=True, vllm_gpu_memory_utilization=0.7), r"vllm_gpu_memory_utilization \(0.7\).*kv_cache_memory_bytes"),
     (dict(sync_ref_model=True), "sync_ref_model"),
-    (dict(steps_per_generation=4), "steps_per_generation"),
-    # TRL: 4 optimizer steps per generation batch of 32 (steps_per_generation = 32 / 8); here one
-    (dict(generation_batch_size=32, num_generations=8), "set gradient_accumulation_steps to 4"),
+    # TRL would take an optimizer step's micro-batches from two generation batches
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2), "not a multiple of gradient_accumulation_steps=2"),
     (dict(report_to="trackio"), "report_to: trackio"),
     (dict(push_to_hub=True, hub_model_id="me/x"), "push_to_hub: not here"),   # was silently not uploaded
     (dict(per_device_train_batch_size=6, num_generations=4), "multiple of num_generations"),
-    (dict(loss_type="luspo"), "loss_type"),
+    (dict(loss_type="reinforce"), "loss_type: 'reinforce' is not here"),
     (dict(shuffle_dataset=False), "shuffle_dataset"),
     # transformers' Trainer refuses it; was accepted, evaluating nothing
     (dict(eval_strategy="steps", eval_steps=1), "eval_strategy: 'steps' needs an eval_dataset: pass eval_dataset"),
@@ -111,6 +127,40 @@ def test_trls_own_config_object_is_read_by_what_it_sets(tmp_path):
     assert {"learning_rate", "num_generations", "max_steps", "output_dir"} <= set(given)
     d = recipe_from_trl(given, model="m", train_path="t", reward_specs=SPEC, train_rows=4)   # TRL's __post_init__ fills
     assert (d["optimizer"]["lr"], d["train"]["steps"], d["train"]["prompts_per_step"]) == (1e-5, 3, 1)
+
+
+def test_trls_own_config_with_luspo_or_vespo_is_that_loss_here(tmp_path):
+    """TRL's GRPOConfig(loss_type="vespo", vespo_*=...) and (loss_type="luspo") become the recipe the README's table
+    states; TRL's vespo defaults are this recipe's; what TRL itself refuses or warns about with vespo (a sequence_*
+    vLLM correction, importance_sampling_level sequence) is a recipe error named by TRL's argument."""
+    trl = pytest.importorskip("trl")
+    from lowmem_grpo.recipe import AlgorithmConfig, RecipeError
+    from lowmem_grpo.trl import FROM_TRL
+
+    def recipe(**settings):
+        args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **settings)
+        return recipe_from_trl(_given_settings(args), model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+
+    shape = {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 0.5, "vespo_lambda_neg": 4.0}
+    a = recipe_from_dict(recipe(loss_type="vespo", **shape)).algorithm
+    assert (a.clip, a.aggregation, a.importance_sampling_level, a.sampler_correction) == ("vespo", "token_mean",
+                                                                                          "token", "none")
+    assert {k: getattr(a, k) for k in shape} == shape
+    trls = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    a = recipe_from_dict(recipe(loss_type="vespo")).algorithm
+    for k in shape:
+        assert getattr(trls, k) == getattr(a, k) == AlgorithmConfig.model_fields[k].default, k
+    a = recipe_from_dict(recipe(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4,
+                                epsilon_high=4e-4)).algorithm
+    assert (a.clip, a.aggregation, a.importance_sampling_level, a.sequence_epsilon_low, a.sequence_epsilon_high) == \
+        ("ratio", "sequence_sum", "sequence", 3e-4, 4e-4)
+    for settings, key in ((dict(use_vllm=True), "algorithm.sampler_correction"),   # TRL's default sequence_mask
+                          (dict(importance_sampling_level="sequence"), "algorithm.importance_sampling_level")):
+        with pytest.raises(RecipeError) as exc:
+            recipe_from_dict(_recipe(loss_type="vespo", **settings))
+        assert [k for k, _ in exc.value.problems] == [key]
+    assert FROM_TRL["algorithm.sampler_correction"] == "vllm_importance_sampling_mode"
+    assert all(FROM_TRL[f"algorithm.{k}"] == k for k in shape)
 
 
 def test_trls_own_config_objects_enums_are_read_by_their_values():
@@ -471,6 +521,19 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
     with pytest.raises(TRLCompatError, match="callbacks: .* is not a transformers TrainerCallback"):
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path / "x"),
                     train_dataset=[{"prompt": "1+1="}], callbacks=[print])
+
+
+def test_steps_per_generation_makes_several_updates_of_one_generation_batch(tiny_model_dir, tmp_path):
+    """steps_per_generation=2 (one micro-batch each): a generation batch of 2 x 2 completions, two updates on it, so
+    max_steps=4 TRL updates are 2 steps here, global_step counts the 4 updates, and the schedule made 4."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows,
+                          log=lambda *a: None, args=_args(tmp_path, steps_per_generation=2, max_steps=4))
+    assert (trainer.recipe.algorithm.minibatches, trainer.recipe.train.prompts_per_step) == (2, 2)
+    out = trainer.train()
+    assert (out.global_step, trainer.state.global_step, trainer.recipe.train.steps) == (4, 4, 2)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update/mu_ran"] for r in rows if "update/mu_ran" in r] == [2, 2]
 
 
 def test_a_4bit_quantization_config_is_read_and_any_other_refused(tiny_model_dir, tmp_path):

@@ -203,6 +203,9 @@ def test_dynamic_sampling_resumes_to_the_same_metrics(tiny_model_dir, tiny_data,
     ({"dynamic_sampling": True, "skip_zero_std_groups": True}, "algorithm.skip_zero_std_groups"),
     ({"top_entropy_quantile": 0.0}, "algorithm.top_entropy_quantile"),
     ({"sampler_correction": "tokens"}, "algorithm.sampler_correction"),
+    ({"vespo_k_pos": 1.0}, "algorithm.vespo_k_pos"),
+    ({"clip": "vespo", "sampler_correction": "sequence_mask"}, "algorithm.sampler_correction"),
+    ({"clip": "vespo", "epsilon_high": 0.28}, "algorithm.epsilon_high"),
 ])
 def test_impossible_combinations_name_the_field(tiny_model_dir, tiny_data, tmp_path, algorithm, field):
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path)

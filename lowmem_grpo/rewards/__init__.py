@@ -190,7 +190,7 @@ class Rewards:
     the built-ins that read it. max_new_tokens: generation.max_new_tokens, passed to the built-ins that read
     it. prompt_field: data.prompt_field, the one dataset column TRL-shaped functions do not get by name
     (they get it as prompts=). Rewards.from_recipe passes all three, and what TRL-shaped functions' trainer_state
-    reads (train.steps, algorithm.mu, train.prompts_per_step); the trainer sets train_rows, the train set's size,
+    reads (train.steps, the updates a step makes, train.prompts_per_step); the trainer sets train_rows, the train set's size,
     once it has loaded it."""
 
     def __init__(self, cfg: RewardsConfig, *, answer_field: str, max_new_tokens: Optional[int] = None,
@@ -201,7 +201,7 @@ class Rewards:
         self.cfg = cfg
         self.answer_field, self.max_new_tokens, self.prompt_field = answer_field, max_new_tokens, prompt_field
         self.max_steps = max_steps or 0          # trainer_state.max_steps of TRL-shaped functions
-        # TRL's trainer_state counts optimizer updates; a step here makes algorithm.mu of them
+        # TRL's trainer_state counts optimizer updates; a step here makes algorithm.updates_per_step of them
         self.updates_per_step = updates_per_step
         # trainer_state.epoch and .num_train_epochs: the train set's rows are known only once the trainer has loaded
         # it, which sets train_rows (None: those fields keep transformers' defaults, 0)
@@ -239,7 +239,7 @@ class Rewards:
         return cls(recipe.rewards, answer_field=recipe.data.answer_field,
                    max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field,
                    environment_weight=env.reward_weight if env is not None and env.name else None,
-                   max_steps=recipe.train.steps, updates_per_step=recipe.algorithm.mu,
+                   max_steps=recipe.train.steps, updates_per_step=recipe.algorithm.updates_per_step,
                    prompts_per_step=recipe.train.prompts_per_step)
 
     def _load(self, label: str, spec, fn: Callable, max_new_tokens: Optional[int]) -> tuple[dict, str, list]:

@@ -9,7 +9,9 @@ expression — scores 1.0 when
 * it uses only + - * / , parentheses and unary minus,
 * and it evaluates exactly (rational arithmetic, so 7/2*2 is 7, and no float rounding) to the target;
 
-else 0.0. A trailing '= <number>' (as in '(25 - 5) * 4 = 80') is ignored. A malformed row (numbers not a
+else 0.0. A trailing '= <number>' (as in '(25 - 5) * 4 = 80') is ignored, and so is formatting that does not change
+the arithmetic: $...$ or backticks around the expression, a final period, \\left( \\right), and ×, ·, \\times, \\cdot
+for * (÷, \\div for /). After a closing </think>, only what follows it is read. A malformed row (numbers not a
 non-empty list of integers, target not an integer) gives None: skip, not 0.
 
 The expression is never passed to eval(): it is parsed with ast.parse(mode='eval') and walked by an
@@ -36,10 +38,27 @@ class _Rejected(Exception):
     """The expression breaks a rule."""
 
 
+# Presentation that never changes the arithmetic: multiplication and division signs, unicode minus, \\left( \\right).
+# Signs become ' * ' and ' / ' with spaces, so that two in a row ('××', '\\div\\div') are a syntax error, never '**'
+# or '//' (which the evaluator refuses too).
+_SIGNS = {"\u00d7": " * ", "\u00b7": " * ", "\u22c5": " * ", "\u2217": " * ", "\u00f7": " / ", "\u2215": " / ",
+          "\u2212": "-", "\u2013": "-", "x": " * ", "X": " * "}
+_LATEX_SIGNS = re.compile(r"\\(?:times|cdot|ast|div)(?![A-Za-z])|\\(?:left|right)(?=\s*[()])")
+
+
 def _normalize(text: str) -> str:
-    return (text.replace("\u00d7", "*").replace("\u00f7", "/").replace("\u2212", "-").replace("\u2013", "-")
-            .replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/").replace("x", "*")
-            .replace("X", "*").strip().strip("$").strip())
+    """The expression as Python reads it: ×, ·, ⋅, \\times, \\cdot, x are *, ÷ and \\div are /, \\left( \\right) are
+    ( ), and what wraps it is dropped: $...$, backticks (`(1+2)*3`, a ``` fence), a final period ('(1+2)*3.')
+    (found by a red team: each scored 0 for a right expression). Nothing here can add a number or an operation:
+    '**', '//', '3.5' and the rest are left for the evaluator to refuse."""
+    text = _LATEX_SIGNS.sub(lambda m: {"\\div": " / ", "\\left": "", "\\right": ""}.get(m.group(0), " * "), text)
+    text = text.translate(str.maketrans(_SIGNS))
+    while True:
+        stripped = re.sub(r"^(?:\s|\$|`|\\[(\[])+|(?:\s|\$|`|\\[)\]])+$", "", text)
+        stripped = re.sub(r"\.$", "", stripped)     # a sentence's period: '3.' is no decimal here
+        if stripped == text:
+            return text
+        text = stripped
 
 
 def _strip_result(expr: str) -> str:
@@ -54,7 +73,11 @@ def _strip_result(expr: str) -> str:
 
 
 def extract_expression(completion: str) -> Optional[str]:
-    """The completion's final expression: last <answer>...</answer>, else its last expression-like line."""
+    """The completion's final expression: last <answer>...</answer>, else its last expression-like line; read after
+    the last </think> when there is one (drafts in the reasoning are no answer)."""
+    close = completion.lower().rfind("</think>")
+    if close >= 0:
+        completion = completion[close + len("</think>"):]
     low = completion.lower()
     close = low.rfind("</answer>")
     start = low.rfind("<answer>", 0, close) if close >= 0 else -1

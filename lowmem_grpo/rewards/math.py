@@ -5,9 +5,14 @@ that finds something wins). The default order is boxed, answer_tag, hashes, last
 
     boxed        the content of the last complete \\boxed{...} / \\fbox{...} (also `\\boxed 5`)
     answer_tag   the content of the last <answer>...</answer> (a sentence there is reduced to its last number)
-    hashes       the first line after the last '####' (GSM8K style)
+    hashes       the first line after the last '####' (GSM8K style) that holds an answer: a digit, and not a
+                 word first ('#### Step 1: add' or '#### 1. Add' is a Markdown heading, no answer)
     last_number  the last number of the text (thousands separators, decimals, a/b, \\frac{a}{b}, a trailing %;
                  not an exponent, base, subscript, denominator or radicand)
+
+A completion that closes its reasoning with </think> is read after its last </think> only: the reasoning is a
+draft, and its \\boxed{} does not beat the final <answer> (nothing there: no answer). Without </think>
+(a completion cut off while thinking, or a model that does not think in tags) the whole text is read.
 
 Equivalence, cheapest first:
 
@@ -18,6 +23,18 @@ Equivalence, cheapest first:
    either its value or its bare number ('50%' matches 0.5 and 50), as math-verify does.
 2. Otherwise math-verify (Hugging Face) parses both sides (LaTeX, sets, intervals, expressions) and checks
    symbolic equality.
+
+Values are compared exactly on both paths: a decimal is the rational number it writes. '0.5' matches \\frac12 and
+'2.50' matches \\frac52, but a decimal that only approximates the gold answer ('0.333333' for \\frac13, '0.866025'
+for \\frac{\\sqrt3}{2}, '3.14' for \\pi) is another number and scores 0 (math-verify alone rounds to 6 places).
+
+Words after a number: units ('5 cm', '3 apples', '2 m', '5cm') are dropped; value words ('3 tens', '5 thousand',
+'5 squared') and variables ('2p', '2 p', '2ab': a one-letter word, or letters glued to the number that are no
+unit abbreviation) make it another value, on the gold side as on the prediction side: '2p' scores 0 for gold 2,
+and '2' scores 0 for gold '2ab'.
+
+An equation given for an answer that is none counts when one side of its single '=' names the answer ('x = 5',
+'5 = x', 'a_{1} = 5', 'f(2) = 5'); '6 = 5', '5 = 5' and 'x = 5 = 6' score 0.
 
 Gold answers that cannot be parsed (missing, blank, or rejected by math-verify without its
 string fallback, e.g. 'garbage{{') score None ("skip"), never 0: the model is not punished for a
@@ -137,19 +154,30 @@ def answer_tag(text: str) -> Optional[str]:
     content = found.strip()
     if not content:
         return None
-    if _numeric(content) is None and _PROSE_WORD.search(re.sub(r"\\text\{[^{}]*\}", "", content)):
+    value, wordy = _number(content)     # '3 tens' is no sentence to take the 3 from
+    if value is None and not wordy and _PROSE_WORD.search(re.sub(r"\\text\{[^{}]*\}", "", content)):
         return last_number(content) or content
     return content
 
 
+# A Markdown heading after '####': a word first ('Step 1: add', '**Final Answer**'), or a numbered title ('1. Add',
+# '2) Check'). GSM8K's marker is followed by the answer itself ('42', '$1,080', '-3', 'x = 5', '**42**', '5 apples').
+_HEADING = re.compile(r"(?:\*\*|__|\*|_)?\s*(?:[A-Za-z]{2,}|\d+\s*[.):]\s+[A-Za-z])")
+_HASHES = re.compile(r"(?<!#)####(?!#)")
+
+
 def after_hashes(text: str) -> Optional[str]:
-    """The first line after the last '####' (GSM8K's answer marker), when it holds a digit: a Markdown heading
-    ('#### Final Answer', '#### Step 1: add') is no answer, and the next extractor reads on (found by a red team)."""
+    """The first line after the last '####' (GSM8K's answer marker) that is an answer: it holds a digit and is no
+    Markdown heading ('#### Final Answer', '#### Step 1: add the numbers', '#### 1. Add'); a heading is passed over
+    (found by a red team: '#### Step 1: ...' made 1 the answer). '#####' and longer runs are headings too."""
     if "####" not in text:
         return None
-    tail = text.rsplit("####", 1)[1].strip()
-    line = tail.splitlines()[0].strip() if tail else ""
-    return line if any(c.isdigit() for c in line) else None
+    for part in reversed(_HASHES.split(text)[1:]):
+        tail = part.strip()
+        line = tail.splitlines()[0].strip() if tail else ""
+        if any(c.isdigit() for c in line) and not _HEADING.match(line):
+            return line
+    return None
 
 
 def last_number(text: str) -> Optional[str]:
@@ -169,8 +197,17 @@ def _extract_order(extract) -> tuple:
     return names
 
 
+def after_reasoning(text: str) -> str:
+    """What follows the last </think> (the reasoning closed: its drafts are no answer), else the whole text."""
+    close = text.lower().rfind("</think>")
+    return text if close < 0 else text[close + len("</think>"):]
+
+
 def extract_answer(text: str, order=DEFAULT_EXTRACT) -> Optional[str]:
-    """The completion's final answer by the first extractor (in `order`) that finds one, else None."""
+    """The completion's final answer by the first extractor (in `order`) that finds one, else None. Read after
+    the last </think> when there is one: a \\boxed{} draft in the reasoning lost to the final <answer> (found by a
+    red team)."""
+    text = after_reasoning(text)
     for name in _extract_order(order):
         got = EXTRACTORS[name](text)
         if got:
@@ -195,6 +232,13 @@ _NOT_UNITS = {"pi", "e", "i", "j", "sqrt", "infty", "inf", "infinity", "x", "y",
               "trillion", "trillions", "squared", "cubed", "factorial", "tenths", "hundredths", "thousandths",
               "reciprocal", "inverse", "below", "tens", "halves", "thirds", "fourths", "fifths", "sixths",
               "sevenths", "eighths", "ninths"}
+# The word right after a number ('2p', '2 p', '2ab') is a variable, as in LaTeX, on both sides (found by a red team:
+# '2p' scored 1.0 for gold 2, and '2' for gold '2ab'), unless it is a unit: a word of two or more letters set apart
+# from the number ('5 cm', '3 apples', '10 \\text{dollars}'), a one-letter unit symbol set apart ('2 m', '3\\,s'), or
+# an abbreviation that may be glued to it ('5cm', '2kg', '3rd').
+_UNIT_LETTERS = {"m", "g", "s", "h", "l", "L"}
+_GLUED_UNITS = {"cm", "mm", "km", "kg", "mg", "ml", "mL", "ft", "lb", "lbs", "oz", "yd", "yds", "mi", "hr", "hrs",
+                "min", "mins", "sec", "secs", "mph", "kph", "kmh", "st", "nd", "rd", "th"}
 _UNIT = r"[A-Za-z]+(?:\^\{?\d+\}?)?(?:/[A-Za-z]+(?:\^\{?\d+\}?)?)?"
 _PLAIN = re.compile(
     r"(?P<sign>[-+]?)\s*(?P<num>(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3}(?![\d.]))?)"
@@ -221,16 +265,30 @@ def _clean(text: str) -> str:
     return s.strip().rstrip(".").strip()
 
 
-def _numeric(text: Optional[str], letters_are_units: bool = True) -> Optional[_Num]:
-    """The value of a plain numeric answer, or None when it is anything else (left to math-verify). '1.5e3' is
-    1500 (scientific notation: str() writes a float column's 1e-07 so; math-verify read the e as Euler's number).
-    letters_are_units=False (a gold answer): a one-letter word after the number is a variable ('2a'), not a unit,
-    else '2' and '2b' matched gold '2a' (found by a red team)."""
+def _units_ok(tail: str, apart: bool) -> bool:
+    """Whether the words after a number (`tail`, _PLAIN's unit group; `apart`: set apart from the number by a
+    space) are units, not mathematics."""
+    words = re.findall(r"[A-Za-z]+(?:\.[A-Za-z]+)?", tail)
+    if not words:
+        return True
+    first = words[0]
+    if not apart:                         # glued to the number: '5cm' is a unit, '2p', '2ab', '5m' are products
+        if first not in _GLUED_UNITS:
+            return False
+    elif len(first) == 1 and first not in _UNIT_LETTERS:    # '2 p': a variable; '2 m': metres
+        return False
+    return not any(w.lower() in _NOT_UNITS and w not in _UNIT_LETTERS for w in words)
+
+
+def _number(text: Optional[str]) -> tuple:
+    """(value, wordy): the value of a plain numeric answer, or None when it is anything else; wordy is True when
+    it is a number followed by words that are no units ('3 tens', '5 thousand', '2p', '5 x'): not that number,
+    whatever math-verify makes of it (it drops a trailing \\text{} and unit-like words: '3 \\text{ tens}' was 3)."""
     if text is None:
-        return None
+        return None, False
     s = _clean(text)
     if len(s) > 200:
-        return None
+        return None, False
     m = re.fullmatch(r"[A-Za-z]\w*\s*=\s*(.+)", s)   # 'x = 5'
     if m:
         s = m.group(1).strip()
@@ -241,21 +299,28 @@ def _numeric(text: Optional[str], letters_are_units: bool = True) -> Optional[_N
         try:
             value = Fraction(m.group("a") or m.group("a1")) / Fraction(m.group("b") or m.group("b1"))
         except (ValueError, ZeroDivisionError):
-            return None
-        return _Num(-value if m.group("sign") == "-" else value, False)
+            return None, False
+        return _Num(-value if m.group("sign") == "-" else value, False), False
     m = _PLAIN.fullmatch(s)
     if not m:
-        return None
-    words = [w.lower() for w in re.findall(r"[A-Za-z]+(?:\.[A-Za-z]+)?", m.group("unit") or "")]
-    if any(w in _NOT_UNITS or (len(w) == 1 and not letters_are_units) for w in words):
-        return None
+        return None, False
+    if not _units_ok(m.group("unit") or "", s[m.start("unit") - 1].isspace()):
+        return None, True
     try:
         value = Fraction(m.group("num").replace(",", ""))
         if m.group("den"):
             value /= Fraction(m.group("den"))
     except (ValueError, ZeroDivisionError):
-        return None
-    return _Num(-value if m.group("sign") == "-" else value, bool(m.group("pct")))
+        return None, False
+    return _Num(-value if m.group("sign") == "-" else value, bool(m.group("pct"))), False
+
+
+def _numeric(text: Optional[str]) -> Optional[_Num]:
+    """The value of a plain numeric answer, or None when it is anything else (left to math-verify). '1.5e3' is
+    1500 (scientific notation: str() writes a float column's 1e-07 so; math-verify read the e as Euler's number).
+    Words after the number must be units (_units_ok): '2a' and '2 b' are products, so '2' and '2b' did not match
+    gold '2a' (found by a red team), and '5 thousand' is not 5."""
+    return _number(text)[0]
 
 
 def as_number(text: str) -> Optional[Fraction]:
@@ -278,10 +343,38 @@ def _numbers_equal(p: _Num, g: _Num) -> bool:
 _SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?|\.\d+)[eE]([-+]?\d{1,3})(?![\w.])")
 
 
+# The last word of an answer, as math-verify drops it for a unit: a trailing \\text{...} (any), or letters after a
+# digit, a '}' or a space (its list of units holds 't', 'h', 'm', 'ab', 'more', 'less'...).
+_TAIL = re.compile(r"(?P<sep>\s*)(?P<tail>\\(?:text|textrm|textnormal|textbf|textit|mathrm|mathbf|mathit|mbox)\s*"
+                   r"\{[^{}]*\}(?:\^\{?\d+\}?)?|[A-Za-z]+)\s*$")
+
+
+def _drops_a_value(s: str) -> bool:
+    """Whether math-verify would drop, as a unit, words at the end of `s` that are no units by _units_ok: a value
+    word ('\\frac12 \\text{ tens}', '5 thousand') or a variable ('\\frac{1}{2}t', '\\sqrt{2}m', '2ab')."""
+    if "=" in s:
+        return False
+    if _number(s)[1]:
+        return True
+    end = s[-300:]     # (searched in the last characters only: linear time on a run of letters of any length)
+    m = _TAIL.search(end)
+    if not m:
+        return False
+    before, text = s[:len(s) - len(end) + m.start()].rstrip(), m.group("tail")
+    apart = bool(m.group("sep")) or text.startswith("\\")
+    if not before or not (apart or before[-1].isdigit() or before[-1] == "}"):
+        return False
+    return not _units_ok(_clean(text), apart)
+
+
 def _as_latex(s: str) -> str:
     # math-verify looks for LaTeX anchors; a bare answer is wrapped so that it is found. It reads 1.5e3 as
     # 1.5 * e * 3 (Euler's number): scientific notation goes as 1.5\times10^{3}.
     s = s.replace("\\$", "")
+    if "," not in s and _drops_a_value(s.strip().strip("$")):
+        # '2ab', '3 \\text{ tens}', '\\frac{1}{2}t': a product or another value, which math-verify would read as the
+        # number alone, dropping the words as units ('2t' and '2ab' were 2). In parentheses they stay.
+        s = "(" + s.strip().strip("$").strip() + ")"
     s = _SCIENTIFIC.sub(r"\1\\times10^{\2}", s)
     return s if "$" in s or "\\boxed" in s or "\\(" in s or "\\[" in s else f"${s}$"
 
@@ -291,6 +384,24 @@ def _gold_parsed(gold: str, timeout: Optional[int]):
 
     # no_fallback: the raw string of an unparseable gold is not an answer to compare with.
     return parse(_as_latex(gold), fallback_mode="no_fallback", parsing_timeout=timeout)
+
+
+def _exact_decimals(parsed: list) -> list:
+    """math-verify's parse with each decimal made the rational number it writes (0.866025 is 34641/40000): math-verify
+    rounds floats to 6 places, so 0.866025 matched sqrt(3)/2 while the exact path failed 0.333333 for 1/3 (found by
+    a red team). Exact, a decimal that only approximates the gold answer fails; one that is its value passes."""
+    from sympy import Float, Rational
+
+    out = []
+    for item in parsed:
+        try:
+            floats = item.atoms(Float) if not isinstance(item, str) else ()
+            if floats:
+                item = item.xreplace({f: Rational(str(f)) for f in floats})
+        except Exception:
+            pass
+        out.append(item)
+    return out
 
 
 def _verify_item(pred: Optional[str], gold: str, timeout: Optional[int]) -> Optional[bool]:
@@ -310,7 +421,7 @@ def _verify_item(pred: Optional[str], gold: str, timeout: Optional[int]) -> Opti
         pred_parsed = parse(_as_latex(pred), parsing_timeout=timeout)
         if not pred_parsed:
             return False
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+        return bool(verify(_exact_decimals(gold_parsed), _exact_decimals(pred_parsed), timeout_seconds=timeout))
     except Exception:
         return False
 
@@ -511,23 +622,46 @@ def _gold_answer(gold) -> Optional[str]:
     return after_hashes(gold) or last_boxed(gold) or gold
 
 
-# What names the answer: 'x = 5', 'a_{1} = 5', 'f(2) = 5', '\\theta = 5' (one '=', a name on its left)
-_ASSIGNMENT = re.compile(r"[A-Za-z\\][\w{}\\^']*(?:\([^=]*\))?\s*=\s*[^=]+")
+# What names the answer: 'x = 5', 'a_{1} = 5', 'f(2) = 5', '\\theta = 5', 'AB = 5', "f'(1) = 5": letters or a Greek
+# letter, with subscripts, superscripts, primes and arguments; no constant or operation ('\\pi = 3', '\\frac{1}{2} = 5',
+# '\\sqrt{4} = 5' name nothing: their right side is no answer of theirs).
+_GREEK = (r"\\(?:alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|xi|rho|"
+          r"sigma|tau|upsilon|phi|varphi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Sigma|Phi|Psi|Omega)(?![A-Za-z])")
+_NAME = re.compile(rf"(?!(?:pi|infty|inf)\b)(?:[A-Za-z]+|{_GREEK})(?:\s*(?:[_^](?:\{{[^{{}}=]*\}}|\w)|'))*"
+                   r"(?:\s*\([^=()]*\))?")
 
 
-def _fast_judge(pred: Optional[str], gold: str) -> Optional[bool]:
-    """The verdict when the exact numeric path can decide it, else None."""
-    if pred and "=" in pred and "=" not in gold and not _ASSIGNMENT.fullmatch(_clean(pred)):
-        return False   # '6 = 5': math-verify compares an equation's right side only (found by a red team)
-    g = _numeric(gold, letters_are_units=False)
-    if g is None:
-        return None        # math-verify must at least tell whether the gold answer parses
-    if pred is None or not pred.strip():
-        return False
-    p = _numeric(pred)
-    if p is None:
+def _named_value(pred: str) -> Optional[str]:
+    """An equation given for a gold answer that is none: 'name = value' when one side of its single '=' names the
+    answer, as 'x = 5' or '5 = x' (either side: found by a red team), else None ('6 = 5', '5 = 5', 'x = 5 = 6')."""
+    parts, raw = _clean(pred).split("="), pred.split("=")
+    if len(parts) != 2 or len(raw) != 2 or not parts[0].strip() or not parts[1].strip():
         return None
-    return _numbers_equal(p, g)
+    if _NAME.fullmatch(parts[0].strip()):
+        return pred
+    if _NAME.fullmatch(parts[1].strip()):
+        return f"{raw[1].strip()} = {raw[0].strip()}"
+    return None
+
+
+def _fast_judge(pred: Optional[str], gold: str) -> tuple:
+    """(verdict, prediction): the verdict when the exact numeric path can decide it, else None, and the
+    prediction to give math-verify then ('5 = x' as 'x = 5')."""
+    if pred and "=" in pred and "=" not in gold:
+        pred = _named_value(pred)
+        if pred is None:
+            return False, None   # '6 = 5': math-verify compares an equation's right side only (found by a red team)
+    g = _numeric(gold)
+    if g is None:
+        return None, pred        # math-verify must at least tell whether the gold answer parses
+    if pred is None or not pred.strip():
+        return False, pred
+    p, wordy = _number(pred)
+    if p is None:
+        # '3 \\text{ tens}', '2p' for gold 3, 2: a number and words that make it another value, which math-verify
+        # would drop (found by a red team)
+        return (False, pred) if wordy else (None, pred)
+    return _numbers_equal(p, g), pred
 
 
 def judge(pred_text: Optional[str], gold: str, timeout: int = TIMEOUT_S) -> Optional[bool]:
@@ -535,10 +669,10 @@ def judge(pred_text: Optional[str], gold: str, timeout: int = TIMEOUT_S) -> Opti
     gold_ans = _gold_answer(gold)
     if gold_ans is None:
         return None
-    fast = _fast_judge(pred_text, gold_ans)
+    fast, pred = _fast_judge(pred_text, gold_ans)
     if fast is not None:
         return fast
-    return _verify_many([(pred_text, gold_ans)], timeout, DEFAULT_WORKERS)[0]
+    return _verify_many([(pred, gold_ans)], timeout, DEFAULT_WORKERS)[0]
 
 
 def math_reward(completions, *, prompts=None, rows=None, answer_field: str = "answer",
@@ -558,7 +692,7 @@ def math_reward(completions, *, prompts=None, rows=None, answer_field: str = "an
         if gold is None:
             continue
         pred = extract_answer(completion or "", order)
-        fast = _fast_judge(pred, gold)
+        fast, pred = _fast_judge(pred, gold)
         if fast is not None:
             out[i] = float(fast)
         else:
