@@ -212,7 +212,23 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Opti
         model = load_adapter(base, adapter_path, model_cfg.name_or_path)
     else:
         model = attach_lora(base, lora_cfg, model_cfg.gradient_checkpointing)
+    if model_cfg.disable_dropout:
+        disable_dropout(model)
     return model, tokenizer
+
+
+def disable_dropout(model) -> int:
+    """model.disable_dropout: zero the base model's dropout layers and its attention modules' `attention_dropout`
+    (which transformers' attention functions read in training mode), the LoRA adapters' own dropout left to
+    lora.dropout. Returns how many were non-zero."""
+    changed = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and "lora_dropout" not in name and module.p > 0:
+            module.p, changed = 0.0, changed + 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate > 0:
+            module.attention_dropout, changed = 0.0, changed + 1
+    return changed
 
 
 def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
@@ -242,6 +258,8 @@ def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_pa
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    if model_cfg.disable_dropout:
+        disable_dropout(model)
     return model, tokenizer
 
 

@@ -42,6 +42,11 @@ class ModelConfig(_Section):
         "LoRA trains attention, the router and the dense/shared MLPs (lowmem_grpo/experts4bit.py). false: experts in "
         "compute_dtype, adapted by LoRA where lora.target_modules reaches them.")
     gradient_checkpointing: bool = Field(True, description="Recompute decoder activations in backward instead of storing them.")
+    disable_dropout: bool = Field(
+        True, description="Zero the base model's own dropout (its dropout layers and attention dropout; the adapters' is "
+        "lora.dropout), so that the update's forward is the policy that sampled the batch and a ratio is 1 where "
+        "nothing changed (docs/algorithm.md §1). Most current models have none; TRL's disable_dropout, whose default is "
+        "false.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
     backend: Literal["transformers", "unsloth"] = Field(
         "transformers", description="Load through transformers + bitsandbytes + peft, or Unsloth's FastLanguageModel "

@@ -86,17 +86,50 @@ TRL_DEFAULTS: dict[str, Any] = {
     "generation_batch_size": None, "steps_per_generation": None, "chat_template_kwargs": None,
     "shuffle_dataset": True, "report_to": "none", "trust_remote_code": False,
     "push_to_hub": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+    "disable_dropout": False, "generation_kwargs": None, "vllm_importance_sampling_cap": None,
 }
 # TRL 1.16's GRPOConfig defaults for TRL's own settings that are not mapped above and that scripts read without
 # setting them (trl/scripts/grpo.py: training_args.model_init_kwargs): what an unset one of them reads as (checked
 # against the installed TRL as TRL_DEFAULTS is). remove_unused_columns is transformers', which TRL's config changes.
 TRL_UNSET_DEFAULTS: dict[str, Any] = {
-    "model_init_kwargs": None, "remove_unused_columns": False, "disable_dropout": False,
-    "cast_lm_head_to_fp32": False, "num_generations_eval": None, "generation_kwargs": None, "log_completions": False,
+    "model_init_kwargs": None, "remove_unused_columns": False,
+    "cast_lm_head_to_fp32": False, "num_generations_eval": None, "log_completions": False,
     "num_completions_to_print": None, "sync_ref_model": False, "ref_model_sync_steps": 512,
     "ref_model_mixup_alpha": 0.6, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
-    "vllm_tensor_parallel_size": 1, "vllm_enable_sleep_mode": False,
+    "vllm_tensor_parallel_size": 1, "vllm_enable_sleep_mode": False, "router_aux_loss_coef": None,
+    "ds3_gather_for_generation": True, "cache_implementation": None, "vllm_model_impl": "vllm",
+    "vllm_structured_outputs_regex": None, "vllm_server_base_url": None, "vllm_server_timeout": 240.0,
+    "vllm_group_port": 51216, "vllm_max_model_length": None, "use_adaptive_entropy": False, "entropy_coef_min": 0.0,
+    "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2, "log_multimodal": True,
+    "log_unique_prompts": False, "log_completions_hub_repo": None, "use_transformers_continuous_batching": False,
+    "transformers_continuous_batching_config": None, "use_transformers_paged": False,
 }
+# TRL settings with no equivalent here: accepted at TRL's default (TRL_UNSET_DEFAULTS: a script may spell one out),
+# refused with the reason otherwise.
+_SERVER = "a vLLM server in another process is not here: use_vllm runs vLLM in the trainer's process, on its modules"
+_ENTROPY = ("TRL's adaptive entropy controller is not here: algorithm.entropy_target with algorithm.entropy_coef_lr "
+            "adapts the bonus (another controller, the README's 'Coming from TRL')")
+NOT_HERE: dict[str, str] = {
+    "sync_ref_model": "the reference is the base model with the adapters off (no copy to sync); TRL itself refuses "
+                      "sync_ref_model with a peft model",
+    "ref_model_sync_steps": "sync_ref_model is not here", "ref_model_mixup_alpha": "sync_ref_model is not here",
+    "router_aux_loss_coef": "a mixture's router aux loss is not added here",
+    "ds3_gather_for_generation": "no DeepSpeed here", "vllm_tensor_parallel_size": "one GPU per process here",
+    "cache_implementation": "the hf engine manages its own KV cache (decoded in waves, docs/algorithm.md §23)",
+    "vllm_model_impl": "vLLM runs on the trainer's own modules here",
+    "vllm_structured_outputs_regex": "structured outputs are not here",
+    "vllm_max_model_length": "the engine's context is the longest prompt plus max_completion_length",
+    "vllm_server_base_url": _SERVER, "vllm_server_host": _SERVER, "vllm_server_port": _SERVER,
+    "vllm_server_timeout": _SERVER, "vllm_group_port": _SERVER,
+    "use_adaptive_entropy": _ENTROPY, "entropy_coef_min": _ENTROPY, "entropy_coef_max": _ENTROPY,
+    "entropy_coef_delta": _ENTROPY, "entropy_target": _ENTROPY,
+    "log_completions_hub_repo": "completions are not uploaded: they are in output_dir/samples.jsonl",
+    "use_transformers_continuous_batching": "transformers' continuous batching is not here",
+    "transformers_continuous_batching_config": "transformers' continuous batching is not here",
+    "use_transformers_paged": "transformers' paged attention is not here",
+}
+# generation_kwargs keys with a recipe key (TRL passes them over its own settings, to vLLM or transformers)
+GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Settings of earlier TRL (0.x) that 1.16's GRPOConfig dropped, still read from the scripts written for it: their
 # value when unset is this module's (no limit, as 1.16 has none). warmup_ratio is earlier transformers' (4.x; 5
 # dropped it for warmup_steps below 1), which the tutorials written for TRL 0.x set.
@@ -114,7 +147,8 @@ IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", 
            # transformers' Trainer does not read resume_from_checkpoint (it is for scripts: train()'s argument
            # resumes); TRL's RepeatSampler draws with seed, not data_seed; with eval_strategy steps or epoch the run
            # evaluates at step 0 anyway; vLLM always sleeps between rollouts on CUDA here (the README's table)
-           "resume_from_checkpoint", "data_seed", "eval_on_start", "vllm_enable_sleep_mode"}
+           "resume_from_checkpoint", "data_seed", "eval_on_start", "vllm_enable_sleep_mode",
+           "log_multimodal", "log_unique_prompts"}
 # TRL's loss_type -> (algorithm.aggregation, algorithm.clip); luspo is GSPO's clip with each completion's loss
 # summed over its tokens (docs/algorithm.md §5), vespo TRL's dapo normaliser over VESPO's weight (§14.2)
 LOSS_TYPES = {"grpo": ("sequence_mean", "ratio"), "dapo": ("token_mean", "ratio"), "bnpo": ("token_mean", "ratio"),
@@ -243,12 +277,19 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                     eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0) -> dict:
     """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
     TRL's defaults standing in for the rest. Raises TRLCompatError naming each setting that cannot be carried over."""
-    unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED)
+    unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED
+                     and k not in NOT_HERE)
     if unknown:
         raise TRLCompatError(f"GRPOConfig: {', '.join(unknown)} not supported by lowmem-grpo (the README's 'Coming "
                              f"from TRL' lists what is, and under which recipe key)")
+    problems = [f"{k}={settings[k]!r}: {NOT_HERE[k]} (TRL's default, {TRL_UNSET_DEFAULTS[k]!r}, is accepted)"
+                for k in sorted(settings) if k in NOT_HERE and settings[k] != TRL_UNSET_DEFAULTS[k]]
+    settings = {k: v for k, v in settings.items() if k not in NOT_HERE}
     s = {**TRL_DEFAULTS, **EARLIER_TRL, **settings}
-    problems = []
+    sampling = dict(s["generation_kwargs"] or {})
+    if set(sampling) - set(GENERATION_KWARGS):
+        problems.append(f"generation_kwargs: {', '.join(sorted(set(sampling) - set(GENERATION_KWARGS)))} not here "
+                        f"(allowed: {', '.join(GENERATION_KWARGS)}, the sampling settings a recipe has)")
     g = s["num_generations"]
     micro, accumulate = s["per_device_train_batch_size"], s["gradient_accumulation_steps"]
     steps_per_generation = s["steps_per_generation"]
@@ -348,8 +389,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     elif clip == "ratio":
         algorithm.update(epsilon_low=low, epsilon_high=high)
     if s["use_vllm"] and s["vllm_importance_sampling_correction"]:   # TRL corrects only vLLM's samples
-        algorithm.update(sampler_correction=s["vllm_importance_sampling_mode"],
-                         sampler_correction_max=s["vllm_importance_sampling_clip_max"])
+        algorithm.update(sampler_correction=s["vllm_importance_sampling_mode"],   # (the cap: clip_max's old name)
+                         sampler_correction_max=s["vllm_importance_sampling_cap"]
+                         if s["vllm_importance_sampling_cap"] is not None else s["vllm_importance_sampling_clip_max"])
         if s["vllm_importance_sampling_clip_min"] is not None:
             algorithm["sampler_correction_min"] = s["vllm_importance_sampling_clip_min"]
     weights = s["reward_weights"] or [1.0] * len(reward_specs)
@@ -363,8 +405,10 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     wandb = "wandb" in report or ("all" in report and importlib.util.find_spec("wandb") is not None)
     return {
         "model": {"name_or_path": model, "compute_dtype": dtype, "gradient_checkpointing": s["gradient_checkpointing"],
-                  "autocast": dtype == "bfloat16", "trust_remote_code": bool(s["trust_remote_code"])},
-        "lora": lora or {},
+                  "autocast": dtype == "bfloat16", "trust_remote_code": bool(s["trust_remote_code"]),
+                  "disable_dropout": bool(s["disable_dropout"])},
+        # TRL's disable_dropout zeroes every dropout layer, the adapters' too
+        "lora": {**(lora or {}), **({"dropout": 0.0} if s["disable_dropout"] else {})},
         # eval_strategy "no" (TRL's default): the run evaluates nothing, as TRL's; trainer.evaluate() still can
         "data": {"train_path": train_path, "eval_path": eval_path if s["eval_strategy"] != "no" else "",
                  "prompt_field": "prompt",
@@ -372,10 +416,13 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                  "max_prompt_tokens": s["max_prompt_length"] or 32768,
                  **({"chat_template_kwargs": s["chat_template_kwargs"]} if s["chat_template_kwargs"] else {})},
         "rewards": {"functions": [{**spec, "weight": float(w)} for spec, w in zip(reward_specs, weights)]},
+        # generation_kwargs override TRL's own sampling settings, as in TRL; a temperature there is also the
+        # log-probs' here (one temperature, docs/algorithm.md §11)
         "generation": {"engine": "vllm" if s["use_vllm"] else "hf", "num_generations": g,
                        "max_new_tokens": s["max_completion_length"], "temperature": s["temperature"],
                        "top_p": s["top_p"], "top_k": s["top_k"] or 0, "min_p": s["min_p"] or 0.0,
-                       "repetition_penalty": s["repetition_penalty"]},
+                       "repetition_penalty": s["repetition_penalty"],
+                       **{k: v for k, v in sampling.items() if v is not None}},
         "algorithm": algorithm,
         "optimizer": {"name": OPTIMIZERS[s["optim"]], "lr": s["learning_rate"],
                       "schedule": SCHEDULES[s["lr_scheduler_type"]],

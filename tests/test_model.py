@@ -240,3 +240,33 @@ def test_peft_s_own_moe_pattern_warning_is_not_shown(tmp_path):
 
     assert warned(lambda m: get_peft_model(m, PeftLoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM")))
     assert not warned(lambda m: attach_lora(m, LoraConfig(r=4, target_modules=targets)))
+
+
+def test_disable_dropout(tiny_model_dir, tmp_path):
+    """A model whose config has attention dropout: in training mode (the update's forward) two passes differ unless
+    model.disable_dropout zeroes it, which leaves the adapters' own dropout (lora.dropout) as set."""
+    import json
+    import shutil
+
+    folder = tmp_path / "dropout"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    for disable, same in ((False, False), (True, True)):
+        cfg = ModelConfig(name_or_path=str(folder), compute_dtype="float32", load_in_4bit=True, disable_dropout=disable)
+        policy, tok = load_policy(cfg, LoraConfig(r=4, alpha=8, dropout=0.25))
+        _randomize_lora(policy, seed=1)   # (fresh adapters add 0, whatever their dropout)
+        ids = torch.tensor([tok.encode("<s>1+2=3+4=7", add_special_tokens=False)])
+        policy.train()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            first, second = hidden_states(policy, ids), hidden_states(policy, ids)
+        lora = [m.p for n, m in policy.named_modules() if isinstance(m, torch.nn.Dropout) and "lora_dropout" in n]
+        assert lora and all(p == 0.25 for p in lora)
+        if same:   # only the adapters' dropout is left: with the adapters off the passes agree
+            with reference_mode(policy), torch.no_grad():
+                assert torch.equal(hidden_states(policy, ids), hidden_states(policy, ids))
+        else:
+            with reference_mode(policy), torch.no_grad():
+                assert not torch.equal(hidden_states(policy, ids), hidden_states(policy, ids))
+        assert not torch.equal(first, second)   # lora.dropout 0.25 still acts in both cases

@@ -77,6 +77,15 @@ def test_a_script_that_sets_nothing_gets_trls_training():
     (dict(steps_per_generation=4, gradient_accumulation_steps=2), ("algorithm", "minibatches"), 2),
     (dict(steps_per_generation=4, num_iterations=2, max_steps=24), ("train", "steps"), 3),   # 8 updates a step
     (dict(steps_per_generation=4, max_steps=40, save_steps=8), ("output", "save_every"), 2),
+    # generation_kwargs' sampling settings override TRL's own, as in TRL
+    (dict(top_p=0.5, generation_kwargs={"top_p": 0.9, "min_p": 0.05}), ("generation", "top_p"), 0.9),
+    (dict(generation_kwargs={"top_p": 0.9, "min_p": 0.05}), ("generation", "min_p"), 0.05),
+    # disable_dropout: every dropout layer, the adapters' too
+    (dict(disable_dropout=True), ("model", "disable_dropout"), True),
+    (dict(disable_dropout=True), ("lora", "dropout"), 0.0),
+    (dict(), ("model", "disable_dropout"), False),   # TRL's default
+    # the deprecated name of vllm_importance_sampling_clip_max (TRL 1.16 still reads it)
+    (dict(use_vllm=True, vllm_importance_sampling_cap=2.0), ("algorithm", "sampler_correction_max"), 2.0),
     (dict(max_steps=7), ("train", "steps"), 7),
     (dict(optim="paged_adamw_8bit"), ("optimizer", "name"), "adamw_8bit"),
     (dict(adam_beta2=0.99), ("optimizer", "betas"), [0.9, 0.99]),
@@ -102,7 +111,11 @@ def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
 @pytest.mark.parametrize("settings, named", [
     (dict(vllm_mode="server"), "vllm_mode: 'server' is not here .* drop vllm_mode"),
     (dict(use_vllm=True, vllm_gpu_memory_utilization=0.7), r"vllm_gpu_memory_utilization \(0.7\).*kv_cache_memory_bytes"),
-    (dict(sync_ref_model=True), "sync_ref_model"),
+    (dict(sync_ref_model=True), "sync_ref_model=True: the reference is the base model with the adapters off"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy=True: .*algorithm.entropy_target"),
+    (dict(vllm_server_port=9000), "vllm_server_port=9000: a vLLM server in another process is not here"),
+    (dict(generation_kwargs={"suppress_tokens": [1]}), "generation_kwargs: suppress_tokens not here"),
+    (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=2: one GPU per process here"),
     # TRL would take an optimizer step's micro-batches from two generation batches
     (dict(steps_per_generation=3, gradient_accumulation_steps=2), "not a multiple of gradient_accumulation_steps=2"),
     (dict(report_to="trackio"), "report_to: trackio"),
@@ -127,6 +140,22 @@ def test_trls_own_config_object_is_read_by_what_it_sets(tmp_path):
     assert {"learning_rate", "num_generations", "max_steps", "output_dir"} <= set(given)
     d = recipe_from_trl(given, model="m", train_path="t", reward_specs=SPEC, train_rows=4)   # TRL's __post_init__ fills
     assert (d["optimizer"]["lr"], d["train"]["steps"], d["train"]["prompts_per_step"]) == (1e-5, 3, 1)
+
+
+def test_trls_defaults_spelt_out_are_accepted(tmp_path):
+    """A script may write TRL's default of a setting that has no equivalent here (sync_ref_model=False, ...): that
+    asks for nothing, and is accepted (was: 'not supported'); TRL's own config with the deprecated
+    vllm_importance_sampling_cap (its __post_init__ copies it to clip_max) is read as that cap."""
+    trl = pytest.importorskip("trl")
+    from lowmem_grpo.trl import NOT_HERE
+
+    spelt = {name: TRL_UNSET_DEFAULTS[name] for name in NOT_HERE}
+    d = recipe_from_trl(spelt, model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+    assert d == recipe_from_trl({}, model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True,
+                          vllm_importance_sampling_cap=2.5, sync_ref_model=False, ds3_gather_for_generation=True)
+    d = recipe_from_trl(_given_settings(args), model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+    assert d["algorithm"]["sampler_correction_max"] == 2.5
 
 
 def test_trls_own_config_with_luspo_or_vespo_is_that_loss_here(tmp_path):
@@ -460,7 +489,7 @@ def test_a_config_changed_after_it_was_made_is_read_as_it_is_now():
     d = recipe_from_trl(given, model="m", train_path="t", reward_specs=SPEC, train_rows=4)
     assert (d["train"]["steps"], d["optimizer"]["lr"], d["optimizer"]["warmup_steps"]) == (3, 2e-5, 2)
     args.sync_ref_model = True
-    with pytest.raises(TRLCompatError, match="sync_ref_model not supported"):
+    with pytest.raises(TRLCompatError, match="sync_ref_model=True: "):
         recipe_from_trl(_given_settings(args), model="m", train_path="t", reward_specs=SPEC, train_rows=4)
 
 
