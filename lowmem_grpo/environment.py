@@ -6,7 +6,8 @@ An environment is any class with this shape (subclassing `Environment` is option
         stop = ("</call>",)          # strings that end a model turn besides EOS (optional; default none)
 
         def __init__(self, **kwargs): ...                  # the recipe's environment.kwargs
-        def reset(self, row: dict) -> str | None: ...      # the first user message; None: the dataset prompt
+        def reset(self, row: dict) -> str | list | None: ... # the first user message (or the prompt's chat
+                                                           # messages); None: the dataset prompt
         def step(self, model_text: str) -> tuple[str | None, float | None, bool]: ...
             # (observation appended as environment tokens or None, a reward for this turn or None, done)
 
@@ -14,9 +15,14 @@ Optional extras: a classmethod `startup(**kwargs) -> list[str]`, run once when t
 environment (lines to log; what it raises stops the run: e.g. a sandbox too weak to run model-written code);
 a classmethod `longest_step_s(**kwargs) -> float`, the longest a step may rightly take (an
 environment.step_timeout_s below it is refused: a step cut there would read as the environment hanging, and its
-episode be skipped, not scored); and a method `counters() -> dict[str, number]`, read when an episode ends and
+episode be skipped, not scored); a method `counters() -> dict[str, number]`, read when an episode ends and
 summed over the step's completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors,
-tool_timeouts).
+tool_timeouts); and a method `final_reward() -> float | None`, read once when an episode ends without an error
+(whatever ended it: done, or a limit), added to the rewards its steps gave (TRL's environment get_reward()).
+
+An observation is text, written into the completion through environment.observation_template; or a `Rendered`
+(a str with its chat markup already in it, e.g. a chat template's tool message and the next assistant header:
+lowmem_grpo/tool_calls.py), appended as it is, its markup's special tokens kept as tokens.
 
 The recipe names it as 'package.module:Class' (environment.name), or a built-in by its short name. The
 trainer builds one instance per completion and drives it (rollout/turns.py): reset once, then step after
@@ -58,6 +64,26 @@ class EnvOutputError(Exception):
 USER_ERRORS = (Exception, SystemExit)
 
 
+class Rendered(str):
+    """An observation already rendered with its chat markup: `parts` alternate markup (even places: the chat
+    template's own text, whose special tokens stay tokens) and content (odd places: what a tool returned, in
+    which text that spells a special token stays text). The str is the parts joined. rollout/turns.py appends it
+    without environment.observation_template, as the chat template would write it."""
+
+    parts: tuple
+
+    def __new__(cls, parts):
+        parts = tuple(parts)
+        if not parts or not all(isinstance(p, str) for p in parts):
+            raise TypeError("Rendered(parts): a non-empty sequence of str")
+        self = super().__new__(cls, "".join(parts))
+        self.parts = parts
+        return self
+
+    def __reduce__(self):   # (a str subclass with state: pickled with its parts)
+        return (Rendered, (self.parts,))
+
+
 class Environment:
     """The interface, as a base class to subclass (optional: any class with these methods works)."""
 
@@ -66,8 +92,8 @@ class Environment:
     parallel_steps: bool = False
 
     def reset(self, row: dict) -> Optional[str]:
-        """The first user message for this dataset row; None: the dataset prompt, rendered as without an
-        environment."""
+        """The first user message for this dataset row (or the whole prompt as chat messages, [{role, content},
+        ...]); None: the dataset prompt, rendered as without an environment."""
         return None
 
     def step(self, model_text: str) -> tuple[Optional[str], Optional[float], bool]:
@@ -270,12 +296,23 @@ def _call(env, method: str, arg):
         raise EnvOutputError(f"{method}() raised {type(exc).__name__}: {exc}") from None
 
 
-def checked_reset(env, row: dict) -> Optional[str]:
-    """env.reset(row): the first user message (a str) or None, else an EnvOutputError."""
+_RESET_ALLOWED = ("allowed: a str (the first user message), a list of chat messages ({'role': str, 'content': str} "
+                  "each: the whole prompt) or None (the dataset prompt)")
+
+
+def checked_reset(env, row: dict):
+    """env.reset(row): the first user message (a str), the prompt as chat messages (a list of {role, content}
+    dicts with str values) or None, else an EnvOutputError."""
     out = _call(env, "reset", row)
+    if isinstance(out, list):
+        if not out or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                              and isinstance(m.get("content"), str) for m in out):
+            raise EnvOutputError(f"reset() returned the list {short_repr(out)}; {_RESET_ALLOWED}")
+        for m in out:
+            _check_text(m["content"], "reset() returned a message")
+        return out
     if out is not None and not isinstance(out, str):
-        raise EnvOutputError(f"reset() returned {type(out).__name__} {short_repr(out)}; allowed: a str (the first user "
-                             "message) or None (the dataset prompt)")
+        raise EnvOutputError(f"reset() returned {type(out).__name__} {short_repr(out)}; {_RESET_ALLOWED}")
     _check_text(out, "reset() returned a first message")
     return out
 
@@ -341,6 +378,24 @@ def checked_counters(env) -> dict:
                              f"{', '.join('env/' + t for t in taken)}, which a counter cannot replace; allowed: names "
                              f"other than {', '.join(_reserved_counters())}")
     return numbers
+
+
+def checked_final_reward(env) -> Optional[float]:
+    """env.final_reward() when it has one, as a finite float or None; None without; else an EnvOutputError."""
+    fn = getattr(env, "final_reward", None)
+    if fn is None:
+        return None
+    try:
+        out = fn()
+    except USER_ERRORS as exc:  # user code: counted for the completion, not raised raw
+        raise EnvOutputError(f"final_reward() raised {type(exc).__name__}: {exc}") from None
+    if out is None:
+        return None
+    value = _finite(out)
+    if value is None:
+        raise EnvOutputError(f"final_reward() returned {short_repr(out)} ({type(out).__name__}); allowed: a finite "
+                             "number or None")
+    return value
 
 
 def _reserved_counters() -> tuple[str, ...]:

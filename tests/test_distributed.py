@@ -91,6 +91,10 @@ def _cases(model_dir, data, run_root: Path) -> dict:
     variants["top-entropy"] = {"top_entropy_quantile": 0.5}
     variants["gdpo"] = {"reward_aggregation": "normalize_then_sum"}
     variants["dynamic"] = {"dynamic_sampling": True}
+    # each mini-batch's normalisers are its own, summed over the processes (§7); LUSPO's 1/N (§5); VESPO's ratio (§14.2)
+    variants["minibatches2-mu2"] = {"minibatches": 2, "mu": 2, "aggregation": "token_mean"}
+    variants["luspo-mu2"] = {"aggregation": "sequence_sum", "importance_sampling_level": "sequence", "mu": 2}
+    variants["vespo-mu2"] = {"clip": "vespo", "mu": 2}
     cases = {}
     for name, algo in variants.items():
         d = recipe_dict(model_dir, data, run_root / name, **base, algorithm={"beta": 0.04, **algo})
@@ -103,7 +107,7 @@ def _cases(model_dir, data, run_root: Path) -> dict:
 def test_two_processes_make_the_one_process_update(tiny_model_dir, tiny_data, tmp_path):
     """After one step from the same completions, 2 gloo processes' LoRA weights and Adam moments equal one
     process's within 1e-10 relative (float64), for every aggregation, mu 1 and 2, group and batch reward
-    scaling, and the options with batch-wide statistics; so do the metrics rows. (Adam's first step hardly
+    scaling, the options with batch-wide statistics, mini-batches, LUSPO and VESPO; so do the metrics rows. (Adam's first step hardly
     depends on the gradient's scale, so the moments are what shows a wrong normaliser.)"""
     out = {}
     for nproc in (1, 2):
@@ -114,7 +118,7 @@ def test_two_processes_make_the_one_process_update(tiny_model_dir, tiny_data, tm
                          tmp_path / f"log{nproc}.txt")
         assert proc.wait(timeout=600) == 0, (tmp_path / f"log{nproc}.txt").read_text()[-4000:]
     one, two = (torch.load(out[n], weights_only=False) for n in (1, 2))
-    assert one.keys() == two.keys() and len(one) == 20
+    assert one.keys() == two.keys() and len(one) == 23
 
     def rel(a: dict, b: dict, ref: dict) -> float:
         num = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5

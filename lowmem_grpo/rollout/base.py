@@ -98,6 +98,7 @@ class EnvRecord:
     error: Optional[str] = None        # why the environment ended the episode badly (raised, wrong types); None: no error
     reward: Optional[float] = None     # the sum of the rewards it gave over the turns; None: it gave none
     prompt_text: Optional[str] = None  # reset()'s first message as rendered, when it gave one (else the example's)
+    prompt_messages: Optional[list] = None  # reset()'s chat messages, when it gave the prompt as messages
     counters: tuple = ()               # (name, value) pairs of its optional counters() at the episode's end
 
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from ..data import chars_within
-from ..environment import EnvError, EnvOutputError, checked_counters, checked_reset, checked_step
+from ..environment import (EnvError, EnvOutputError, Rendered, checked_counters, checked_final_reward, checked_reset,
+                           checked_step)
 from .base import Completion, EnvRecord, SamplingParams
 
 STEP_WORKERS = 8   # threads running a round's parallel_steps calls (the Python tool's each wait on a subprocess)
@@ -71,6 +72,7 @@ class _Episode:
     env: object = None
     own_prompt: bool = False         # reset() gave the first message: prompt_ids are its, not the example's
     prompt_text: Optional[str] = None
+    prompt_messages: Optional[list] = None   # reset()'s chat messages, as rendered, when it gave them
     tokens: list = field(default_factory=list)
     env_mask: list = field(default_factory=list)
     logprobs: Optional[list] = field(default_factory=list)   # None once a turn came without (greedy)
@@ -90,6 +92,7 @@ class _Episode:
         record = EnvRecord(turns=self.turns, env_tokens=sum(self.env_mask), error=self.error,
                            reward=sum(self.rewards) if self.rewards else None,
                            prompt_text=self.prompt_text if self.own_prompt else None,
+                           prompt_messages=self.prompt_messages if self.own_prompt else None,
                            counters=tuple(sorted(self.counters.items())))
         return Completion(self.prompt_index, self.tokens, self.truncated, self.logprobs, stopped_by=self.stopped_by,
                           env_mask=self.env_mask, prompt_ids=self.prompt_ids if self.own_prompt else None, env=record)
@@ -117,6 +120,7 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable], time
             except Exception as exc:  # e.g. over data.max_prompt_tokens: that completion's outcome
                 raise EnvOutputError(f"reset()'s first message cannot be rendered as a prompt: {exc}") from None
             ep.prompt_ids, ep.prompt_text, ep.own_prompt = list(rendered.prompt_ids), rendered.prompt_text, True
+            ep.prompt_messages = getattr(rendered, "messages", None)
     except EnvOutputError as exc:
         ep.end(error=str(exc))
     return ep
@@ -182,10 +186,14 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
     most = min(limits.observation_max_tokens, room)
     # cut to what `most` tokens could cover at either end before tokenizing: a megabyte costs no seconds
     keep = chars_within(most)
-    if len(observation) > 2 * keep:
-        observation = observation[:keep] + observation[-keep:]
     try:
-        ids = _cut_middle(tokenizer, _observation_ids(tokenizer, limits.observation_template, observation), most)
+        if isinstance(observation, Rendered):   # its own markup: no observation_template
+            ids = _rendered_ids(tokenizer, observation.parts, keep)
+        else:
+            if len(observation) > 2 * keep:
+                observation = observation[:keep] + observation[-keep:]
+            ids = _observation_ids(tokenizer, limits.observation_template, observation)
+        ids = _cut_middle(tokenizer, ids, most)
     except Exception as exc:  # the tokenizer refused it: that episode's error, not the run's
         ep.end(error=f"the observation cannot be tokenized: {type(exc).__name__}: {exc}")
         return
@@ -229,6 +237,22 @@ def _observation_ids(tokenizer, template: str, observation: str) -> list:
     return (tokenizer(head, add_special_tokens=False)["input_ids"]
             + tokenizer(middle, add_special_tokens=False, split_special_tokens=True)["input_ids"]
             + tokenizer(tail[0], add_special_tokens=False)["input_ids"])
+
+
+def _rendered_ids(tokenizer, parts: tuple, keep: int) -> list:
+    """A Rendered observation's tokens: its content parts (odd places) each cut to `keep` characters at either
+    end first; all of it tokenized as one string, as the chat template's text would be, unless a content part
+    spells a special token: then each part on its own, the content's special-token text as plain text (a tool's
+    output never writes control tokens; only the template's markup holds them)."""
+    parts = [p[:keep] + p[-keep:] if i % 2 and len(p) > 2 * keep else p for i, p in enumerate(parts)]
+    special = _special_texts(tokenizer)
+    if not any(s in p for p in parts[1::2] for s in special):
+        return tokenizer("".join(parts), add_special_tokens=False)["input_ids"]
+    ids: list = []
+    for i, part in enumerate(parts):
+        if part:
+            ids += tokenizer(part, add_special_tokens=False, **({"split_special_tokens": True} if i % 2 else {}))["input_ids"]
+    return ids
 
 
 def _special_texts(tokenizer) -> list:
@@ -342,8 +366,22 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         for ep, (_, cut), result in zip(active, turns, stepped):
             _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
+        _read_final_reward(ep, limits.step_timeout_s)
         _read_counters(ep, limits.step_timeout_s)
     return [ep.completion() for ep in episodes]
+
+
+def _read_final_reward(ep: _Episode, timeout_s: float) -> None:
+    """The environment's optional final_reward() at the end of an episode that no error ended, bounded as step()
+    is, added to its rewards (a bad one is that episode's error)."""
+    if ep.env is None or ep.error is not None or getattr(ep.env, "final_reward", None) is None:
+        return
+    env = ep.env
+    reward = _bounded(lambda: checked_final_reward(env), timeout_s, "final_reward()")
+    if isinstance(reward, EnvOutputError):
+        ep.error = str(reward)
+    elif reward is not None:
+        ep.rewards.append(reward)
 
 
 def _read_counters(ep: _Episode, timeout_s: float) -> None:
@@ -381,8 +419,11 @@ def prompt_text(c: Completion, example) -> str:
 
 
 def prompt_messages(c: Completion, example) -> Optional[list]:
-    """The example's chat messages, unless the environment's first message replaced its prompt."""
-    return None if c.prompt_ids is not None else getattr(example, "messages", None)
+    """The example's chat messages; where the environment's reset() replaced its prompt, the messages it gave
+    (None for a first message given as text)."""
+    if c.prompt_ids is not None:
+        return c.env.prompt_messages if c.env is not None else None
+    return getattr(example, "messages", None)
 
 
 def environment_rewards(completions: list) -> Optional[list]:
