@@ -60,6 +60,7 @@ from .recipe import Recipe, RecipeError, recipe_from_dict
 from .rewards import epochs_done
 from .sinks import Sink, scalars
 from .sources import DataError
+from .user_code import importable_name
 
 
 class TRLCompatError(ValueError):
@@ -558,11 +559,9 @@ def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]
             what = f"a {type(fn).__name__} model" if _is_model(fn) else repr(fn)   # not a model's whole repr
             raise TRLCompatError(f"reward_funcs[{i}]: {what}: only reward functions are supported (a reward model "
                                  "by name is not, nor a loaded model: call your model from a function)")
-        name = _callable_name(fn)
-        owner = sys.modules.get(getattr(fn, "__module__", None) or "")
-        if name.isidentifier() and name not in taken and owner is not None and getattr(owner, name, None) is fn \
-                and owner.__name__ != "__main__":
-            specs.append({"function": f"{owner.__name__}:{name}", "convention": "trl"})
+        name, importable = _callable_name(fn), importable_name(fn)
+        if importable and name not in taken:
+            specs.append({"function": importable, "convention": "trl"})
             taken.add(name)
             continue
         attr = name if name.isidentifier() and name not in taken else f"reward_{i}"
@@ -846,11 +845,18 @@ def _without_step(entry: dict) -> dict:
 
 
 class GRPOTrainer:
-    """TRL's GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, peft_config), run by lowmem-grpo."""
+    """TRL's GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, peft_config, tools,
+    environment_factory), run by lowmem-grpo (tools and environment_factory: lowmem_grpo/tool_calls.py)."""
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 quantization_config=None, peft_config=None, log: Callable = print, **unsupported):
+                 quantization_config=None, peft_config=None, tools=None, environment_factory=None,
+                 log: Callable = print, **unsupported):
+        if "rollout_func" in unsupported:   # (TRL's experimental hook: it replaces the trainer's own generation)
+            raise TRLCompatError("GRPOTrainer: rollout_func is not supported by lowmem-grpo (its rollouts are the "
+                                 "trainer's own): for multi-turn rollouts pass tools= or environment_factory=, or write "
+                                 "an environment (lowmem_grpo/environment.py, the README's 'Environments and "
+                                 "multi-turn rollouts')")
         if unsupported:
             raise TRLCompatError(f"GRPOTrainer: {', '.join(sorted(unsupported))} not supported by lowmem-grpo")
         self._callbacks = [_callback(c) for c in (callbacks or [])]
@@ -889,9 +895,21 @@ class GRPOTrainer:
             eval_path = str(out / "data" / "eval.jsonl")
         self._eval_path, self._eval_rows = eval_path, eval_rows   # evaluate()'s, whatever eval_strategy says
         specs, self._module = _reward_specs(reward_funcs)
+        # TRL reads max_tool_calling_iterations only in its tool loop: with tools, environment.max_turns (below)
+        iterations = settings.pop("max_tool_calling_iterations", None)
         d = recipe_from_trl(settings, model=str(model), train_path=str(out / "data" / "train.jsonl"),
                             eval_path=eval_path, reward_specs=specs, lora=_lora_section(peft_config, str(model)),
                             train_rows=n, eval_rows=eval_rows)
+        if tools or environment_factory is not None:   # TRL's tool calls, as an environment (lowmem_grpo/tool_calls.py)
+            from .tool_calls import ToolCallError, trl_environment
+
+            try:
+                d["environment"], d["data"]["chat_template_kwargs"] = trl_environment(
+                    tools, environment_factory, model=str(model), trust_remote_code=remote,
+                    chat_template_kwargs=d["data"].get("chat_template_kwargs"), max_tool_calling_iterations=iterations,
+                    max_completion_length=d["generation"]["max_new_tokens"])
+            except ToolCallError as exc:
+                raise TRLCompatError(f"GRPOTrainer: {exc}") from None
         d["output"]["dir"] = str(out)
         d["model"].update(_quantization(quantization, d["model"]["compute_dtype"]))
         try:

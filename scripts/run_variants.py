@@ -49,6 +49,11 @@ VARIANTS = {
     "gspo_mu2": ["algorithm.importance_sampling_level=sequence", "algorithm.mu=2"],
     "cispo_mu2": ["algorithm.clip=cispo", "algorithm.mu=2"],
     "delta_mu2": ["algorithm.delta=1.5", "algorithm.mu=2"],
+    # TRL 1.16's newest losses (docs/algorithm.md §5 LUSPO, §14.2 VESPO), and several updates per generation (§7)
+    "luspo_mu2": ["algorithm.aggregation=sequence_sum", "algorithm.importance_sampling_level=sequence",
+                  "algorithm.mu=2"],
+    "vespo_mu2": ["algorithm.clip=vespo", "algorithm.aggregation=token_mean", "algorithm.mu=2"],
+    "minibatches2": ["algorithm.minibatches=2"],
     "sampler_token_truncate": ["algorithm.sampler_correction=token_truncate"],
     "sampler_token_mask": ["algorithm.sampler_correction=token_mask", "algorithm.sampler_correction_min=0.5"],
     "sampler_sequence_truncate": ["algorithm.sampler_correction=sequence_truncate"],
@@ -112,7 +117,7 @@ def notes(steps: list[dict]) -> str:
     """The option's own figures over the run (docs/algorithm.md §15-§18), where it logs any."""
     out = []
     for key, label in (("sampler/weight_mean", "IS weight"), ("sampler/masked_fraction", "masked"),
-                       ("entropy/kept_fraction", "kept")):
+                       ("entropy/kept_fraction", "kept"), ("vespo/weight_mean", "VESPO weight")):
         m = _mean(r.get(key) for r in steps)
         if m is not None:
             out.append(f"{label} {m:.3f}")

@@ -15,16 +15,19 @@ leave no room for one (the reward functions would read the environment's text as
 where the model's turn after it is empty, EOS alone, the text they read ends before it: completion_texts). It
 is tokenized without special tokens (text in it that spells one, say EOS, stays text) and cut to
 observation_max_tokens in its middle: its end (a tool's closing tag, the template's tail) stays, so that what
-the environment printed is never read as what follows its output.
+the environment printed is never read as what follows its output. A `Rendered` observation (a chat template's
+tool messages and next assistant header, lowmem_grpo/tool_calls.py) is appended as it is, without the
+observation_template: its markup's special tokens stay tokens, its content's stay text.
 Environment tokens carry env_mask True and a NaN sampler log-prob: context for the model, never trained
 (batch.pack).
 
 A completion is `truncated` when its last model turn was cut (no EOS or stop string within its budget), or a
 limit (max_turns, max_total_tokens) ended the episode before the environment said done. An environment that
 raises (SystemExit too) or returns the wrong types ends its episode there, with the error recorded
-(EnvRecord.error) and counted, and `score` skips the episode (no verdict on the model). Its constructor, reset() and counters() are
-bounded by environment.step_timeout_s as step() is, and reset() gets a copy of the row (the reward functions
-read the example's). A round's steps of an environment with parallel_steps (the Python tool: a sandboxed
+(EnvRecord.error) and counted, and `score` skips the episode (no verdict on the model). Its constructor, reset(),
+counters() and final_reward() are bounded by environment.step_timeout_s as step() is, and reset() gets a copy of
+the row (the reward functions read the example's). final_reward(), where the environment has one, is read once
+at the end of an episode no error ended and added to its rewards. A round's steps of an environment with parallel_steps (the Python tool: a sandboxed
 subprocess each) run together on a thread pool, others one after another; results keep the episodes' order.
 
 Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a resumed run replays them.
