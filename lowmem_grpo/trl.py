@@ -287,6 +287,17 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                 for k in sorted(settings) if k in NOT_HERE and settings[k] != TRL_UNSET_DEFAULTS[k]]
     settings = {k: v for k, v in settings.items() if k not in NOT_HERE}
     s = {**TRL_DEFAULTS, **EARLIER_TRL, **settings}
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                 "generation_batch_size", "num_generations"):   # (the batch arithmetic below divides by them)
+        value = s[name]
+        if not (value is None and name in ("steps_per_generation", "generation_batch_size")) and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise TRLCompatError(f"GRPOConfig: {name} must be a whole number >= 1, got {value!r}")
+    if not isinstance(s["disable_dropout"], bool):
+        raise TRLCompatError(f"GRPOConfig: disable_dropout must be True or False, got {s['disable_dropout']!r:.60}")
+    if s["generation_kwargs"] is not None and not isinstance(s["generation_kwargs"], dict):
+        raise TRLCompatError(f"GRPOConfig: generation_kwargs must be a dict (TRL passes it as keyword arguments), got "
+                             f"{type(s['generation_kwargs']).__name__} {s['generation_kwargs']!r:.60}")
     sampling = dict(s["generation_kwargs"] or {})
     if set(sampling) - set(GENERATION_KWARGS):
         problems.append(f"generation_kwargs: {', '.join(sorted(set(sampling) - set(GENERATION_KWARGS)))} not here "
@@ -407,7 +418,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     return {
         "model": {"name_or_path": model, "compute_dtype": dtype, "gradient_checkpointing": s["gradient_checkpointing"],
                   "autocast": dtype == "bfloat16", "trust_remote_code": bool(s["trust_remote_code"]),
-                  "disable_dropout": bool(s["disable_dropout"])},
+                  "disable_dropout": s["disable_dropout"]},
         # TRL's disable_dropout zeroes every dropout layer, the adapters' too
         "lora": {**(lora or {}), **({"dropout": 0.0} if s["disable_dropout"] else {})},
         # eval_strategy "no" (TRL's default): the run evaluates nothing, as TRL's; trainer.evaluate() still can

@@ -116,6 +116,11 @@ def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     (dict(vllm_server_port=9000), "vllm_server_port=9000: a vLLM server in another process is not here"),
     (dict(generation_kwargs={"suppress_tokens": [1]}), "generation_kwargs: suppress_tokens not here"),
     (dict(vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=2: one GPU per process here"),
+    # the batch arithmetic's divisors, and generation_kwargs' type: named, not a ZeroDivisionError (found by a red team)
+    (dict(steps_per_generation=0), "steps_per_generation must be a whole number >= 1, got 0"),
+    (dict(per_device_train_batch_size=2.5), "per_device_train_batch_size must be a whole number >= 1"),
+    (dict(generation_kwargs="temperature=0.5"), "generation_kwargs must be a dict"),
+    (dict(disable_dropout="no"), "disable_dropout must be True or False, got 'no'"),
     # TRL would take an optimizer step's micro-batches from two generation batches
     (dict(steps_per_generation=3, gradient_accumulation_steps=2), "not a multiple of gradient_accumulation_steps=2"),
     (dict(report_to="trackio"), "report_to: trackio"),
