@@ -18,7 +18,9 @@ environment.step_timeout_s below it is refused: a step cut there would read as t
 episode be skipped, not scored); a method `counters() -> dict[str, number]`, read when an episode ends and
 summed over the step's completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors,
 tool_timeouts); and a method `final_reward() -> float | None`, read once when an episode ends without an error
-(whatever ended it: done, or a limit), added to the rewards its steps gave (TRL's environment get_reward()).
+(whatever ended it: done, or a limit), added to the rewards its steps gave (TRL's environment get_reward());
+and an attribute `ends_at_cut_turn = True`, for an environment whose turns are finished only at their end of
+turn: a model turn cut short then ends the episode, truncated, without step() (ToolCalls).
 
 An observation is text, written into the completion through environment.observation_template; or a `Rendered`
 (a str with its chat markup already in it, e.g. a chat template's tool message and the next assistant header:
@@ -30,7 +32,8 @@ every model turn.
 
 Whatever an environment does wrong (its constructor, reset or step raises, or returns the wrong types) ends
 that completion's episode and is counted (env/errors), never a crashed run: `checked_reset` and
-`checked_step` say what is wrong in a sentence that names the method and what was allowed.
+`checked_step` say what is wrong in a sentence that names the method and what was allowed. An EnvError that
+reset or step raises is the exception: the environment says the run cannot go on, and the run stops.
 
 Built-ins: `python` (PythonTool): code between <python> and </python> runs in the sandbox
 (rewards/sandbox.py), its output comes back as the observation.
@@ -52,7 +55,8 @@ BUILTINS: dict[str, str] = {"python": "lowmem_grpo.environment:PythonTool"}
 
 
 class EnvError(Exception):
-    """An environment that cannot be loaded or built as the recipe names it."""
+    """An environment that cannot be loaded or built as the recipe names it, or that cannot go on: raised by its
+    reset() or step() (ToolCalls, when its tools hang), it stops the run instead of ending one episode."""
 
 
 class EnvOutputError(Exception):
@@ -90,6 +94,9 @@ class Environment:
     stop: tuple[str, ...] = ()
     # True: instances share no state, so one round's step() calls may run together on threads (rollout/turns.py)
     parallel_steps: bool = False
+    # True: a model turn cut short (generation.max_new_tokens, or the room left) ends the episode there, truncated,
+    # without step() (a chat template's turn is finished only at its end of turn: ToolCalls); False: step() reads it
+    ends_at_cut_turn: bool = False
 
     def reset(self, row: dict) -> Optional[str]:
         """The first user message for this dataset row (or the whole prompt as chat messages, [{role, content},
@@ -292,6 +299,8 @@ class EnvironmentFactory:
 def _call(env, method: str, arg):
     try:
         return getattr(env, method)(arg)
+    except EnvError:   # the environment says the run cannot go on (ToolCalls: its tools hang): the run stops
+        raise
     except USER_ERRORS as exc:  # user code: counted for the completion, not raised raw
         raise EnvOutputError(f"{method}() raised {type(exc).__name__}: {exc}") from None
 

@@ -79,7 +79,7 @@ def greedy(engine, tokenizer, rewards, examples, max_new_tokens: int, batch_size
         chunk = examples[i: i + batch_size]
         completions = _generate(engine, rollout, chunk, SamplingParams(n=1, max_new_tokens=max_new_tokens, greedy=True))
         texts = completion_texts(tokenizer, completions)
-        result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], step)
+        result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], step, tokenizer=tokenizer)
         judged = solved(result)
         correct += int(judged.correct.sum())
         counted += judged.counted
@@ -149,7 +149,7 @@ def sampled_counts(engine, tokenizer, rewards, examples, params: SamplingParams,
         chunk = examples[i: i + step]
         completions = _generate(engine, rollout, chunk, params)
         texts = completion_texts(tokenizer, completions)
-        result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions])
+        result = score(rewards, texts, completions, [chunk[c.prompt_index] for c in completions], tokenizer=tokenizer)
         counts = [[0, 0] for _ in chunk]
         judged = solved(result)
         for j, c in enumerate(completions):

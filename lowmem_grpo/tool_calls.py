@@ -10,21 +10,25 @@ and public methods that are the tools. `ToolCalls` runs them on this project's m
   a model turn ends at EOS (the template's end of turn), as in TRL; its tool calls are parsed from its text:
                the Hermes/Qwen format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (several a turn),
                or, where the tokenizer has a `response_template`, transformers' `tokenizer.parse_response`
-  the answer   each call's result (str(result), as TRL converts it; an error as TRL writes one: {'error': ...}) in a
-               {"role": "tool"} message, rendered by the chat template: the text it adds after the assistant's
+  the answer   each call's result (str(result), as TRL converts it; an error as TRL writes one: {'error': ...}), cut
+               to what `max_result_tokens` could keep, in a {"role": "tool"} message named for its tool (a name no
+               tool has: UNKNOWN_TOOL), rendered by the chat template: the text it adds after the assistant's
                turn for those messages and the next assistant header (TRL's tool suffix), appended as environment
-               tokens (`Rendered`: the template's special tokens stay tokens, a tool's text that spells one stays
-               text), cut to environment.observation_max_tokens as any observation
+               tokens (`Rendered`: the template's markup, whose special tokens stay tokens, and the results as the
+               template writes them, trimmed or escaped, in which text that spells one stays text), cut to
+               environment.observation_max_tokens in the results alone, the markup whole
   the end      a turn without a tool call ends the episode (done); so does a tool round past `max_rounds` (TRL's
-               max_tool_calling_iterations)
+               max_tool_calling_iterations), and a turn cut at max_new_tokens (truncated; its calls are not run)
 
-The model's call is untrusted input: malformed JSON, an unknown tool, missing, unexpected or wrongly typed
-arguments (checked against the tool's schema), a tool that raises, and a tool that runs past `timeout_s` (all the
-calls of one turn share it) each become that call's error result, told to the model, and counted (counters():
-tool_calls, tool_errors, tool_timeouts), never a crashed run. The tool functions themselves are the user's own code
-and run in the trainer's process, as in TRL (a hung call's thread is left behind; past MAX_HUNG of them, calls are
-refused as errors): model-written code belongs in the sandboxed `python` environment. An `async def` tool runs to
-completion on its call's thread (asyncio.run).
+The model's call is untrusted input: malformed JSON, NaN or Infinity in the arguments, an unknown tool, missing,
+unexpected or wrongly typed arguments (checked against the tool's schema; a whole number such as 2.0 for an integer
+is passed as the int), a tool that raises (SystemExit too) or whose result cannot be made text, a tool that runs
+past `timeout_s`, and a call left unrun because the turn's earlier calls used up that time (all the calls of one
+turn share it) each become that call's error result, told to the model, and counted (counters(): tool_calls,
+tool_errors; tool_timeouts: those past timeout_s), never a crashed run. The tool functions themselves are the
+user's own code and run in the trainer's process, as in TRL (a hung call's thread is left behind; once MAX_HUNG of
+them still run, the run stops with an EnvError naming the tools): model-written code belongs in the sandboxed
+`python` environment. An `async def` tool runs to completion on its call's thread (asyncio.run).
 
 An `environment_factory` is called once per completion (TRL keeps a pool and resets it): `reset(**row)` may return
 text, appended to the prompt's last message (the episode's prompt is then those messages, rendered as the dataset's
@@ -46,19 +50,22 @@ import copy
 import functools
 import inspect
 import json
+import math
 import re
 import sys
 import threading
 import time
 import types
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from .environment import EnvOutputError, Environment, Rendered
+from .environment import EnvError, EnvOutputError, Environment, Rendered
+from .rollout.turns import cut_to_ends
 from .user_code import import_named, importable_name
 
 NAME = "lowmem_grpo.tool_calls:ToolCalls"   # the recipe's environment.name for it
 DEFAULT_TIMEOUT_S = 30.0
-MAX_HUNG = 16   # tool calls past their timeout whose threads still run: past this, calls are refused as errors
+MAX_HUNG = 16   # tool calls past their timeout whose threads still run: past this, the run stops (EnvError)
+UNKNOWN_TOOL = "unknown"   # the name on the answer to a call of a tool that does not exist
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FORMATS = ("hermes", "response_template")
 SUPPORTED = ("the Hermes/Qwen format (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, as the Qwen2.5, "
@@ -264,28 +271,46 @@ class ChatFormat:
 
     def answer(self, results: list[tuple[str, str]]) -> Rendered:
         """The tool messages (name, content) as the template writes them after the assistant's turn, with the next
-        assistant header: TRL's tool suffix, its contents marked as such."""
+        assistant header: TRL's tool suffix, its contents marked as such. Only the template's markup holds special
+        tokens: whatever the template does to a content, the content stays content (text)."""
         dummy, head = self._head(results[0][0])
-        marks = [f"@@lowmem-tool-result-{i}@@" for i in range(len(results))]
-        marked = self.render(dummy + [{"role": "tool", "name": n, "content": m} for (n, _), m in zip(results, marks)],
-                             add_generation_prompt=True)
-        real = self.render(dummy + [{"role": "tool", "name": n, "content": c} for n, c in results],
+        marks = _marks(len(results))
+        markup = _markup(self._suffix(dummy, head, [(n, m) for (n, _), m in zip(results, marks)]), marks)
+        real = self._suffix(dummy, head, results)
+        if markup is None:   # the template drops or rewrites the marks: no markup to tell apart; all of it text
+            return Rendered(["", real, ""])
+        given = _interleaved(markup, [c for _, c in results])
+        if given == real:
+            return given
+        # A template that changes the content it writes (trims it, escapes it): each content as the template writes
+        # it, found by rendering it alone (found by a red team: read as markup, a trimmed tool output's <|im_end|>
+        # became the real token)
+        written = [self._written(n, c) for n, c in results]
+        if None not in written and (shown := _interleaved(markup, written)) == real:
+            return shown
+        # Content that changes the markup around it: the template's markup around the contents as the tools gave them
+        return given
+
+    def _suffix(self, dummy: list, head: str, results: list) -> str:
+        """What the template writes after the assistant's turn for these tool messages, with the next header."""
+        text = self.render(dummy + [{"role": "tool", "name": n, "content": c} for n, c in results],
                            add_generation_prompt=True)
-        if not (marked.startswith(head) and real.startswith(head)):
+        if not text.startswith(head):
             raise EnvOutputError("the chat template rendered the assistant's turn differently before these tool "
                                  "results (it is not prefix-preserving for them)")
-        parts, rest = [], marked[len(head):]
-        for (_, content), mark in zip(results, marks):
-            before, found, rest = rest.partition(mark)
-            if not found:
-                break
-            parts += [before, content]
-        else:
-            parts.append(rest)
-            if "".join(parts) == real[len(head):]:
-                return Rendered(parts)
-        # a template that changes the content it writes (trims it, escapes it): its own text, all of it markup
-        return Rendered([real[len(head):]])
+        return text[len(head):]
+
+    def _written(self, name: str, content: str) -> Optional[str]:
+        """`content` as the template writes it in a tool message of its own (trimmed, escaped), or None where the
+        markup around it is not the same as around a mark."""
+        dummy, head = self._head(name)
+        [mark] = _marks(1)
+        markup = _markup(self._suffix(dummy, head, [(name, mark)]), [mark])
+        real = self._suffix(dummy, head, [(name, content)])
+        if markup is None or len(real) < len(markup[0]) + len(markup[1]) \
+                or not (real.startswith(markup[0]) and real.endswith(markup[1])):
+            return None
+        return real[len(markup[0]): len(real) - len(markup[1])]
 
     # -- reading a model turn's calls ----------------------------------------------------------------------
 
@@ -309,6 +334,27 @@ class ChatFormat:
         if not isinstance(found, list):
             return [(None, None, "the tool calls cannot be parsed: the parser gave no list of calls")]
         return [_checked_call(c.get("function", c) if isinstance(c, dict) else c) for c in found]
+
+
+def _marks(n: int) -> list[str]:
+    """Stand-ins for n tool results, to find the template's markup around them (no tool's name: names are the
+    known tools' or UNKNOWN_TOOL)."""
+    return [f"@@lowmem-tool-result-{i}@@" for i in range(n)]
+
+
+def _markup(rendered: str, marks: list[str]) -> Optional[list[str]]:
+    """The text around the marks, in order (len(marks) + 1 pieces), or None where one is missing."""
+    pieces, rest = [], rendered
+    for mark in marks:
+        before, found, rest = rest.partition(mark)
+        if not found:
+            return None
+        pieces.append(before)
+    return pieces + [rest]
+
+
+def _interleaved(markup: list[str], contents: list[str]) -> Rendered:
+    return Rendered([p for pair in zip(markup, contents) for p in pair] + [markup[-1]])
 
 
 def parse_hermes(text: str) -> list[tuple]:
@@ -351,7 +397,26 @@ def _checked_call(call) -> tuple:
             pass
     if not isinstance(args, dict):
         return (call["name"], None, f"the arguments must be a JSON object, got {type(args).__name__}")
+    if _non_finite(args):
+        # Python's json reads NaN and Infinity (JSON has neither), and a 'number' check passes them: a NaN guess
+        # made get_reward() NaN, the episode an environment error, skipped, not scored (found by a red team)
+        return (call["name"], None, "the arguments hold NaN or Infinity, which are not JSON numbers")
     return (call["name"], args, None)
+
+
+def _non_finite(value) -> bool:
+    """Whether a NaN or an infinity is anywhere in `value` (nested lists and objects too; a loop, not recursion:
+    the nesting is the model's)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -367,10 +432,7 @@ def _type_problem(value, spec: dict, where: str) -> Optional[str]:
         return None
     if "enum" in spec and value not in spec["enum"]:
         return f"{where} must be one of {spec['enum']}, got {json.dumps(value)[:80]}"
-    kinds = spec.get("type")
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
-    if spec.get("nullable"):
-        kinds.append("null")
+    kinds = _kinds(spec)
     if kinds and not any(_is(value, k) for k in kinds):
         return f"{where} must be {' or '.join(kinds)}, got {_json_kind(value)} {json.dumps(value)[:80]}"
     if isinstance(value, list) and isinstance(spec.get("items"), dict):
@@ -378,6 +440,13 @@ def _type_problem(value, spec: dict, where: str) -> Optional[str]:
             if problem := _type_problem(item, spec["items"], f"{where}[{i}]"):
                 return problem
     return None
+
+
+def _kinds(spec: dict) -> list[str]:
+    """The JSON types a parameter's schema allows ([]: any)."""
+    kinds = spec.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    return kinds + ["null"] if spec.get("nullable") else kinds
 
 
 def _is(value, kind: str) -> bool:
@@ -417,17 +486,38 @@ def arguments_problem(fn: Callable, spec: dict, args: dict) -> Optional[str]:
     return None
 
 
+def as_declared(spec: dict, args: dict) -> dict:
+    """Arguments arguments_problem passed, each whole float given for an integer parameter (2.0, 1e300) the int it
+    is: JSON's numbers have one kind, and a tool hinted `int` got a float (found by a red team: add(2.0, 1e300)
+    returned 1e+300)."""
+    properties = (spec.get("function", {}).get("parameters", {}) or {}).get("properties", {}) or {}
+    return {k: _as_int(v, properties.get(k)) for k, v in args.items()}
+
+
+def _as_int(value, spec):
+    if not isinstance(spec, dict):
+        return value
+    kinds = _kinds(spec)
+    if isinstance(value, float) and "integer" in kinds and "number" not in kinds:   # (whole: _is checked it)
+        return int(value)
+    if isinstance(value, list) and isinstance(spec.get("items"), dict):
+        return [_as_int(v, spec["items"]) for v in value]
+    return value
+
+
 # ----------------------------------------------------------------------------------------------------
 # Running a call: bounded, its failure the model's to read
 # ----------------------------------------------------------------------------------------------------
 
-_hung: list = []
+_hung: list = []   # (thread, tool name) of the calls that ran past their timeout
 _hung_lock = threading.Lock()
 
 
-def _run_bounded(fn: Callable, args: dict, timeout_s: float) -> tuple[str, Any]:
-    """('ok', result), ('raised', exception) or ('timeout', None); a call past timeout_s leaves its (daemon)
-    thread behind."""
+def _run_bounded(fn: Callable, args: dict, timeout_s: float, name: str,
+                 shorten: Callable[[str], str]) -> tuple[str, Optional[str]]:
+    """('ok', the result's text), ('failed', what went wrong, as text) or ('timeout', None), each text shortened
+    by `shorten`. The text is made on the call's thread too (a __str__ is user code, bounded as the call is); a
+    call past timeout_s leaves its (daemon) thread behind."""
     box: list = []
 
     def run():
@@ -435,16 +525,17 @@ def _run_bounded(fn: Callable, args: dict, timeout_s: float) -> tuple[str, Any]:
             out = fn(**args)
             if inspect.isawaitable(out):   # an async def tool: run to completion here, on its own loop
                 out = asyncio.run(_awaited(out))
-            box.append(("ok", out))
         except BaseException as exc:   # user code (SystemExit too): the call's error, never the run's
-            box.append(("raised", exc))
+            box.append(("failed", shorten(_raised(exc))))
+            return
+        box.append(_text(out, shorten))
 
     worker = threading.Thread(target=run, daemon=True, name="lowmem-grpo-tool")
     worker.start()
     worker.join(timeout_s)
     if not box:
         with _hung_lock:
-            _hung.append(worker)
+            _hung.append((worker, name))
         return "timeout", None
     return box[0]
 
@@ -453,20 +544,32 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def _hung_calls() -> int:
+def _hung_tools() -> list[str]:
+    """The tools whose calls ran past their timeout and still run, one name per call."""
     with _hung_lock:
-        _hung[:] = [t for t in _hung if t.is_alive()]
-        return len(_hung)
+        _hung[:] = [(t, name) for t, name in _hung if t.is_alive()]
+        return [name for _, name in _hung]
 
 
-def _text(value) -> str:
-    """A result as the tool message's content: str(), as TRL converts it; text that is not valid UTF-8 (a lone
-    surrogate) made so."""
+def _raised(exc: BaseException) -> str:
+    """What a tool raised, as TRL writes it (str(exc), else its type's name); one that is no Exception by its repr:
+    SystemExit(3), not a bare 3. A __str__ that raises is no crash (found by a red team: it ended the episode)."""
     try:
-        text = value if isinstance(value, str) else str(value)
-    except Exception as exc:   # a __str__ that raises: user code
-        text = str({"error": f"the result cannot be converted to text: {type(exc).__name__}: {exc}"})
-    return text.encode("utf-8", "replace").decode("utf-8")
+        text = str(exc) if isinstance(exc, Exception) else repr(exc)
+    except BaseException:   # user code
+        text = ""
+    return text or type(exc).__name__
+
+
+def _text(value, shorten: Callable[[str], str]) -> tuple[str, str]:
+    """('ok', the result as the tool message's content: str(), as TRL converts it, shortened, as plain valid UTF-8
+    (a lone surrogate replaced)), or ('failed', why it cannot be text: a __str__ that raises or returns no str, an
+    int past Python's 4300 digits)."""
+    try:
+        text = str.__str__(value) if isinstance(value, str) else str(value)
+    except BaseException as exc:   # user code
+        return "failed", shorten(f"the result cannot be converted to text: {type(exc).__name__}: {_raised(exc)}")
+    return "ok", shorten(text).encode("utf-8", "replace").decode("utf-8")
 
 
 def _error(message: str) -> str:
@@ -496,11 +599,15 @@ class ToolCalls(Environment):
 
     stop = ()   # a turn ends at EOS: it may hold several calls, as in TRL
     parallel_steps = False   # the user's functions may share state: one call at a time, as TRL calls them
+    # A turn cut at max_new_tokens is no finished turn: inference would never run its calls, nor write the tools'
+    # answer after it without the turn's end (found by a red team); its episode ends there, truncated
+    ends_at_cut_turn = True
 
     def __init__(self, model: str, tools: Optional[list] = None, environment_factory: str = "",
                  trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None):
-        self.timeout_s, self.max_rounds = float(timeout_s), max_rounds
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None,
+                 max_result_tokens: Optional[int] = None):
+        self.timeout_s, self.max_rounds, self.max_result_tokens = float(timeout_s), max_rounds, max_result_tokens
         self.format = _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))
         standalone = list(_loaded_tools(tuple(tools or ())))
         self.env = _load(environment_factory, "environment_factory")() if environment_factory else None
@@ -512,12 +619,15 @@ class ToolCalls(Environment):
     @classmethod
     def startup(cls, model: str, tools: Optional[list] = None, environment_factory: str = "",
                 trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None) -> list[str]:
+                timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None,
+                max_result_tokens: Optional[int] = None) -> list[str]:
         """The tools importable and describable, the chat template one whose calls are read here."""
         if not (timeout_s > 0 and timeout_s < float("inf")):
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
         if max_rounds is not None and max_rounds < 0:
             raise ValueError(f"max_rounds must be >= 0 or null (no limit), got {max_rounds}")
+        if max_result_tokens is not None and max_result_tokens < 1:
+            raise ValueError(f"max_result_tokens must be >= 1 or null (no cut), got {max_result_tokens}")
         names = _by_name(list(_loaded_tools(tuple(tools or ()))), "tools")
         if environment_factory:
             factory = _load(environment_factory, "environment_factory")
@@ -583,10 +693,22 @@ class ToolCalls(Environment):
             if problem is not None:
                 self.errors += 1
                 content = _error(problem)
-            results.append((name if isinstance(name, str) and name else "unknown", content))
+            results.append((self._shown_name(name), content))
         observation = self.format.answer(results)
         self._prefix = str(observation)
         return observation, None, False
+
+    def _shown_name(self, name) -> str:
+        """The name a result's tool message carries: the tool's, or UNKNOWN_TOOL for a name no tool has. The
+        model's own would reach the template's markup, where a template prints it (found by a red team: a name
+        spelling <|im_start|> became the token, a lone surrogate the episode's error)."""
+        return name if isinstance(name, str) and name in self.tools else UNKNOWN_TOOL
+
+    def _shorten(self, text: str) -> str:
+        """A result (or what a tool raised) cut to what max_result_tokens could ever keep of it, as soon as it is
+        text (found by a red team: 30 results of 10 MB, each kept and rendered twice, took 1.2 GB for an
+        observation of 100 tokens)."""
+        return text if self.max_result_tokens is None else cut_to_ends(text, self.max_result_tokens)
 
     def _call(self, name: str, args: dict, deadline: float) -> tuple[Optional[str], Optional[str]]:
         """(problem, None) or (None, the result's text)."""
@@ -596,18 +718,25 @@ class ToolCalls(Environment):
         if problem := arguments_problem(fn, self.schemas[name], args):
             return f"{name}: {problem}", None
         left = deadline - time.monotonic()
-        if left <= 0:
-            self.timeouts += 1
+        if left <= 0:   # (an error, not a timeout: this call never ran)
             return f"{name} was not run: this turn's calls used up their {self.timeout_s:g} s", None
-        if (hung := _hung_calls()) >= MAX_HUNG:
-            return f"{name} was not run: {hung} earlier tool calls never returned and still run", None
-        outcome, value = _run_bounded(fn, args, left)
+        self._stop_if_tools_hang()
+        outcome, text = _run_bounded(fn, as_declared(self.schemas[name], args), left, name, self._shorten)
         if outcome == "timeout":
             self.timeouts += 1
             return f"{name} did not return within {self.timeout_s:g} s and was abandoned", None
-        if outcome == "raised":
-            return str(value) or type(value).__name__, None
-        return None, _text(value)
+        return (None, text) if outcome == "ok" else (text, None)
+
+    def _stop_if_tools_hang(self) -> None:
+        """An EnvError (the run stops, rollout/turns.py) once MAX_HUNG calls ran past their timeout and still run:
+        each holds a thread, and refusing every later call instead trained on broken tools, silently (found by a
+        red team), as rollout/turns.py's MAX_HUNG_CALLS stops a run whose environment hangs."""
+        hung = _hung_tools()
+        if len(hung) >= MAX_HUNG:
+            counts = ", ".join(f"{n} ({hung.count(n)})" for n in dict.fromkeys(hung))
+            raise EnvError(f"{len(hung)} tool calls ran past timeout_s={self.timeout_s:g} s and still run: {counts}; "
+                           "a tool hangs (each such call holds a thread Python cannot stop): fix it, or raise "
+                           "environment.kwargs.timeout_s")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -660,7 +789,8 @@ def trl_environment(tools, environment_factory, *, model: str, trust_remote_code
               "environment_factory": register([environment_factory], "environment")[0] if environment_factory else "",
               "trust_remote_code": bool(trust_remote_code),
               "chat_template_kwargs": dict(chat_template_kwargs or {}),
-              "timeout_s": DEFAULT_TIMEOUT_S, "max_rounds": max_tool_calling_iterations}
+              "timeout_s": DEFAULT_TIMEOUT_S, "max_rounds": max_tool_calling_iterations,
+              "max_result_tokens": max_completion_length}   # (the observation_max_tokens below: no result kept longer)
     # TRL: no limit on the rounds without max_tool_calling_iterations; the completion's length ends them
     turns = max_tool_calling_iterations + 1 if max_tool_calling_iterations is not None else max_completion_length
     environment = {"name": NAME, "kwargs": kwargs, "max_turns": max(1, turns),

@@ -338,7 +338,7 @@ class Trainer:
         self._log_env_error(completions)
         with clock("reward"):
             texts = completion_texts(self.tokenizer, completions)
-            result = score(self.rewards, texts, completions, [mine[c.prompt_index] for c in completions], self.step)
+            result = score(self.rewards, texts, completions, [mine[c.prompt_index] for c in completions], self.step, tokenizer=self.tokenizer)
         if self.world.size == 1:
             return Rollouts(examples, completions, texts, result)
         with clock("gather"):

@@ -562,7 +562,7 @@ def test_an_episode_an_environment_error_ended_is_skipped_not_scored():
     records = [EnvRecord(turns=2, reward=1.0), EnvRecord(turns=1, reward=1.0, error="step() raised ValueError: x"),
                EnvRecord(turns=2, reward=0.0), EnvRecord(turns=2, reward=0.0)]
     completions = [Completion(0, [1, 2], False, env=r) for r in records]
-    r = score(rewards, ["12", "12", "1", "1"], completions, [ex] * 4)
+    r = score(rewards, ["12", "12", "1", "1"], completions, [ex] * 4, tokenizer=TOK)
     assert [math.isnan(v) for v in r.total.tolist()] == [False, True, False, False] and r.skipped == 1
     assert all(math.isnan(v[1]) for v in r.per_function.values())
     adv = group_advantages(r.total.view(1, 4), "mean_std")
@@ -1225,3 +1225,41 @@ def test_a_huge_first_message_is_refused_before_it_is_tokenized_and_hung_calls_a
     for t in turns._hung:
         t.join(1)
     assert turns._bounded(lambda: 1, 1, "step()") == 1   # once they end, calls run again
+
+
+class MarkupReply:
+    """Answers the first turn with a Rendered observation of the given parts (markup, content, markup, ...), then
+    says done."""
+
+    def __init__(self, parts: list):
+        self.parts, self.answered = parts, False
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        from lowmem_grpo.environment import Rendered
+
+        if self.answered:
+            return None, None, True
+        self.answered = True
+        return Rendered(self.parts), None, False
+
+
+def test_a_rendered_observation_is_cut_in_its_contents_and_never_through_its_markup():
+    """observation_max_tokens cut a Rendered observation (a chat template's tool answer) as one, through its
+    markup: the next assistant header was cut, and the model's next turn sampled after it. Now only the contents
+    are cut, the markup kept whole; an observation whose markup alone is past the limit is not appended, and a
+    limit ends the episode (truncated), as for one that would fill the room left."""
+    def episode(parts, most):
+        limits = TurnLimits(max_turns=3, max_total_tokens=64, observation_max_tokens=most)
+        [c] = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=1, max_new_tokens=8),
+                           factory("test_environment:MarkupReply", parts=parts), limits)
+        return c, TOK.decode([t for t, by_env in zip(c.token_ids, c.env_mask) if by_env])
+
+    c, observed = episode(["(", "7" * 40, ")="], 6)
+    assert observed == "(777)=" and c.env.turns == 2 and not c.truncated
+    c, observed = episode(["(", "7" * 40, ")(", "8" * 3, ")="], 13)   # the short content kept, the long one cut
+    assert observed == "(77777)(888)=", observed
+    c, observed = episode(["((((", "7", "))))"], 6)
+    assert observed == "" and c.env.turns == 1 and c.truncated and c.env.error is None

@@ -494,3 +494,35 @@ def test_normalize_then_sum_gives_a_completion_a_trl_function_left_out_the_other
     adv = Trainer.advantages(SimpleNamespace(recipe=recipe, rewards=r), result).view(-1)
     assert result.skipped == 0
     assert adv[0] > 0 and adv[3] > 0 and adv[1] < 0 and adv[2] < 0   # 1 and 3 keep their length's credit
+
+
+def records_completions(completions, **kwargs):
+    """A TRL-shaped function that keeps what it got."""
+    RECORDED.append(completions)
+    return [1.0] * len(completions)
+
+
+def lowmem_records(completions, *, prompts, rows):
+    RECORDED.append(completions)
+    return [1.0] * len(completions)
+
+
+RECORDED: list = []
+
+
+def test_trl_shaped_functions_get_an_environments_episode_as_its_messages():
+    """An episode's completion on a chat prompt reached TRL-shaped functions as one assistant message holding the
+    tools' output too (completion[-1]["content"] scored a tool's text as the model's answer: found by a red team).
+    With completion_messages (rollout/turns.score), they get the turns; lowmem-grpo's functions keep the text."""
+    rewards = Rewards(RewardsConfig.model_validate({"functions": [
+        {"function": "test_trl_rewards:records_completions"}, {"function": "test_trl_rewards:lowmem_records"}]}),
+        answer_field="answer")
+    turns = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "42"},
+             {"role": "assistant", "content": "41"}]
+    chat = [{"role": "user", "content": "q"}]
+    RECORDED.clear()
+    rewards(["call 42 41", "plain", "text prompt"], ["p"] * 3, [{}] * 3, prompt_messages=[chat, chat, None],
+            completion_messages=[turns, None, [{"role": "assistant", "content": "unused"}]])
+    trl_shaped, lowmem = RECORDED
+    assert trl_shaped == [turns, [{"role": "assistant", "content": "plain"}], "text prompt"]
+    assert lowmem == ["call 42 41", "plain", "text prompt"]

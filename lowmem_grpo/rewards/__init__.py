@@ -306,19 +306,22 @@ class Rewards:
     def __call__(self, completions: list[str], prompts: list[str], rows: list[dict], *,
                  completion_ids: Optional[list[list[int]]] = None, step: int = 0,
                  prompt_messages: Optional[list[Optional[list[dict]]]] = None,
-                 environment: Optional[list[Optional[float]]] = None) -> RewardResult:
+                 environment: Optional[list[Optional[float]]] = None,
+                 completion_messages: Optional[list[Optional[list[dict]]]] = None) -> RewardResult:
         """Score completions[i], sampled for prompts[i] (the text the model saw) of dataset row rows[i].
         completion_ids[i]: its token ids; step: the steps done (TRL-shaped functions' trainer_state: global_step
         step x updates_per_step, epoch);
         prompt_messages[i]: the prompt as chat messages when its row held them (else None); environment[i]: the
-        environment's summed reward of completion i (None: it gave none), with an environment on."""
+        environment's summed reward of completion i (None: it gave none), with an environment on;
+        completion_messages[i]: an environment's episode as chat messages (rollout/turns.completion_messages), what
+        TRL-shaped functions get as completions[i] where its prompt is chat messages (else None)."""
         import torch
 
         n = len(completions)
         any_trl = any(self._is_trl(name) for name, *_ in self.functions)
         logged: tuple[dict, dict] = ({}, {})        # what TRL-shaped functions log: (metrics, extra columns)
-        trl_args = (self._trl_arguments(completions, prompts, rows, completion_ids, step, prompt_messages, logged)
-                    if any_trl else {})
+        trl_args = (self._trl_arguments(completions, prompts, rows, completion_ids, step, prompt_messages, logged,
+                                        completion_messages) if any_trl else {})
         calls = [self._call(name, fn, kwargs, trl_args, completions, prompts, rows, completion_ids)
                  for name, fn, _, kwargs in self.functions]
         outputs = _outputs(calls)
@@ -407,12 +410,20 @@ class Rewards:
         return self.conventions.get(name) == "trl"   # (a function put in .functions by hand is lowmem-grpo's)
 
     def _trl_arguments(self, completions, prompts, rows, completion_ids, step, prompt_messages,
-                       logged: tuple[dict, dict]) -> dict:
+                       logged: tuple[dict, dict], completion_messages=None) -> dict:
         """TRL's keyword arguments for a batch: prompts, completions (chat messages where the row's prompt was
-        a message list), completion_ids, trainer_state, log_metric and log_extra (which fill `logged`: (metrics,
-        extra columns)), and one list per dataset column."""
+        a message list: an environment's episode as its turns, [assistant, tool, ..., assistant], as TRL gives a
+        tool-calling completion, else one assistant message), completion_ids, trainer_state, log_metric and
+        log_extra (which fill `logged`: (metrics, extra columns)), and one list per dataset column."""
         def chat(i: int) -> bool:
             return prompt_messages is not None and prompt_messages[i] is not None
+
+        def completion(i: int, text: str):
+            if not chat(i):
+                return text
+            if completion_messages is not None and completion_messages[i] is not None:
+                return completion_messages[i]
+            return [{"role": "assistant", "content": text}]
 
         metrics, extra = logged
 
@@ -424,7 +435,7 @@ class Rewards:
 
         args = {
             "prompts": [prompt_messages[i] if chat(i) else p for i, p in enumerate(prompts)],
-            "completions": [[{"role": "assistant", "content": c}] if chat(i) else c for i, c in enumerate(completions)],
+            "completions": [completion(i, c) for i, c in enumerate(completions)],
             "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
             "trainer_state": self._trainer_state(step),
             "log_metric": log_metric,

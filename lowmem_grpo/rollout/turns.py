@@ -17,13 +17,16 @@ is tokenized without special tokens (text in it that spells one, say EOS, stays 
 observation_max_tokens in its middle: its end (a tool's closing tag, the template's tail) stays, so that what
 the environment printed is never read as what follows its output. A `Rendered` observation (a chat template's
 tool messages and next assistant header, lowmem_grpo/tool_calls.py) is appended as it is, without the
-observation_template: its markup's special tokens stay tokens, its content's stay text.
+observation_template: its markup's special tokens stay tokens, its content's stay text, and observation_max_tokens
+cuts its contents alone (one whose markup alone is longer is not appended: a limit ends the episode).
 Environment tokens carry env_mask True and a NaN sampler log-prob: context for the model, never trained
 (batch.pack).
 
 A completion is `truncated` when its last model turn was cut (no EOS or stop string within its budget), or a
-limit (max_turns, max_total_tokens) ended the episode before the environment said done. An environment that
-raises (SystemExit too) or returns the wrong types ends its episode there, with the error recorded
+limit (max_turns, max_total_tokens) ended the episode before the environment said done. A cut turn goes to step()
+as any other, but where the environment has `ends_at_cut_turn` (ToolCalls): then it ends the episode, unstepped.
+An environment that raises (SystemExit too; an EnvError stops the run: the environment says it cannot go on)
+or returns the wrong types ends its episode there, with the error recorded
 (EnvRecord.error) and counted, and `score` skips the episode (no verdict on the model). Its constructor, reset(),
 counters() and final_reward() are bounded by environment.step_timeout_s as step() is, and reset() gets a copy of
 the row (the reward functions read the example's). final_reward(), where the environment has one, is read once
@@ -187,23 +190,20 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         return
     room = _room(ep)
     most = min(limits.observation_max_tokens, room)
-    # cut to what `most` tokens could cover at either end before tokenizing: a megabyte costs no seconds
-    keep = chars_within(most)
     try:
         if isinstance(observation, Rendered):   # its own markup: no observation_template
-            ids = _rendered_ids(tokenizer, observation.parts, keep)
+            ids = _rendered_ids(tokenizer, observation.parts, most)
         else:
-            if len(observation) > 2 * keep:
-                observation = observation[:keep] + observation[-keep:]
-            ids = _observation_ids(tokenizer, limits.observation_template, observation)
-        ids = _cut_middle(tokenizer, ids, most)
+            # cut to what `most` tokens could cover at either end before tokenizing: a megabyte costs no seconds
+            ids = _observation_ids(tokenizer, limits.observation_template, cut_to_ends(observation, most))
+            ids = _cut_middle(tokenizer, ids, most)
     except Exception as exc:  # the tokenizer refused it: that episode's error, not the run's
         ep.end(error=f"the observation cannot be tokenized: {type(exc).__name__}: {exc}")
         return
-    if len(ids) >= room:
-        # It would fill the completion: no model turn could follow it, and the completion would end in the
-        # environment's text, which reward functions read as the model's last words. Not appended; a limit
-        # ended the episode.
+    if ids is None or len(ids) >= room:
+        # It would fill the completion (or its markup alone is past observation_max_tokens): no model turn could
+        # follow it, and the completion would end in the environment's text, which reward functions read as the
+        # model's last words. Not appended; a limit ended the episode.
         ep.end(truncated=True)
         return
     ep.tokens += ids
@@ -212,12 +212,21 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
 
 
+def cut_to_ends(text: str, tokens: int) -> str:
+    """`text` cut to what `tokens` tokens could cover at either end (data.chars_within each), its middle dropped:
+    no more than an observation cut to `tokens` tokens could keep, without tokenizing megabytes."""
+    keep = chars_within(tokens)
+    return text if len(text) <= 2 * keep else text[:keep] + text[-keep:]
+
+
 def _cut_middle(tokenizer, ids: list, most: int) -> list:
     """`ids` cut to `most` tokens in the middle: its first three quarters and its last quarter (at least one
     token) around _CUT_MARK. Cut at the end, the observation lost its closing tag (</output>), and a tool's
     output read as the model's answer after it (found by a red team: tiny.final_answer gave a forged 1.0)."""
     if len(ids) <= most:
         return ids
+    if most <= 0:
+        return []
     mark = tokenizer(_CUT_MARK, add_special_tokens=False)["input_ids"]
     if tokenizer.decode(mark) != _CUT_MARK or len(mark) + 2 > most:   # (<unk>s: a tokenizer without '.')
         mark = []
@@ -242,20 +251,45 @@ def _observation_ids(tokenizer, template: str, observation: str) -> list:
             + tokenizer(tail[0], add_special_tokens=False)["input_ids"])
 
 
-def _rendered_ids(tokenizer, parts: tuple, keep: int) -> list:
-    """A Rendered observation's tokens: its content parts (odd places) each cut to `keep` characters at either
-    end first; all of it tokenized as one string, as the chat template's text would be, unless a content part
-    spells a special token: then each part on its own, the content's special-token text as plain text (a tool's
-    output never writes control tokens; only the template's markup holds them)."""
-    parts = [p[:keep] + p[-keep:] if i % 2 and len(p) > 2 * keep else p for i, p in enumerate(parts)]
+def _rendered_ids(tokenizer, parts: tuple, most: int) -> Optional[list]:
+    """A Rendered observation's tokens, at most `most`, or None where its markup alone takes more. Its content
+    parts (odd places) are each cut first to what `most` tokens could cover (cut_to_ends); all of it tokenized as
+    one string, as the chat template's text would be, unless a content part spells a special token: then each
+    part on its own, the content's special-token text as plain text (a tool's output never writes control tokens;
+    only the template's markup holds them). Past `most`, the contents are cut in their middles and the markup
+    kept whole (found by a red team: cut as one, the next assistant header was cut)."""
+    parts = [cut_to_ends(p, most) if i % 2 else p for i, p in enumerate(parts)]
     special = _special_texts(tokenizer)
-    if not any(s in p for p in parts[1::2] for s in special):
-        return tokenizer("".join(parts), add_special_tokens=False)["input_ids"]
-    ids: list = []
-    for i, part in enumerate(parts):
-        if part:
-            ids += tokenizer(part, add_special_tokens=False, **({"split_special_tokens": True} if i % 2 else {}))["input_ids"]
-    return ids
+    text = "".join(parts)
+    # (longer than `most` tokens can cover: cut, part by part, never all of it tokenized at once: 30 results
+    # took +250 MB so)
+    if len(text) <= chars_within(most) and not any(s in p for p in parts[1::2] for s in special):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= most:
+            return ids
+    pieces = [_part_ids(tokenizer, p, content=bool(i % 2)) for i, p in enumerate(parts)]
+    markup = sum(len(p) for p in pieces[0::2])
+    if markup > most:
+        return None
+    shares = _shares([len(p) for p in pieces[1::2]], most - markup)
+    return [t for i, p in enumerate(pieces) for t in (p if i % 2 == 0 else _cut_middle(tokenizer, p, shares[i // 2]))]
+
+
+def _part_ids(tokenizer, part: str, content: bool) -> list:
+    """One part of a Rendered observation tokenized: a content's special-token text as plain text."""
+    if not part:
+        return []
+    return tokenizer(part, add_special_tokens=False, **({"split_special_tokens": True} if content else {}))["input_ids"]
+
+
+def _shares(sizes: list, budget: int) -> list:
+    """Each size cut to its share of `budget`: the smaller ones kept whole, the rest splitting what is left
+    evenly."""
+    out, left = [0] * len(sizes), budget
+    for k, i in enumerate(sorted(range(len(sizes)), key=sizes.__getitem__)):
+        out[i] = min(sizes[i], left // (len(sizes) - k))
+        left -= out[i]
+    return out
 
 
 def _special_texts(tokenizer) -> list:
@@ -274,13 +308,15 @@ def _bounded(call: Callable, timeout_s: float, what: str):
     """call()'s result, or the EnvOutputError it raised (returned, so that a pool can carry it). A call that has
     not returned after timeout_s is an error too: its thread (a daemon: Python cannot stop it) is left behind
     with its instance, and the run goes on instead of hanging on user code; past MAX_HUNG_CALLS such threads
-    still running, the run stops (EnvError): each holds its instance, and the machine's threads run out."""
+    still running, the run stops (EnvError): each holds its instance, and the machine's threads run out. An
+    EnvError the call raised (an environment that says the run cannot go on: ToolCalls' hung tools) is raised
+    here, on the driver's thread: the run stops."""
     box: list = []
 
     def run():
         try:
             box.append(call())
-        except EnvOutputError as exc:
+        except (EnvOutputError, EnvError) as exc:
             box.append(exc)
 
     with _hung_lock:
@@ -299,6 +335,8 @@ def _bounded(call: Callable, timeout_s: float, what: str):
         with _hung_lock:
             _hung.append(worker)
         return EnvOutputError(f"{what} did not return within environment.step_timeout_s={timeout_s:g} s")
+    if isinstance(box[0], EnvError):
+        raise box[0]
     return box[0]
 
 
@@ -324,10 +362,18 @@ def _step_all(envs: list, texts: list, timeout_s: float) -> list:
     return out
 
 
+def _steps_turn(env, cut: bool) -> bool:
+    """Whether env.step() reads this turn: not a cut one where the environment ends at a cut turn."""
+    return not (cut and getattr(env, "ends_at_cut_turn", False))
+
+
 def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits) -> None:
-    """With env.step's result on the turn's text (`stepped`: its output or the EnvOutputError): end the episode
-    (done, error, a limit) or append the observation."""
+    """With env.step's result on the turn's text (`stepped`: its output or the EnvOutputError; None: the turn was
+    not stepped, _steps_turn): end the episode (done, error, a limit) or append the observation."""
     ep.truncated = cut   # the last model turn so far was cut; a later turn that ends on its own clears it
+    if stepped is None:
+        ep.end(truncated=True)
+        return
     if isinstance(stepped, EnvOutputError):
         ep.end(error=str(stepped))
         return
@@ -365,7 +411,11 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         turns = [_model_turn(ep, c, limits) for ep, c in zip(active, outs)]
         texts = [turn_text(tokenizer, turn, ended_at_eos=not cut and ep.stopped_by is None)
                  for ep, (turn, cut) in zip(active, turns)]
-        stepped = _step_all([ep.env for ep in active], texts, limits.step_timeout_s)
+        read = [i for i, (ep, (_, cut)) in enumerate(zip(active, turns)) if _steps_turn(ep.env, cut)]
+        stepped = [None] * len(active)
+        for i, result in zip(read, _step_all([active[i].env for i in read], [texts[i] for i in read],
+                                             limits.step_timeout_s)):
+            stepped[i] = result
         for ep, (_, cut), result in zip(active, turns, stepped):
             _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
@@ -436,18 +486,21 @@ def environment_rewards(completions: list) -> Optional[list]:
     return [c.env.reward if c.env is not None else None for c in completions]
 
 
-def score(rewards, texts: list, completions: list, examples: list, step: int = 0):
+def score(rewards, texts: list, completions: list, examples: list, step: int = 0, *, tokenizer):
     """The RewardResult of completions[j] (decoded: texts[j]), sampled for examples[j], as training and eval both
-    score them; `step`: the optimizer steps done (a TRL-shaped reward's trainer_state.global_step).
+    score them; `step`: the optimizer steps done (a TRL-shaped reward's trainer_state.global_step). With chat
+    prompts, TRL-shaped functions get an episode's completion as its messages (completion_messages: `tokenizer`).
 
     An episode that an environment error ended (EnvRecord.error: it raised, returned the wrong types or hung)
     has no verdict: whatever its rewards say, they score the environment's failure, not the model. So it is
     skipped, as a completion no reward function can score: out of its group's statistics, the update and the
     success rate, counted in success_rate/skipped (and env/errors) (docs/algorithm.md §20)."""
+    chats = [prompt_messages(c, e) for c, e in zip(completions, examples)]
     result = rewards(texts, [prompt_text(c, e) for c, e in zip(completions, examples)], [e.row for e in examples],
-                     completion_ids=[c.token_ids for c in completions], step=step,
-                     prompt_messages=[prompt_messages(c, e) for c, e in zip(completions, examples)],
-                     environment=environment_rewards(completions))
+                     completion_ids=[c.token_ids for c in completions], step=step, prompt_messages=chats,
+                     environment=environment_rewards(completions),
+                     completion_messages=[completion_messages(tokenizer, c) if m is not None else None
+                                          for c, m in zip(completions, chats)])
     failed = [j for j, c in enumerate(completions) if c.env is not None and c.env.error]
     if failed:
         result.total[failed] = math.nan
@@ -478,6 +531,30 @@ def _to_last_words(tokenizer, c: Completion) -> list:
     return ids if end == len(ids) else list(ids[:end])
 
 
+def completion_messages(tokenizer, c: Completion) -> Optional[list]:
+    """An episode's completion as chat messages, as TRL gives a tool-calling one to its reward functions: each run
+    of the model's tokens an assistant message, each of the environment's a tool message, decoded as
+    completion_texts decodes (the same text, ending with the model's last words); None for a completion no
+    environment drove. So completion[-1]["content"] is the model's last turn, not a tool's output as well (found
+    by a red team: one assistant message holding it all scored add()'s "42" as the model's answer)."""
+    if c.env_mask is None:
+        return None
+    ids = _to_last_words(tokenizer, c)
+    return [{"role": "tool" if by_env else "assistant", "content": tokenizer.decode(run, skip_special_tokens=True)}
+            for by_env, run in _runs(ids, c.env_mask)]
+
+
+def _runs(ids: list, mask: list) -> list:
+    """(by the environment, its tokens) for each run of `ids` one author wrote, in order."""
+    runs: list = []
+    for token, by_env in zip(ids, mask):
+        if runs and runs[-1][0] == by_env:
+            runs[-1][1].append(token)
+        else:
+            runs.append((by_env, [token]))
+    return runs
+
+
 def model_tokens(c: Completion) -> int:
     """|o_i| (docs/algorithm.md §20): the tokens the model sampled, the environment's left out."""
     return len(c.token_ids) - (sum(c.env_mask) if c.env_mask is not None else 0)
@@ -488,11 +565,5 @@ def segments(completion: Completion, tokenizer) -> Optional[list]:
     completion without environment tokens' bookkeeping (no environment)."""
     if completion.env_mask is None:
         return None
-    runs: list = []
-    for token, by_env in zip(completion.token_ids, completion.env_mask):
-        who = "environment" if by_env else "model"
-        if runs and runs[-1][0] == who:
-            runs[-1][1].append(token)
-        else:
-            runs.append((who, [token]))
-    return [[who, tokenizer.decode(ids, skip_special_tokens=True)] for who, ids in runs]
+    return [["environment" if by_env else "model", tokenizer.decode(ids, skip_special_tokens=True)]
+            for by_env, ids in _runs(completion.token_ids, completion.env_mask)]
