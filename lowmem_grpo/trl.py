@@ -740,6 +740,17 @@ def _trl_values(row: dict, names: dict) -> dict:
     return values
 
 
+def _tool_frequencies(row: dict, completions: int) -> dict:
+    """TRL's tool metrics from a step row of a run with tools (lowmem_grpo/tool_calls.py counts each step's calls
+    over its completions): tools/call_frequency, calls per completion, and tools/failure_frequency, the share of the
+    calls that failed (an error or a timeout); {} without tools."""
+    calls = row.get("env/tool_calls")
+    if not isinstance(calls, (int, float)):
+        return {}
+    failed = (row.get("env/tool_errors") or 0) + (row.get("env/tool_timeouts") or 0)
+    return {"tools/call_frequency": calls / max(1, completions), "tools/failure_frequency": failed / calls if calls else 0.0}
+
+
 def _window_mean(window: list[dict]) -> dict:
     """One log entry from the steps since the last: each value's mean over the steps that have it, grad_norm and
     the learning rate the last step's (transformers' loss is the window's mean, TRL's metrics are)."""
@@ -759,6 +770,7 @@ class _RunLog:
     def __init__(self, recipe: Recipe, epoch: Callable[[int], float]):
         self.every, self.updates, self.epoch = recipe.output.log_every, recipe.algorithm.updates_per_step, epoch
         self.names = _trl_log_keys(recipe)
+        self.completions = recipe.train.prompts_per_step * recipe.generation.num_generations   # a step's batch
         self.entries: list[dict] = []
         self._window: list[dict] = []
 
@@ -767,7 +779,7 @@ class _RunLog:
         the row makes none) appended to `entries`."""
         step, is_step, logs, evaluation = row["step"], _is_step_row(row), None, None
         if is_step:
-            self._window.append(_trl_values(row, self.names))
+            self._window.append({**_trl_values(row, self.names), **_tool_frequencies(row, self.completions)})
             if step % self.every == 0:
                 logs = self._entry(_window_mean(self._window), step)
                 self._window = []

@@ -402,6 +402,12 @@ def test_a_trl_script_with_tools_trains_and_evaluates(hermes_dir, tmp_path):
     assert row["loss"] is not None and math.isfinite(row["loss"])
     recipe = (tmp_path / "out" / "recipe.yaml").read_text()
     assert NAME in recipe and "Add two whole numbers." in recipe   # the run's folder names its tools and schemas
+    # TRL's tool metrics in log_history: calls per completion of the step's batch, the failed share of the calls
+    [entry] = [e for e in trainer.state.log_history if "loss" in e]
+    n = r.train.prompts_per_step * r.generation.num_generations
+    assert entry["tools/call_frequency"] == pytest.approx(row["env/tool_calls"] / n)
+    failed = row["env/tool_errors"] + row["env/tool_timeouts"]
+    assert entry["tools/failure_frequency"] == pytest.approx(failed / row["env/tool_calls"] if row["env/tool_calls"] else 0)
     metrics = trainer.evaluate()
     assert metrics["eval_n"] == 2 and "eval_runtime" in metrics
 
@@ -740,3 +746,15 @@ def test_a_whole_float_for_an_integer_is_passed_as_the_int_and_a_fraction_refuse
     assert observation.parts[1] == str(2 + int(1e300)) and observation.parts[3] == "int int int"
     assert "add: argument a must be integer, got number 2.5" in observation.parts[5]
     assert env.counters() == {"tool_calls": 3, "tool_errors": 1, "tool_timeouts": 0}
+
+
+def test_trls_tool_metrics_from_a_step_row():
+    """tools/call_frequency (calls per completion) and tools/failure_frequency (errors and timeouts per call), as
+    TRL logs them; nothing for a run without tools."""
+    from lowmem_grpo.trl import _tool_frequencies
+
+    row = {"env/tool_calls": 6, "env/tool_errors": 2, "env/tool_timeouts": 1}
+    assert _tool_frequencies(row, 8) == {"tools/call_frequency": 0.75, "tools/failure_frequency": 0.5}
+    assert _tool_frequencies({**row, "env/tool_calls": 0, "env/tool_errors": 0, "env/tool_timeouts": 0}, 8) == {
+        "tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
+    assert _tool_frequencies({"loss": 0.1}, 8) == {}
