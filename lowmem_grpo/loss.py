@@ -137,16 +137,14 @@ def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
 def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: float, *, level: str = "token",
               seq_index: Optional[torch.Tensor] = None, delta: Optional[float] = None,
               cispo_max_weight: float = 5.0, sapo_temperatures: tuple[float, float] = (1.0, 1.05),
-              vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE,
-              sampler_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+              vespo_phi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The per-token policy-gradient objective (to maximise) of docs/algorithm.md §6, §13, §14.
-    sampler_weight: §15's per-token correction, which only clip 'vespo' takes here (into its ratio, §14.2)."""
+    vespo_phi: clip 'vespo''s weight (vespo_weight), computed by the caller, which also reports it."""
     check_surrogate_options(clip, level, seq_index, delta)
-    if sampler_weight is not None and clip != "vespo":
-        raise ValueError(f"sampler_weight enters clip 'vespo' only; with clip {clip!r} it is part of pg_weight (§15)")
     if clip == "vespo":
-        phi = vespo_weight(logp, logp_old, advantages, seq_index, vespo_shape, sampler_weight)
-        return vespo_surrogate(logp, advantages, phi)
+        if vespo_phi is None:
+            raise ValueError("clip 'vespo' needs its weight vespo_phi (vespo_weight)")
+        return vespo_surrogate(logp, advantages, vespo_phi)
     if clip == "cispo":
         return cispo_surrogate(logp, policy_log_ratio(logp, logp_old, level, seq_index), advantages, cispo_max_weight)
     if clip == "sapo":
@@ -311,15 +309,14 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
     ratio r (the token's, or its sequence's), with r's gradient (§4.4). clip 'vespo' takes §15's correction
     as sampler_weight, into its sequence ratio, instead of in pg_weight (§14.2). The defaults are GRPO exactly
     as before these options."""
-    phi = None
-    if clip == "vespo":   # the weight once, for the loss and for TokenLoss (§14.2)
-        check_surrogate_options(clip, level, seq_index, delta)
-        phi = vespo_weight(logp, logp_old, advantages, seq_index, vespo_shape, sampler_weight)
-        loss = -vespo_surrogate(logp, advantages, phi)
-    else:
-        loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
-                          delta=delta, cispo_max_weight=cispo_max_weight, sapo_temperatures=sapo_temperatures,
-                          sampler_weight=sampler_weight)
+    check_surrogate_options(clip, level, seq_index, delta)
+    if sampler_weight is not None and clip != "vespo":
+        raise ValueError(f"sampler_weight enters clip 'vespo' only; with clip {clip!r} it is part of pg_weight (§15)")
+    # VESPO's weight once, for the loss and for TokenLoss (§14.2)
+    phi = vespo_weight(logp, logp_old, advantages, seq_index, vespo_shape, sampler_weight) if clip == "vespo" else None
+    loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
+                      delta=delta, cispo_max_weight=cispo_max_weight, sapo_temperatures=sapo_temperatures,
+                      vespo_phi=phi)
     if pg_weight is not None:
         loss = loss * pg_weight.detach().to(loss.dtype)
     ref_weight = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index)) if kl_ratio_weight else None

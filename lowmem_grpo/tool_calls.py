@@ -53,14 +53,13 @@ import json
 import math
 import re
 import sys
-import threading
 import time
 import types
 from typing import Callable, Optional
 
 from .environment import EnvError, EnvOutputError, Environment, Rendered
 from .rollout.turns import cut_to_ends
-from .user_code import import_named, importable_name
+from .user_code import HungCalls, import_named, importable_name
 
 NAME = "lowmem_grpo.tool_calls:ToolCalls"   # the recipe's environment.name for it
 DEFAULT_TIMEOUT_S = 30.0
@@ -509,8 +508,7 @@ def _as_int(value, spec):
 # Running a call: bounded, its failure the model's to read
 # ----------------------------------------------------------------------------------------------------
 
-_hung: list = []   # (thread, tool name) of the calls that ran past their timeout
-_hung_lock = threading.Lock()
+_HUNG = HungCalls()   # the tool calls that ran past their timeout, by tool name
 
 
 def _run_bounded(fn: Callable, args: dict, timeout_s: float, name: str,
@@ -518,37 +516,21 @@ def _run_bounded(fn: Callable, args: dict, timeout_s: float, name: str,
     """('ok', the result's text), ('failed', what went wrong, as text) or ('timeout', None), each text shortened
     by `shorten`. The text is made on the call's thread too (a __str__ is user code, bounded as the call is); a
     call past timeout_s leaves its (daemon) thread behind."""
-    box: list = []
-
     def run():
         try:
             out = fn(**args)
             if inspect.isawaitable(out):   # an async def tool: run to completion here, on its own loop
                 out = asyncio.run(_awaited(out))
         except BaseException as exc:   # user code (SystemExit too): the call's error, never the run's
-            box.append(("failed", shorten(_raised(exc))))
-            return
-        box.append(_text(out, shorten))
+            return "failed", shorten(_raised(exc))
+        return _text(out, shorten)
 
-    worker = threading.Thread(target=run, daemon=True, name="lowmem-grpo-tool")
-    worker.start()
-    worker.join(timeout_s)
-    if not box:
-        with _hung_lock:
-            _hung.append((worker, name))
-        return "timeout", None
-    return box[0]
+    done, out = _HUNG.run(run, timeout_s, name, "lowmem-grpo-tool")
+    return out if done else ("timeout", None)
 
 
 async def _awaited(awaitable):
     return await awaitable
-
-
-def _hung_tools() -> list[str]:
-    """The tools whose calls ran past their timeout and still run, one name per call."""
-    with _hung_lock:
-        _hung[:] = [(t, name) for t, name in _hung if t.is_alive()]
-        return [name for _, name in _hung]
 
 
 def _raised(exc: BaseException) -> str:
@@ -731,7 +713,7 @@ class ToolCalls(Environment):
         """An EnvError (the run stops, rollout/turns.py) once MAX_HUNG calls ran past their timeout and still run:
         each holds a thread, and refusing every later call instead trained on broken tools, silently (found by a
         red team), as rollout/turns.py's MAX_HUNG_CALLS stops a run whose environment hangs."""
-        hung = _hung_tools()
+        hung = _HUNG.running()   # the tools whose calls still run, one name per call
         if len(hung) >= MAX_HUNG:
             counts = ", ".join(f"{n} ({hung.count(n)})" for n in dict.fromkeys(hung))
             raise EnvError(f"{len(hung)} tool calls ran past timeout_s={self.timeout_s:g} s and still run: {counts}; "

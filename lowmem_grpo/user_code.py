@@ -1,10 +1,12 @@
-"""User code named in a recipe as 'package.module:attr' (a reward function, an environment class)."""
+"""User code named in a recipe as 'package.module:attr' (a reward function, an environment class), and running it
+with a deadline."""
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 
 def short_repr(value, n: int = 60) -> str:
@@ -35,3 +37,36 @@ def importable_name(obj) -> Optional[str]:
             and getattr(owner, name, None) is obj:
         return f"{owner.__name__}:{name}"
     return None
+
+
+class HungCalls:
+    """Calls to user code run on a daemon thread each, with a deadline; a call past it is given up on, and its
+    thread (Python cannot stop one) is left running and counted here, so that the caller can stop the run before
+    such threads pile up (rollout/turns.py: an environment's calls; tool_calls.py: a tool's)."""
+
+    def __init__(self):
+        self._calls: list = []   # (thread, label) of the calls past their deadline
+        self._lock = threading.Lock()
+
+    def run(self, call: Callable[[], Any], timeout_s: float, label: str, thread_name: str) -> tuple[bool, Any]:
+        """(True, what call() returned), or (False, None) where it had not returned after timeout_s (or raised:
+        call() should catch what it means to report). RuntimeError where no thread can be started."""
+        box: list = []
+        worker = threading.Thread(target=lambda: box.append(call()), daemon=True, name=thread_name)
+        worker.start()
+        worker.join(timeout_s)
+        if not box:
+            with self._lock:
+                self._calls.append((worker, label))
+            return False, None
+        return True, box[0]
+
+    def running(self) -> list[str]:
+        """The labels of the calls past their deadline whose threads still run, one per call."""
+        with self._lock:
+            self._calls[:] = [(t, label) for t, label in self._calls if t.is_alive()]
+            return [label for _, label in self._calls]
+
+    def threads(self) -> list:
+        with self._lock:
+            return [t for t, _ in self._calls]

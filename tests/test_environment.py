@@ -21,6 +21,7 @@ from lowmem_grpo.environment import (EnvError, EnvironmentFactory, checked_step,
 from lowmem_grpo.recipe import EnvironmentConfig, RecipeError, recipe_from_dict
 from lowmem_grpo.rollout.base import Completion, SamplingParams
 from lowmem_grpo.rollout.turns import TurnLimits, run_episodes
+from lowmem_grpo.user_code import HungCalls
 
 TOK = tiny.build_tokenizer()
 EOS = TOK.eos_token_id
@@ -1213,7 +1214,7 @@ def test_a_huge_first_message_is_refused_before_it_is_tokenized_and_hung_calls_a
                        render=prompts.render_message)
     assert all("the message is 2097152 characters" in c.env.error for c in out) and time.monotonic() - start < 2
     monkeypatch.setattr(turns, "MAX_HUNG_CALLS", 3)
-    monkeypatch.setattr(turns, "_hung", [])
+    monkeypatch.setattr(turns, "_HUNG", HungCalls())
     release = __import__("threading").Event()
     try:
         for _ in range(3):
@@ -1222,7 +1223,7 @@ def test_a_huge_first_message_is_refused_before_it_is_tokenized_and_hung_calls_a
             turns._bounded(lambda: 1, 0.01, "step()")
     finally:
         release.set()
-    for t in turns._hung:
+    for t in turns._HUNG.threads():
         t.join(1)
     assert turns._bounded(lambda: 1, 1, "step()") == 1   # once they end, calls run again
 

@@ -629,9 +629,10 @@ def test_tools_that_keep_hanging_stop_the_run(hermes_dir, monkeypatch):
     (training on broken tools). Now the run stops: an EnvError naming the tool, through the driver too."""
     from lowmem_grpo import tool_calls
     from lowmem_grpo.environment import EnvError
+    from lowmem_grpo.user_code import HungCalls
 
     monkeypatch.setattr(tool_calls, "MAX_HUNG", 2)
-    monkeypatch.setattr(tool_calls, "_hung", [])
+    monkeypatch.setattr(tool_calls, "_HUNG", HungCalls())
     factory, _, _ = make_env(hermes_dir, timeout_s=0.05)
     for _ in range(2):
         env = factory.make()
@@ -648,7 +649,7 @@ def test_tools_that_keep_hanging_stop_the_run(hermes_dir, monkeypatch):
     with pytest.raises(EnvError, match=stop):   # the rollout raises it: the run stops
         run_episodes(Scripted(tok, [call("add", a=1, b=1), "done"]), tok, [example],
                      SamplingParams(n=1, max_new_tokens=64), factory, TurnLimits(max_total_tokens=256))
-    for thread, _ in tool_calls._hung:
+    for thread in tool_calls._HUNG.threads():
         thread.join(5)
 
 

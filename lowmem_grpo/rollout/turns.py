@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -48,6 +47,7 @@ from typing import Callable, Optional
 from ..data import chars_within
 from ..environment import (EnvError, EnvOutputError, Rendered, checked_counters, checked_final_reward, checked_reset,
                            checked_step)
+from ..user_code import HungCalls
 from .base import Completion, EnvRecord, SamplingParams
 
 STEP_WORKERS = 8   # threads running a round's parallel_steps calls (the Python tool's each wait on a subprocess)
@@ -300,8 +300,7 @@ def _special_texts(tokenizer) -> list:
     return [t for t in texts if t]
 
 
-_hung: list = []   # the threads of calls that did not return in time (_bounded)
-_hung_lock = threading.Lock()
+_HUNG = HungCalls()   # the environment's calls that did not return in time (_bounded)
 
 
 def _bounded(call: Callable, timeout_s: float, what: str):
@@ -311,33 +310,26 @@ def _bounded(call: Callable, timeout_s: float, what: str):
     still running, the run stops (EnvError): each holds its instance, and the machine's threads run out. An
     EnvError the call raised (an environment that says the run cannot go on: ToolCalls' hung tools) is raised
     here, on the driver's thread: the run stops."""
-    box: list = []
-
     def run():
         try:
-            box.append(call())
+            return call()
         except (EnvOutputError, EnvError) as exc:
-            box.append(exc)
+            return exc
 
-    with _hung_lock:
-        _hung[:] = [t for t in _hung if t.is_alive()]
-        if len(_hung) >= MAX_HUNG_CALLS:
-            raise EnvError(f"{len(_hung)} environment calls did not return within environment.step_timeout_s and "
-                           "are still running: the environment hangs (fix it, or raise step_timeout_s)")
-    worker = threading.Thread(target=run, daemon=True, name="lowmem-grpo-env")
+    hung = len(_HUNG.running())
+    if hung >= MAX_HUNG_CALLS:
+        raise EnvError(f"{hung} environment calls did not return within environment.step_timeout_s and "
+                       "are still running: the environment hangs (fix it, or raise step_timeout_s)")
     try:
-        worker.start()
+        done, out = _HUNG.run(run, timeout_s, what, "lowmem-grpo-env")
     except RuntimeError as exc:   # can't start new thread: the machine's limit, not user code's error
-        raise EnvError(f"cannot start a thread for {what}: {exc} ({len(_hung)} hung environment calls hold "
+        raise EnvError(f"cannot start a thread for {what}: {exc} ({hung} hung environment calls hold "
                        "threads)") from None
-    worker.join(timeout_s)
-    if not box:
-        with _hung_lock:
-            _hung.append(worker)
+    if not done:
         return EnvOutputError(f"{what} did not return within environment.step_timeout_s={timeout_s:g} s")
-    if isinstance(box[0], EnvError):
-        raise box[0]
-    return box[0]
+    if isinstance(out, EnvError):
+        raise out
+    return out
 
 
 def _step(env, text: str, timeout_s: float):
