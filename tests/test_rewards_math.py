@@ -399,3 +399,51 @@ def test_the_final_answer_after_the_reasoning_wins():
              ("<think>still thinking... \\boxed{3}", "3", 1.0)]               # no </think>: the whole text
     assert not _wrong(cases)
     assert extract_answer("<think>\\boxed{3}</think>#### 4\n", ("boxed", "hashes")) == "4"
+
+
+# ---------------------------------------------------------------------------------------------
+# Variables set apart from a number; degrees inside trigonometric functions
+
+def test_two_lowercase_letters_set_apart_from_a_number_are_a_product():
+    """'2 xy' was read as the number 2 and a unit word: it passed for gold 2, '2' passed for gold '2 xy', and '2xy'
+    failed it. Two lowercase letters set apart from a number are variables, unless they are a unit abbreviation or a
+    short English word ('5 cm', '12 in total'); longer words stay units."""
+    cases = [(r"\boxed{2 xy}", "2", 0.0), (r"\boxed{2}", "2 xy", 0.0), (r"\boxed{2 ab}", "2", 0.0),
+             (r"\boxed{2 \text{ xy}}", "2", 0.0), ("#### 2 xy", "2", 0.0), (r"\boxed{3 xy}", "2 xy", 0.0),
+             (r"\boxed{\frac{1}{2} xy}", r"\frac12", 0.0),
+             (r"\boxed{2xy}", "2 xy", 1.0), (r"\boxed{2 xy}", "2xy", 1.0), (r"\boxed{2 xy}", "2*x*y", 1.0),
+             (r"\boxed{2*x*y}", "2 xy", 1.0), (r"\boxed{2 yx}", "2 xy", 1.0),
+             # units and short words still go
+             (r"\boxed{5 cm}", "5", 1.0), (r"\boxed{3 ft}", "3", 1.0), (r"\boxed{5 \text{ km}}", "5", 1.0),
+             (r"\boxed{12 in}", "12", 1.0), ("<answer>12 in total</answer>", "12", 1.0), ("#### 7 pm", "7", 1.0),
+             (r"\boxed{12 dollars}", "12", 1.0), (r"\boxed{3 apples}", "3", 1.0), (r"\boxed{2 m}", "2", 1.0)]
+    assert not _wrong(cases)
+    assert as_number("2 xy") is None and as_number("2 ab") is None and as_number("5 cm") == as_number("5 oz") == 5
+
+
+TRIG_DEGREES = [
+    (r"\boxed{0.5}", r"\sin 30^\circ", 1.0), (r"\boxed{\frac{1}{2}}", r"\sin(30^{\circ})", 1.0),
+    (r"\boxed{1/2}", r"\cos 60°", 1.0), (r"\boxed{1}", r"\tan 45^\circ", 1.0),
+    (r"\boxed{\sqrt3}", r"\tan 60^\circ", 1.0), (r"\boxed{\sin 30^\circ}", "0.5", 1.0),
+    (r"\boxed{\sin 30^\circ}", r"\cos 60^\circ", 1.0), (r"\boxed{\frac14}", r"\sin^{2}(30^{\circ})", 1.0),
+    (r"\boxed{\frac12}", r"\cos\left(90^\circ - 30^\circ\right)", 1.0),
+    (r"\boxed{-\frac12}", r"\sin(-30^\circ)", 1.0), (r"\boxed{0.5}", r"\sin{30 \degree}", 1.0),
+    (r"\boxed{1}", r"\sin^2 30^\circ + \cos^2 30^\circ", 1.0),
+    # wrong values, and radians are no degrees
+    (r"\boxed{0.6}", r"\sin 30^\circ", 0.0), (r"\boxed{\frac{\sqrt3}{2}}", r"\sin 30^\circ", 0.0),
+    (r"\boxed{0.342}", r"\sin 20^\circ", 0.0), (r"\boxed{\sin 30}", r"\sin 30^\circ", 0.0),
+    (r"\boxed{0.5}", r"\sin(30)", 0.0),
+    # a degree mark outside a trigonometric function is still dropped: an angle is its number
+    (r"\boxed{30^\circ}", "30", 1.0), (r"\boxed{30}", r"30^\circ", 1.0), (r"\boxed{31^\circ}", "30", 0.0)]
+
+
+def test_degrees_inside_a_trigonometric_function_are_radians():
+    """math-verify drops the degree mark, so '\\sin 30^\\circ' was sin(30 radians) and 0.5 failed it. Inside a
+    trigonometric function's argument a degree is pi/180, on both sides; inline and in the worker pool alike."""
+    assert not _wrong(TRIG_DEGREES)
+    completions, rows = [c for c, _, _ in TRIG_DEGREES], [{"answer": g} for _, g, _ in TRIG_DEGREES]
+    assert math_reward(completions, rows=rows, workers=2, timeout=3) == [s for _, _, s in TRIG_DEGREES]
+    # unbalanced or repeated functions: left as they are, in linear time
+    junk = "\\sin(" * 20000 + "30^\\circ"
+    assert mr._trig_degrees(junk) == junk
+    assert mr._trig_degrees("\\sin " * 20000 + "30^\\circ").endswith("\\sin (\\frac{30\\pi}{180})")

@@ -29,9 +29,10 @@ Values are compared exactly on both paths: a decimal is the rational number it w
 for \\frac{\\sqrt3}{2}, '3.14' for \\pi) is another number and scores 0 (math-verify alone rounds to 6 places).
 
 Words after a number: units ('5 cm', '3 apples', '2 m', '5cm') are dropped; value words ('3 tens', '5 thousand',
-'5 squared') and variables ('2p', '2 p', '2ab': a one-letter word, or letters glued to the number that are no
-unit abbreviation) make it another value, on the gold side as on the prediction side: '2p' scores 0 for gold 2,
-and '2' scores 0 for gold '2ab'.
+'5 squared') and variables ('2p', '2 p', '2ab', '2 xy': a one-letter word, two lowercase letters that are no unit
+abbreviation or short English word, or letters glued to the number that are no unit abbreviation) make it another
+value, on the gold side as on the prediction side: '2p' and '2 xy' score 0 for gold 2, and '2' scores 0 for gold
+'2ab'.
 
 An equation given for an answer that is none counts when one side of its single '=' names the answer ('x = 5',
 '5 = x', 'a_{1} = 5', 'f(2) = 5'); '6 = 5', '5 = 5' and 'x = 5 = 6' score 0.
@@ -100,13 +101,14 @@ _NUMBER = re.compile(
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 
 
-def _matching_braces(text: str) -> dict:
-    """{index of '{': index of its matching '}'} for the balanced pairs of text, in one pass."""
+def _matching_braces(text: str, opening: str = "{", closing: str = "}") -> dict:
+    """{index of '{': index of its matching '}'} for the balanced pairs of text, in one pass (or of another pair of
+    brackets: '(' and ')')."""
     pairs, stack = {}, []
     for i, ch in enumerate(text):
-        if ch == "{":
+        if ch == opening:
             stack.append(i)
-        elif ch == "}" and stack:
+        elif ch == closing and stack:
             pairs[stack.pop()] = i
     return pairs
 
@@ -233,12 +235,18 @@ _NOT_UNITS = {"pi", "e", "i", "j", "sqrt", "infty", "inf", "infinity", "x", "y",
               "reciprocal", "inverse", "below", "tens", "halves", "thirds", "fourths", "fifths", "sixths",
               "sevenths", "eighths", "ninths"}
 # The word right after a number ('2p', '2 p', '2ab') is a variable, as in LaTeX, on both sides (found by a red team:
-# '2p' scored 1.0 for gold 2, and '2' for gold '2ab'), unless it is a unit: a word of two or more letters set apart
-# from the number ('5 cm', '3 apples', '10 \\text{dollars}'), a one-letter unit symbol set apart ('2 m', '3\\,s'), or
-# an abbreviation that may be glued to it ('5cm', '2kg', '3rd').
+# '2p' scored 1.0 for gold 2, and '2' for gold '2ab'), unless it is a unit: a word set apart from the number ('5 cm',
+# '3 apples', '10 \\text{dollars}'; of two lowercase letters only if _TWO_LETTER_WORDS has it), a one-letter unit symbol
+# set apart ('2 m', '3\\,s'), or an abbreviation that may be glued to it ('5cm', '2kg', '3rd').
 _UNIT_LETTERS = {"m", "g", "s", "h", "l", "L"}
 _GLUED_UNITS = {"cm", "mm", "km", "kg", "mg", "ml", "mL", "ft", "lb", "lbs", "oz", "yd", "yds", "mi", "hr", "hrs",
                 "min", "mins", "sec", "secs", "mph", "kph", "kmh", "st", "nd", "rd", "th"}
+# Two lowercase letters set apart from a number are a product of variables too ('2 xy', '3 ab': math-verify reads
+# 2*x*y), unless they are a unit abbreviation or a short English word that can follow a number in prose.
+_TWO_LETTER_WORDS = {w for w in _GLUED_UNITS if len(w) == 2} | {
+    "in", "sq", "cu", "nm", "ms", "ns", "dl", "cl", "dm", "yr", "pt", "qt", "ha", "hp", "am", "pm",
+    "of", "is", "on", "at", "as", "so", "it", "we", "an", "be", "no", "up", "us", "my", "he", "me", "do", "go",
+    "if", "ok"}
 _UNIT = r"[A-Za-z]+(?:\^\{?\d+\}?)?(?:/[A-Za-z]+(?:\^\{?\d+\}?)?)?"
 _PLAIN = re.compile(
     r"(?P<sign>[-+]?)\s*(?P<num>(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3}(?![\d.]))?)"
@@ -276,6 +284,8 @@ def _units_ok(tail: str, apart: bool) -> bool:
         if first not in _GLUED_UNITS:
             return False
     elif len(first) == 1 and first not in _UNIT_LETTERS:    # '2 p': a variable; '2 m': metres
+        return False
+    elif len(first) == 2 and first.islower() and first not in _TWO_LETTER_WORDS:   # '2 xy': 2*x*y; '5 cm', '12 in'
         return False
     return not any(w.lower() in _NOT_UNITS and w not in _UNIT_LETTERS for w in words)
 
@@ -367,10 +377,58 @@ def _drops_a_value(s: str) -> bool:
     return not _units_ok(_clean(text), apart)
 
 
+# A degree mark ('^\\circ', '^{\\circ}', '°', '\\degree'), and a trigonometric function with its power, if any.
+_DEGREE = r"(?:\s*\^\s*(?:\{\s*(?:\\circ|°)\s*\}|\\circ(?![A-Za-z]))|\s*°|\s*\\degree(?![A-Za-z]))"
+_DEGREE_MARK = re.compile(r"\\circ|°|\\degree")
+_TRIG = re.compile(r"\\(?:sin|cos|tan|cot|sec|csc)(?![A-Za-z])(?:\s*\^\s*(?:\{[^{}]*\}|\w))?\s*")
+_NUMBER_DEGREES = re.compile(r"(\d+(?:\.\d+)?|\.\d+)" + _DEGREE)
+_BARE_DEGREES = re.compile(r"([-+]?\s*)(?:(?P<num>\d+(?:\.\d+)?|\.\d+)|(?P<atom>[A-Za-z]|\\(?!circ|degree)[A-Za-z]+))"
+                           + _DEGREE)
+
+
+def _to_radians(arg: str) -> str:
+    """Each degree mark of a trigonometric function's argument as a factor pi/180 ('30^\\circ': \\frac{30\\pi}{180})."""
+    arg = _NUMBER_DEGREES.sub(r"\\frac{\1\\pi}{180}", arg)
+    return re.sub(_DEGREE, r"\\cdot\\frac{\\pi}{180}", arg)
+
+
+def _trig_degrees(s: str) -> str:
+    """Degrees in the argument of a trigonometric function made radians: math-verify drops the degree mark, so
+    '\\sin 30^\\circ' was sin(30 radians) and failed for 0.5. A degree mark anywhere else (an angle: '30^\\circ' for
+    gold 30) is left to be dropped. The argument is a bracketed group ('\\sin(30^\\circ)', '\\sin{30^\\circ}',
+    '\\cos\\left(90^\\circ - x\\right)') or one number or letter with its mark ('\\sin 30^\\circ', '\\tan\\theta°')."""
+    if not _DEGREE_MARK.search(s) or not _TRIG.search(s):
+        return s
+    parens, braces = None, None
+    out, done = [], 0
+    for m in _TRIG.finditer(s):
+        if m.start() < done:          # inside an argument already converted ('\\sin(\\cos 60^\\circ)')
+            continue
+        j = m.end()
+        if s.startswith("\\left(", j):
+            j += len("\\left")
+        end = None
+        if j < len(s) and s[j] in "({":
+            if parens is None:        # matched once for the whole string: linear time however many functions
+                parens, braces = _matching_braces(s, "(", ")"), _matching_braces(s)
+            end = (parens if s[j] == "(" else braces).get(j)
+        if end is not None:
+            out += [s[done:j], _to_radians(s[j:end + 1])]
+            done = end + 1
+            continue
+        bare = _BARE_DEGREES.match(s, j)
+        if bare:
+            sign, num, atom = bare.group(1), bare.group("num"), bare.group("atom")
+            arg = f"\\frac{{{num}\\pi}}{{180}}" if num else f"{atom}\\cdot\\frac{{\\pi}}{{180}}"
+            out += [s[done:j], f"({sign}{arg})"]
+            done = bare.end()
+    return "".join(out) + s[done:]
+
+
 def _as_latex(s: str) -> str:
     # math-verify looks for LaTeX anchors; a bare answer is wrapped so that it is found. It reads 1.5e3 as
     # 1.5 * e * 3 (Euler's number): scientific notation goes as 1.5\times10^{3}.
-    s = s.replace("\\$", "")
+    s = _trig_degrees(s.replace("\\$", ""))
     if "," not in s and _drops_a_value(s.strip().strip("$")):
         # '2ab', '3 \\text{ tens}', '\\frac{1}{2}t': a product or another value, which math-verify would read as the
         # number alone, dropping the words as units ('2t' and '2ab' were 2). In parentheses they stay.
@@ -719,7 +777,7 @@ def _worker_main(memory_mb: int) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG: die with the parent
         if memory_mb > 0:
             resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        import math_verify  # noqa: F401  (import before 'ready': start-up is not charged to an item)
+        __import__("math_verify")   # before 'ready': start-up is not charged to an item
 
         _verify_item("1", "1", 1)
     except Exception as exc:   # reported to the parent, which raises it
