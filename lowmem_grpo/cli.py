@@ -127,7 +127,8 @@ def validate(recipe, overrides):
 
         from .environment import environment_problems
 
-        problems = function_problems(r.rewards, conventions) + environment_problems(r.environment) + data_problems(r)
+        problems = (function_problems(r.rewards, conventions, environment=bool(r.environment.name))
+                    + environment_problems(r.environment) + data_problems(r))
         if problems:
             raise RecipeError(recipe, problems)
         return r

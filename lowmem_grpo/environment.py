@@ -19,8 +19,10 @@ episode be skipped, not scored); a method `counters() -> dict[str, number]`, rea
 summed over the step's completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors,
 tool_timeouts); and a method `final_reward() -> float | None`, read once when an episode ends without an error
 (whatever ended it: done, or a limit), added to the rewards its steps gave (TRL's environment get_reward());
-and an attribute `ends_at_cut_turn = True`, for an environment whose turns are finished only at their end of
-turn: a model turn cut short then ends the episode, truncated, without step() (ToolCalls).
+an attribute `ends_at_cut_turn = True`, for an environment whose turns are finished only at their end of
+turn: a model turn cut short then ends the episode, truncated, without step() (ToolCalls); and an attribute
+`for_rewards`, what TRL-shaped reward functions get as environments[i] in its place (default: the instance
+itself; ToolCalls: the environment_factory's instance, as TRL passes it).
 
 An observation is text, written into the completion through environment.observation_template; or a `Rendered`
 (a str with its chat markup already in it, e.g. a chat template's tool message and the next assistant header:
@@ -72,20 +74,23 @@ class Rendered(str):
     """An observation already rendered with its chat markup: `parts` alternate markup (even places: the chat
     template's own text, whose special tokens stay tokens) and content (odd places: what a tool returned, in
     which text that spells a special token stays text). The str is the parts joined. rollout/turns.py appends it
-    without environment.observation_template, as the chat template would write it."""
+    without environment.observation_template, as the chat template would write it. `messages` (optional): the
+    chat messages of the exchange it answers, as TRL gives them to reward functions (the assistant turn with its
+    tool_calls, then one tool message per call: ToolCalls); () when it has none."""
 
     parts: tuple
+    messages: tuple
 
-    def __new__(cls, parts):
+    def __new__(cls, parts, messages=()):
         parts = tuple(parts)
         if not parts or not all(isinstance(p, str) for p in parts):
             raise TypeError("Rendered(parts): a non-empty sequence of str")
         self = super().__new__(cls, "".join(parts))
-        self.parts = parts
+        self.parts, self.messages = parts, tuple(messages)
         return self
 
-    def __reduce__(self):   # (a str subclass with state: pickled with its parts)
-        return (Rendered, (self.parts,))
+    def __reduce__(self):   # (a str subclass with state: pickled with its parts and messages)
+        return (Rendered, (self.parts, self.messages))
 
 
 class Environment:
@@ -107,6 +112,15 @@ class Environment:
         """After a model turn (its text, special tokens kept but EOS, BOS and pad: a tool tag that the tokenizer
         marks special is there): (observation or None, reward or None, done)."""
         raise NotImplementedError
+
+
+def for_rewards(env) -> Any:
+    """What TRL-shaped reward functions get as environments[i] for an episode of `env`: its `for_rewards` attribute
+    where it has one, else `env` itself (None: it could not be read, or no environment was built)."""
+    try:
+        return getattr(env, "for_rewards", env)
+    except USER_ERRORS:   # a property that raises: the functions get None there
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -34,7 +34,12 @@ An `environment_factory` is called once per completion (TRL keeps a pool and res
 text, appended to the prompt's last message (the episode's prompt is then those messages, rendered as the dataset's
 would be); its public methods (not reset, get_reward, or names starting with _) are its tools, beside `tools`;
 a `get_reward()` it defines is the episode's environment reward (final_reward: environment.reward_weight, logged as
-reward/environment), read once the episode ends, as TRL scores with it.
+reward/environment), read once the episode ends, as TRL scores with it; TRL-shaped reward functions get the
+instance as environments[i] (for_rewards).
+
+Reward functions see the exchange as TRL gives it to them: each observation carries its messages
+(Rendered.messages), the assistant turn with its text less the calls and its tool_calls, then one tool message
+per call with the tool's name and its result (rollout/turns.completion_messages).
 
 Refused at load, naming the model and what is supported: a tokenizer without a chat template, a template that
 cannot render a tool-calling conversation (user, assistant with tool_calls, tool), one whose calls are in neither
@@ -312,6 +317,17 @@ class ChatFormat:
         return real[len(markup[0]): len(real) - len(markup[1])]
 
     # -- reading a model turn's calls ----------------------------------------------------------------------
+
+    def content(self, text: str, prefix: str) -> str:
+        """A turn's text without its tool calls, as TRL's parse_response gives an assistant message's content."""
+        if self.format == "response_template":
+            try:
+                message = self.tokenizer.parse_response(text, prefix=prefix)
+                said = message.get("content") if isinstance(message, dict) else None
+                return said.strip() if isinstance(said, str) else ""
+            except Exception:   # the model's text; its calls' problems are told to it already
+                pass
+        return re.sub(re.escape(OPEN) + r".*?(" + re.escape(CLOSE) + r"|$)", "", text, flags=re.S).strip()
 
     def calls(self, text: str, prefix: str, schemas: list) -> list[tuple]:
         """The turn's calls as (name or None, arguments or None, problem or None), in order; [] without any."""
@@ -645,6 +661,11 @@ class ToolCalls(Environment):
         raise TypeError("the environment's reset() returned text, and the row's prompt is neither text nor chat "
                         "messages to append it to")
 
+    @property
+    def for_rewards(self):
+        """TRL's environments[i] for reward functions: the environment_factory's instance (None: tools alone)."""
+        return self.env
+
     def counters(self) -> dict:
         return {"tool_calls": self.calls, "tool_errors": self.errors, "tool_timeouts": self.timeouts}
 
@@ -677,8 +698,18 @@ class ToolCalls(Environment):
                 content = _error(problem)
             results.append((self._shown_name(name), content))
         observation = self.format.answer(results)
+        exchange = self._exchange(model_text, self._prefix, calls, results)
         self._prefix = str(observation)
-        return observation, None, False
+        return Rendered(observation.parts, exchange), None, False
+
+    def _exchange(self, model_text: str, prefix: str, calls: list, results: list) -> tuple:
+        """The turn and its answers as TRL gives them to reward functions: the assistant message (its text without
+        the calls, and its tool_calls) and one tool message per call, named for its tool, holding its result."""
+        tool_calls = [{"type": "function", "function": {"name": shown, "arguments": args if args is not None else {}}}
+                      for (_, args, _), (shown, _) in zip(calls, results)]
+        said = self.format.content(model_text, prefix)
+        return ({"role": "assistant", "content": said, "tool_calls": tool_calls},
+                *({"role": "tool", "name": name, "content": content} for name, content in results))
 
     def _shown_name(self, name) -> str:
         """The name a result's tool message carries: the tool's, or UNKNOWN_TOOL for a name no tool has. The

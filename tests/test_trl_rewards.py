@@ -197,21 +197,25 @@ def test_every_argument_trls_trainer_passes_is_passed_or_documented_as_not():
     assert not [n for n in TRL_NOT_PASSED if f"`{n}`" not in section]
 
 
-@pytest.mark.parametrize("function,argument", [
-    ("trl_style_rewards:reads_environments", "environments"),
-])
-def test_an_argument_trl_passes_and_this_trainer_does_not_is_named_at_load(tmp_path, function, argument):
-    """TRL 1.16 also passes log_metric=, log_extra= (and environments= with an environment_factory): a function
-    that requires one fails when the run starts (and in validate), naming it, not at its first batch as a
-    'missing dataset column'."""
-    why = (rf"reward '{function}' requires `{argument}` \(.*\), which TRL's GRPOTrainer passes and lowmem-grpo "
-           rf"does not: give the parameter a default \({argument}=None\)")
+def test_environments_is_required_only_with_an_environment(tmp_path):
+    """TRL passes environments= with an environment_factory; here with an environment on (environment.name). A
+    function that requires it, in a recipe without one, fails when the run starts (and in validate), naming it,
+    not at its first batch as a 'missing dataset column'; with one, it loads and gets each completion's instance."""
+    function = "trl_style_rewards:reads_environments"
+    why = (rf"reward '{function}' requires `environments` \(.*\), passed only when the recipe names an environment "
+           r"\(environment.name; TRL's environment_factory=\): name one, or give the parameter a default \(environments=None\)")
     with pytest.raises(RewardError, match=rf"rewards\.functions\.0\.function: {why}"):
         rewards(function)
     with pytest.raises(RewardError, match=why):
         rewards({"function": function, "convention": "trl"})
     res = _validate(tmp_path, {"function": function})
-    assert res.exit_code == 2 and f"rewards.functions.0.function: reward '{function}' requires `{argument}`" in res.output
+    assert res.exit_code == 2 and f"rewards.functions.0.function: reward '{function}' requires `environments`" in res.output
+    env = type("Env", (), {})
+    instances = [env(), env()]
+    instances[0].reward, instances[1].reward = 0.25, 1.0
+    r = rewards(function, environment_weight=1.0)
+    res = r(["a", "b"], ["p", "q"], [{"prompt": "p"}] * 2, environment=[None, None], environments=instances)
+    assert res.per_function["reads_environments"].tolist() == [0.25, 1.0]
 
 
 def test_log_metric_log_extra_and_max_steps_reach_trl_functions():

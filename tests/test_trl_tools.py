@@ -378,6 +378,110 @@ def test_environment_factory_appends_reset_text_and_its_methods_are_tools(hermes
     assert c.env.reward == 1.0   # get_reward(), read once at the end: the environment's reward
 
 
+def counted_total(completions, environments, **kwargs):
+    """TRL's way to score with an environment_factory: read each completion's own instance."""
+    SEEN_ENVIRONMENTS.extend(environments)
+    return [float(env.total) for env in environments]
+
+
+SEEN_ENVIRONMENTS: list = []
+
+
+def _counter_episodes(hermes_dir, starts: list, turns: list):
+    """One episode of Counter per start, each the Scripted turns; (completions, examples, tokenizer)."""
+    from lowmem_grpo.data import PromptSet
+    from lowmem_grpo.recipe import DataConfig
+
+    tok = build_tokenizer(HERMES)
+    section, template_kwargs = trl_environment([], Counter, model=hermes_dir, trust_remote_code=False,
+                                               chat_template_kwargs=None, max_tool_calling_iterations=None,
+                                               max_completion_length=200)
+    factory = EnvironmentFactory(EnvironmentConfig(**section))
+    cfg = DataConfig(train_path="rows.jsonl", chat_template_kwargs=template_kwargs, max_prompt_tokens=4096)
+    rows = [{"prompt": [{"role": "user", "content": "Count to 10"}], "start": s} for s in starts]
+    pset = PromptSet("rows.jsonl", cfg, tok, rows=rows, require_answer=False)
+    limits = TurnLimits(max_turns=3, max_total_tokens=200, observation_max_tokens=100)
+    done = []
+    for example in pset.examples:
+        done += run_episodes(Scripted(tok, turns), tok, [example], SamplingParams(n=1, max_new_tokens=64), factory,
+                             limits, render=pset.render_message)
+    return done, pset.examples, tok
+
+
+def test_trl_shaped_rewards_get_each_episodes_environment_factory_instance(hermes_dir):
+    """TRL passes environments= (the environment_factory's instances, one per completion) to reward functions;
+    one that required it was refused here. Each now gets its own episode's instance, as the episode left it; an
+    episode that an environment error ended reaches no reward function (its instance is broken) and is skipped."""
+    from lowmem_grpo.recipe import RewardsConfig
+    from lowmem_grpo.rewards import Rewards
+    from lowmem_grpo.rollout.turns import completion_texts, score
+
+    group, examples, tok = _counter_episodes(hermes_dir, [7, 1, "not a number"], [call("increment", by=3), "Done."])
+    assert [c.env.error is not None for c in group] == [False, False, True]   # int("not a number") in reset()
+    rewards = Rewards(RewardsConfig(functions=[{"function": "test_trl_tools:counted_total"}]), answer_field="answer",
+                      environment_weight=0.5)
+    SEEN_ENVIRONMENTS.clear()
+    result = score(rewards, completion_texts(tok, group), group, examples, tokenizer=tok)
+    assert [type(e) for e in SEEN_ENVIRONMENTS] == [Counter, Counter]
+    assert result.per_function["counted_total"].tolist()[:2] == [10.0, 4.0]
+    assert result.per_function["environment"].tolist()[:2] == [1.0, 0.0]       # get_reward(): total == 10
+    assert result.total.tolist()[:2] == [10.5, 4.0] and math.isnan(result.total[2]) and result.skipped == 1
+
+
+def test_a_trl_script_with_an_environment_factory_and_environments_rewards_trains(hermes_dir, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Count to 10"}], "start": s} for s in range(4)]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, learning_rate=1e-3, num_generations=2,
+                      per_device_train_batch_size=4, max_completion_length=12, max_steps=1, logging_steps=1,
+                      save_steps=1)
+    trainer = GRPOTrainer(model=hermes_dir, reward_funcs=[counted_total], args=args, train_dataset=rows,
+                          environment_factory=Counter, log=lambda *a: None)
+    SEEN_ENVIRONMENTS.clear()
+    assert trainer.train()["step"] == 1
+    assert len(SEEN_ENVIRONMENTS) == 4 and all(type(e) is Counter for e in SEEN_ENVIRONMENTS)
+    [row] = [row for row in read_metrics(tmp_path / "out") if "loss" in row]
+    # each instance was reset on its own row: two prompts of G = 2, their totals the rows' starts (unless the tiny
+    # model called the tool)
+    totals = [e.total for e in SEEN_ENVIRONMENTS]
+    assert row["env/tool_calls"] > 0 or (totals[0] == totals[1] != totals[2] == totals[3] and set(totals) <= {0, 1, 2, 3})
+    assert row["env/errors"] == 0 and math.isfinite(row["loss"])
+
+
+def boxed(x: int) -> str:
+    """Writes a number in a box.
+
+    Args:
+        x: The number.
+    """
+    return f"\\boxed{{{x}}}"
+
+
+def test_the_built_in_rewards_read_the_models_words_not_a_tools_output(hermes_dir):
+    """The built-in math reward read the whole episode: a \\boxed{} in a tool's output was the model's answer when
+    its own last turn had none (a red team's leftover). It reads the model's turns alone (turns.model_texts)."""
+    from lowmem_grpo.data import PromptSet
+    from lowmem_grpo.recipe import DataConfig, RewardsConfig
+    from lowmem_grpo.rewards import Rewards
+    from lowmem_grpo.rollout.turns import completion_texts, model_texts, score
+
+    tok = build_tokenizer(HERMES)
+    factory, _, template_kwargs = make_env(hermes_dir, tools=[boxed])
+    cfg = DataConfig(train_path="rows.jsonl", chat_template_kwargs=template_kwargs, max_prompt_tokens=4096)
+    pset = PromptSet("rows.jsonl", cfg, tok, rows=[{"prompt": [{"role": "user", "content": "40+2?"}], "answer": "42"}],
+                     require_answer=False)
+    limits = TurnLimits(max_turns=3, max_total_tokens=256, observation_max_tokens=256)
+    group = []
+    for last in ("I am not sure.", "So \\boxed{42}."):
+        group += run_episodes(Scripted(tok, [call("boxed", x=42), last]), tok, pset.examples[:1],
+                              SamplingParams(n=1, max_new_tokens=64), factory, limits)
+    texts = completion_texts(tok, group)
+    assert "<tool_response>\n\\boxed{42}\n</tool_response>" in tok.decode(group[0].token_ids)
+    assert model_texts(tok, group)[0] == call("boxed", x=42) + "\nI am not sure."
+    rewards = Rewards(RewardsConfig(functions=[{"function": "math", "kwargs": {"extract": ["boxed"]}}]),
+                      answer_field="answer", environment_weight=0.0)
+    result = score(rewards, texts, group, pset.examples[:1] * 2, tokenizer=tok)
+    assert result.per_function["math"].tolist() == [0.0, 1.0]
+
+
 # -- 3. a TRL-shaped script -------------------------------------------------------------------------------------
 
 def tool_reward(completions, **kwargs):
@@ -565,10 +669,15 @@ def test_trl_shaped_rewards_get_an_episode_as_its_messages_and_score_the_models_
     result = score(rewards, completion_texts(tok, group), group, [example] * 3, tokenizer=tok)
     assert result.total.tolist() == [0.0, 0.0, 1.0]
     tool_then_41, call_only, plain = SEEN
-    assert [m["role"] for m in tool_then_41] == ["assistant", "tool", "assistant"]
-    assert tool_then_41[0]["content"] == call("add", a=40, b=2) and "\n42\n" in tool_then_41[1]["content"]
-    assert tool_then_41[2]["content"] == "The answer is 41."
-    assert call_only == [{"role": "assistant", "content": call("add", a=40, b=2)}]
+    # TRL's shape: the assistant message holds its text without the call, and the call in tool_calls; one tool
+    # message per call, named for its tool, holding its result (not the template's markup around it)
+    assert tool_then_41 == [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 40, "b": 2}}}]},
+        {"role": "tool", "name": "add", "content": "42"},
+        {"role": "assistant", "content": "The answer is 41."}]
+    # a tool result after which the model said nothing is left out; its call is still the turn's tool_calls
+    assert call_only == [tool_then_41[0]]
     assert plain == [{"role": "assistant", "content": "It is 42."}]
 
 

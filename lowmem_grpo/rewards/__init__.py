@@ -116,9 +116,11 @@ def epochs_done(steps: int, prompts_per_step: int, train_rows: int) -> float:
 # Signatures: which convention a function is called in, and whether the recipe's kwargs fit it
 # ----------------------------------------------------------------------------------------------------
 
-def function_problems(cfg: RewardsConfig, conventions: Optional[dict] = None) -> list[tuple[str, str]]:
+def function_problems(cfg: RewardsConfig, conventions: Optional[dict] = None,
+                      environment: bool = False) -> list[tuple[str, str]]:
     """(recipe key, message) for each user reward function that cannot be loaded or called as its recipe entry
-    says (module, callable, convention, kwargs); built-ins are checked by the recipe's own validation.
+    says (module, callable, convention, kwargs; `environment`: whether the recipe names one, which some TRL-shaped
+    arguments need); built-ins are checked by the recipe's own validation.
     `conventions`, when given, gets {recipe key of the function: 'lowmem' | 'trl'} for each usable one.
     Imports the users' modules, not torch: `lowmem-grpo validate` calls it."""
     problems = []
@@ -130,7 +132,8 @@ def function_problems(cfg: RewardsConfig, conventions: Optional[dict] = None) ->
         except RewardError as exc:
             problems.append((f"rewards.functions.{i}.function", str(exc)))
             continue
-        convention, found = calling_convention(spec.function, fn, getattr(spec, "convention", "auto"), dict(spec.kwargs))
+        convention, found = calling_convention(spec.function, fn, getattr(spec, "convention", "auto"), dict(spec.kwargs),
+                                               environment)
         problems += [(f"rewards.functions.{i}.{k}", m) for k, m in found]
         if conventions is not None and not found:
             conventions[f"rewards.functions.{i}"] = convention
@@ -216,6 +219,7 @@ class Rewards:
         self._accepts: dict[str, Optional[set]] = {}    # TRL-shaped label -> the names it takes (None: **kwargs)
         self._auto_trl: set = set()              # TRL-shaped by the auto rule (for hints when they fail)
         self._wants_ids: set = set()             # built-ins called with completion_ids=
+        self._builtins: set = set()              # labels of the built-ins (they read model_completions)
         self._reads_answer = False
         problems = []
         for i, spec in enumerate(cfg.functions):
@@ -248,7 +252,8 @@ class Rewards:
         convention = getattr(spec, "convention", "auto")
         builtin = _SPECS.get(spec.function)
         if builtin is None:
-            convention, found = calling_convention(spec.function, fn, convention, kwargs)
+            convention, found = calling_convention(spec.function, fn, convention, kwargs,
+                                                   environment=self.environment_weight is not None)
             if convention == "trl":
                 self._columns_read[label] = _required_columns(fn)
                 params = _parameters(fn)
@@ -260,6 +265,7 @@ class Rewards:
                                   "(keyword arguments; dataset columns by name)")
             return kwargs, convention, found
         # a built-in: checked again here, as a RewardsConfig can be built, or changed, without validation
+        self._builtins.add(label)
         found = [(f"kwargs.{k}", m) for k, m in option_problems(spec.function, kwargs)]
         if convention == "trl":
             found.append(("convention", f"built-in reward {spec.function!r} takes lowmem-grpo's convention; "
@@ -307,22 +313,29 @@ class Rewards:
                  completion_ids: Optional[list[list[int]]] = None, step: int = 0,
                  prompt_messages: Optional[list[Optional[list[dict]]]] = None,
                  environment: Optional[list[Optional[float]]] = None,
-                 completion_messages: Optional[list[Optional[list[dict]]]] = None) -> RewardResult:
+                 completion_messages: Optional[list[Optional[list[dict]]]] = None,
+                 environments: Optional[list] = None,
+                 model_completions: Optional[list[str]] = None) -> RewardResult:
         """Score completions[i], sampled for prompts[i] (the text the model saw) of dataset row rows[i].
         completion_ids[i]: its token ids; step: the steps done (TRL-shaped functions' trainer_state: global_step
         step x updates_per_step, epoch);
         prompt_messages[i]: the prompt as chat messages when its row held them (else None); environment[i]: the
         environment's summed reward of completion i (None: it gave none), with an environment on;
         completion_messages[i]: an environment's episode as chat messages (rollout/turns.completion_messages), what
-        TRL-shaped functions get as completions[i] where its prompt is chat messages (else None)."""
+        TRL-shaped functions get as completions[i] where its prompt is chat messages (else None);
+        environments[i]: TRL's environments= (its episode's environment instance), with an environment on;
+        model_completions[i]: the model's own words in completions[i], what the built-ins read in its place
+        (rollout/turns.model_texts: an environment's observations are not the model's answer)."""
         import torch
 
         n = len(completions)
         any_trl = any(self._is_trl(name) for name, *_ in self.functions)
         logged: tuple[dict, dict] = ({}, {})        # what TRL-shaped functions log: (metrics, extra columns)
         trl_args = (self._trl_arguments(completions, prompts, rows, completion_ids, step, prompt_messages, logged,
-                                        completion_messages) if any_trl else {})
-        calls = [self._call(name, fn, kwargs, trl_args, completions, prompts, rows, completion_ids)
+                                        completion_messages, environments) if any_trl else {})
+        calls = [self._call(name, fn, kwargs, trl_args,
+                            model_completions if name in self._builtins and model_completions is not None
+                            else completions, prompts, rows, completion_ids)
                  for name, fn, _, kwargs in self.functions]
         outputs = _outputs(calls)
         chat = prompt_messages is not None and any(m is not None for m in prompt_messages)
@@ -410,11 +423,12 @@ class Rewards:
         return self.conventions.get(name) == "trl"   # (a function put in .functions by hand is lowmem-grpo's)
 
     def _trl_arguments(self, completions, prompts, rows, completion_ids, step, prompt_messages,
-                       logged: tuple[dict, dict], completion_messages=None) -> dict:
+                       logged: tuple[dict, dict], completion_messages=None, environments=None) -> dict:
         """TRL's keyword arguments for a batch: prompts, completions (chat messages where the row's prompt was
         a message list: an environment's episode as its turns, [assistant, tool, ..., assistant], as TRL gives a
         tool-calling completion, else one assistant message), completion_ids, trainer_state, log_metric and
-        log_extra (which fill `logged`: (metrics, extra columns)), and one list per dataset column."""
+        log_extra (which fill `logged`: (metrics, extra columns)), environments (with an environment on), and one
+        list per dataset column."""
         def chat(i: int) -> bool:
             return prompt_messages is not None and prompt_messages[i] is not None
 
@@ -441,6 +455,8 @@ class Rewards:
             "log_metric": log_metric,
             "log_extra": log_extra,
         }
+        if environments is not None:
+            args["environments"] = list(environments)
         for column in self._columns(rows):
             args[column] = [row.get(column) if isinstance(row, dict) else None for row in rows]
         return args

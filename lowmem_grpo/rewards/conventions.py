@@ -35,9 +35,11 @@ concurrently, on an event loop.
 
 TRL's way also passes log_metric(name, value) (a scalar, averaged over the step's calls: the metrics row's
 reward_metric/<name>) and log_extra(column, values) (one value per completion: a column of the sample table).
-TRL (1.16) passes environments= as well, with an environment_factory, which is not passed here (TRL_NOT_PASSED):
-a TRL-shaped function that requires it is an error naming it when the run starts (and in `lowmem-grpo
-validate`); one that gives it a default runs without it.
+With an environment on (environment.name; TRL's environment_factory=), it also passes environments= (TRL 1.16's
+name): one per completion, its episode's environment instance (environment.for_rewards: for TRL's tools, the
+environment_factory's instance), held until the batch is scored. Without one, a TRL-shaped function that
+requires it is an error naming it when the run starts (and in `lowmem-grpo validate`); one that gives it a
+default runs without it. What TRL passes and this trainer does not would be in TRL_NOT_PASSED (none today).
 """
 
 from __future__ import annotations
@@ -46,11 +48,12 @@ import inspect
 from typing import Callable, Optional
 
 _PASSED = ("prompts", "rows")   # keyword arguments every lowmem-grpo-convention reward receives from the trainer
-TRL_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")  # (+ columns)
+TRL_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
+              "environments")  # (+ columns)
+# Of TRL_PASSED, those passed only with an environment on: name -> what it is
+WITH_ENVIRONMENT = {"environments": "the episodes' environment instances, one per completion"}
 # What TRL's GRPOTrainer (1.16) passes to reward functions as well, and this trainer does not (yet): name -> what it is
-TRL_NOT_PASSED = {
-    "environments": "the environment_factory's instances, one per completion",
-}
+TRL_NOT_PASSED: dict[str, str] = {}
 CONVENTIONS = ("auto", "lowmem", "trl")
 _LOWMEM_NEEDS = "a parameter named `rows`: f(completions, *, prompts, rows, **kwargs)"
 _TRL_NEEDS = ("`completions` accepted by keyword, every other required parameter too (prompts, completion_ids, "
@@ -119,17 +122,24 @@ def _trl_misfit(params) -> list[str]:
     return why
 
 
-def _not_passed_problems(name: str, params) -> list[tuple[str, str]]:
-    """("function", message) for each argument the function requires that TRL passes and this trainer does not."""
-    return [("function", f"reward {name!r} requires `{n}` ({TRL_NOT_PASSED[n]}), which TRL's GRPOTrainer passes and "
-                         f"lowmem-grpo does not: give the parameter a default ({n}=None) and skip its use without it")
-            for n, p in params.items()
-            if n in TRL_NOT_PASSED and p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+def _not_passed_problems(name: str, params, environment: bool) -> list[tuple[str, str]]:
+    """("function", message) for each argument the function requires that TRL passes and this trainer does not,
+    or not without an environment (`environment`: whether the recipe names one)."""
+    required = [n for n, p in params.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return ([("function", f"reward {name!r} requires `{n}` ({TRL_NOT_PASSED[n]}), which TRL's GRPOTrainer passes and "
+                          f"lowmem-grpo does not: give the parameter a default ({n}=None) and skip its use without it")
+             for n in required if n in TRL_NOT_PASSED]
+            + [("function", f"reward {name!r} requires `{n}` ({WITH_ENVIRONMENT[n]}), passed only when the recipe "
+                            "names an environment (environment.name; TRL's environment_factory=): name one, or give the "
+                            f"parameter a default ({n}=None)")
+               for n in required if n in WITH_ENVIRONMENT and not environment])
 
 
-def trl_signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str, str]]:
+def trl_signature_problems(name: str, fn: Callable, kwargs: dict, environment: bool = False) -> list[tuple[str, str]]:
     """(key, message) for what keeps a function from being called TRL's way: it must take completions= and
-    every argument by keyword, and each recipe kwarg (none of TRL's own names). [] when it cannot be inspected."""
+    every argument by keyword, and each recipe kwarg (none of TRL's own names), and require only what is passed
+    (`environment`: whether the recipe names one). [] when it cannot be inspected."""
     params = _parameters(fn)
     if params is None:
         return []
@@ -137,7 +147,7 @@ def trl_signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[
     if why:
         return [("function", f"reward {name!r}{_signature(fn)} cannot be called TRL's way (convention: trl), which "
                              f"needs {_TRL_NEEDS}: {'; '.join(why)}")]
-    return _not_passed_problems(name, params) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
+    return _not_passed_problems(name, params, environment) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
 
 
 def _signature(fn: Callable) -> str:
@@ -148,10 +158,11 @@ def _signature(fn: Callable) -> str:
         return ""
 
 
-def calling_convention(name: str, fn: Callable, convention: str = "auto",
-                       kwargs: Optional[dict] = None) -> tuple[str, list[tuple[str, str]]]:
+def calling_convention(name: str, fn: Callable, convention: str = "auto", kwargs: Optional[dict] = None,
+                       environment: bool = False) -> tuple[str, list[tuple[str, str]]]:
     """('lowmem' or 'trl', problems) of a user function under rewards.functions[].convention, by the module
-    docstring's rule. problems are (key, message), the key relative to the function's recipe entry."""
+    docstring's rule; `environment`: whether the recipe names one. problems are (key, message), the key relative
+    to the function's recipe entry."""
     kwargs = kwargs or {}
     if convention not in CONVENTIONS:
         return "lowmem", [("convention", f"{convention!r} is unknown; allowed: {', '.join(CONVENTIONS)}")]
@@ -159,13 +170,13 @@ def calling_convention(name: str, fn: Callable, convention: str = "auto",
     if convention == "lowmem" or (convention == "auto" and (params is None or "rows" in params)):
         return "lowmem", signature_problems(name, fn, kwargs)
     if convention == "trl":
-        return "trl", trl_signature_problems(name, fn, kwargs)
+        return "trl", trl_signature_problems(name, fn, kwargs, environment)
     why = _trl_misfit(params)
     if why:
         return "lowmem", [("function", f"reward {name!r}{_signature(fn)} fits neither calling convention: "
                                        f"lowmem-grpo's needs {_LOWMEM_NEEDS}; TRL's needs {_TRL_NEEDS}; but "
                                        f"{'; '.join(why)}")]
-    return "trl", _not_passed_problems(name, params) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
+    return "trl", _not_passed_problems(name, params, environment) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
 
 
 def _required_columns(fn: Callable) -> list[str]:

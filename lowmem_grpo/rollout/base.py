@@ -8,8 +8,8 @@ comes in `SamplingParams`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
 
 # Prompts per generate call in greedy eval. The vLLM engine sizes its batch for it and memory.py models
 # the same, so it lives here, below all three.
@@ -100,6 +100,10 @@ class EnvRecord:
     prompt_text: Optional[str] = None  # reset()'s first message as rendered, when it gave one (else the example's)
     prompt_messages: Optional[list] = None  # reset()'s chat messages, when it gave the prompt as messages
     counters: tuple = ()               # (name, value) pairs of its optional counters() at the episode's end
+    exchanges: tuple = ()              # per observation in the completion, the messages it came with (Rendered.messages)
+    # what TRL-shaped reward functions get as environments[i] (environment.for_rewards: the instance, or what it
+    # names), held until the completion is scored; never compared, printed or sent anywhere
+    instance: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass

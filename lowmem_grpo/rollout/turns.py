@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 from ..data import chars_within
 from ..environment import (EnvError, EnvOutputError, Rendered, checked_counters, checked_final_reward, checked_reset,
-                           checked_step)
+                           checked_step, for_rewards)
 from ..user_code import HungCalls
 from .base import Completion, EnvRecord, SamplingParams
 
@@ -89,6 +89,7 @@ class _Episode:
     truncated: bool = False
     stopped_by: Optional[str] = None
     counters: dict = field(default_factory=dict)
+    exchanges: list = field(default_factory=list)   # per observation appended: its Rendered.messages (or ())
     cap: int = 0                     # the most completion tokens: max_total_tokens, less where the context ends
 
     def end(self, truncated: bool = False, error: Optional[str] = None) -> None:
@@ -99,7 +100,8 @@ class _Episode:
                            reward=sum(self.rewards) if self.rewards else None,
                            prompt_text=self.prompt_text if self.own_prompt else None,
                            prompt_messages=self.prompt_messages if self.own_prompt else None,
-                           counters=tuple(sorted(self.counters.items())))
+                           counters=tuple(sorted(self.counters.items())), exchanges=tuple(self.exchanges),
+                           instance=for_rewards(self.env) if self.env is not None else None)
         return Completion(self.prompt_index, self.tokens, self.truncated, self.logprobs, stopped_by=self.stopped_by,
                           env_mask=self.env_mask, prompt_ids=self.prompt_ids if self.own_prompt else None, env=record)
 
@@ -208,6 +210,7 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         return
     ep.tokens += ids
     ep.env_mask += [True] * len(ids)
+    ep.exchanges.append(getattr(observation, "messages", ()))
     if ep.logprobs is not None:
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
 
@@ -480,26 +483,59 @@ def environment_rewards(completions: list) -> Optional[list]:
 
 def score(rewards, texts: list, completions: list, examples: list, step: int = 0, *, tokenizer):
     """The RewardResult of completions[j] (decoded: texts[j]), sampled for examples[j], as training and eval both
-    score them; `step`: the optimizer steps done (a TRL-shaped reward's trainer_state.global_step). With chat
-    prompts, TRL-shaped functions get an episode's completion as its messages (completion_messages: `tokenizer`).
+    score them; `step`: the optimizer steps done (a TRL-shaped reward's trainer_state.global_step). With an
+    environment, the built-in rewards read the model's own words (model_texts), TRL-shaped functions get each
+    episode's environment instance as environments[j] (environment.for_rewards) and, with chat prompts, its
+    completion as messages (completion_messages: `tokenizer`).
 
     An episode that an environment error ended (EnvRecord.error: it raised, returned the wrong types or hung)
-    has no verdict: whatever its rewards say, they score the environment's failure, not the model. So it is
-    skipped, as a completion no reward function can score: out of its group's statistics, the update and the
-    success rate, counted in success_rate/skipped (and env/errors) (docs/algorithm.md §20)."""
+    has no verdict: whatever its rewards would say, they would score the environment's failure, not the model.
+    So no reward function sees it (a TRL-shaped one would read a broken environment instance), and it is
+    skipped: out of its group's statistics, the update and the success rate, counted in success_rate/skipped
+    (and env/errors) (docs/algorithm.md §20)."""
+    ok = [j for j, c in enumerate(completions) if c.env is None or not c.env.error]
+    if len(ok) < len(completions):
+        scored = (score(rewards, [texts[j] for j in ok], [completions[j] for j in ok], [examples[j] for j in ok],
+                        step, tokenizer=tokenizer) if ok else None)
+        return _spread(rewards.names, scored, ok, len(completions))
     chats = [prompt_messages(c, e) for c, e in zip(completions, examples)]
-    result = rewards(texts, [prompt_text(c, e) for c, e in zip(completions, examples)], [e.row for e in examples],
-                     completion_ids=[c.token_ids for c in completions], step=step, prompt_messages=chats,
-                     environment=environment_rewards(completions),
-                     completion_messages=[completion_messages(tokenizer, c) if m is not None else None
-                                          for c, m in zip(completions, chats)])
-    failed = [j for j, c in enumerate(completions) if c.env is not None and c.env.error]
-    if failed:
-        result.total[failed] = math.nan
-        for values in result.per_function.values():
-            values[failed] = math.nan
-        result.skipped = int(result.total.isnan().sum())
-    return result
+    driven = any(c.env is not None for c in completions)
+    instances = [c.env.instance if c.env is not None else None for c in completions]
+    return rewards(texts, [prompt_text(c, e) for c, e in zip(completions, examples)], [e.row for e in examples],
+                   completion_ids=[c.token_ids for c in completions], step=step, prompt_messages=chats,
+                   environment=environment_rewards(completions),
+                   # (TRL's tools without an environment_factory: no instances, and TRL passes none)
+                   environments=instances if any(i is not None for i in instances) else None,
+                   model_completions=model_texts(tokenizer, completions) if driven else None,
+                   completion_messages=[completion_messages(tokenizer, c) if m is not None else None
+                                        for c, m in zip(completions, chats)])
+
+
+def _spread(names: list, scored, ok: list, n: int):
+    """The RewardResult of n completions from `scored`, that of those at `ok` (None: no completion was scored):
+    NaN (skipped) elsewhere, and None in TRL's log_extra columns."""
+    import torch
+
+    from ..rewards import RewardResult
+
+    at = torch.tensor(ok, dtype=torch.long)
+
+    def full(values=None):
+        out = torch.full((n,), math.nan, dtype=torch.float64)
+        if values is not None:
+            out[at] = values
+        return out
+
+    if scored is None:
+        return RewardResult(full(), {name: full() for name in names}, {}, n)
+    extra = {}
+    for column, values in scored.extra.items():
+        extra[column] = [None] * n
+        for j, value in zip(ok, values):
+            extra[column][j] = value
+    total = full(scored.total)
+    return RewardResult(total, {k: full(v) for k, v in scored.per_function.items()}, dict(scored.errors),
+                        int(total.isnan().sum()), scored.metrics, extra)
 
 
 def completion_texts(tokenizer, completions: list) -> list[str]:
@@ -507,6 +543,21 @@ def completion_texts(tokenizer, completions: list) -> list[str]:
     own words. An observation after which the model said nothing (its last turn EOS alone) is left out: the
     rewards read the last text as the model's answer, and it was the environment's (found by a red team)."""
     return tokenizer.batch_decode([_to_last_words(tokenizer, c) for c in completions], skip_special_tokens=True)
+
+
+def model_texts(tokenizer, completions: list) -> list[str]:
+    """What the built-in rewards (math, code, ...) read: the model's own turns, each decoded as completion_texts
+    decodes, joined by a newline; the environment's observations left out, since an answer or a code block in a
+    tool's output is not the model's (a red team's leftover: a \\boxed{} a tool printed was read as the model's
+    answer when its last turn had none). A completion no environment drove: its text."""
+    runs = [[ids for by_env, ids in _runs(c.token_ids, c.env_mask) if not by_env] if c.env_mask is not None
+            else [c.token_ids] for c in completions]
+    flat = tokenizer.batch_decode([ids for r in runs for ids in r], skip_special_tokens=True)
+    texts, at = [], 0
+    for r in runs:
+        texts.append("\n".join(flat[at:at + len(r)]))
+        at += len(r)
+    return texts
 
 
 def _to_last_words(tokenizer, c: Completion) -> list:
@@ -528,12 +579,31 @@ def completion_messages(tokenizer, c: Completion) -> Optional[list]:
     of the model's tokens an assistant message, each of the environment's a tool message, decoded as
     completion_texts decodes (the same text, ending with the model's last words); None for a completion no
     environment drove. So completion[-1]["content"] is the model's last turn, not a tool's output as well (found
-    by a red team: one assistant message holding it all scored add()'s "42" as the model's answer)."""
+    by a red team: one assistant message holding it all scored add()'s "42" as the model's answer). Where an
+    observation came with its exchange's messages (Rendered.messages: TRL's tools), the turn before it is that
+    assistant message, with its tool_calls, and the observation is one tool message per call, as in TRL."""
     if c.env_mask is None:
         return None
-    ids = _to_last_words(tokenizer, c)
-    return [{"role": "tool" if by_env else "assistant", "content": tokenizer.decode(run, skip_special_tokens=True)}
-            for by_env, run in _runs(ids, c.env_mask)]
+    exchanges = c.env.exchanges if c.env is not None else ()
+    kept = len(_to_last_words(tokenizer, c))   # past it: observations the model said nothing after, left out
+    messages: list = []
+    at = seen = 0   # tokens, observations so far
+    for by_env, run in _runs(c.token_ids, c.env_mask):
+        if at >= kept and not by_env:
+            break
+        at += len(run)
+        if not by_env:
+            messages.append({"role": "assistant", "content": tokenizer.decode(run, skip_special_tokens=True)})
+            continue
+        exchange = exchanges[seen] if seen < len(exchanges) else ()
+        seen += 1
+        if exchange and messages and messages[-1]["role"] == "assistant":
+            messages[-1] = dict(exchange[0])    # the turn as TRL parses it: its text, its tool_calls
+            if at <= kept:
+                messages += [dict(m) for m in exchange[1:]]
+        elif at <= kept:
+            messages.append({"role": "tool", "content": tokenizer.decode(run, skip_special_tokens=True)})
+    return messages
 
 
 def _runs(ids: list, mask: list) -> list:
