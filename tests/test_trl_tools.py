@@ -426,6 +426,8 @@ def test_trl_shaped_rewards_get_each_episodes_environment_factory_instance(herme
     assert result.per_function["counted_total"].tolist()[:2] == [10.0, 4.0]
     assert result.per_function["environment"].tolist()[:2] == [1.0, 0.0]       # get_reward(): total == 10
     assert result.total.tolist()[:2] == [10.5, 4.0] and math.isnan(result.total[2]) and result.skipped == 1
+    # scored: the instances are let go (not kept past the step, nor pickled to other processes with the completions)
+    assert all(c.env.instance is None for c in group)
 
 
 def test_a_trl_script_with_an_environment_factory_and_environments_rewards_trains(hermes_dir, tmp_path):

@@ -492,11 +492,21 @@ def score(rewards, texts: list, completions: list, examples: list, step: int = 0
     has no verdict: whatever its rewards would say, they would score the environment's failure, not the model.
     So no reward function sees it (a TRL-shaped one would read a broken environment instance), and it is
     skipped: out of its group's statistics, the update and the success rate, counted in success_rate/skipped
-    (and env/errors) (docs/algorithm.md §20)."""
+    (and env/errors) (docs/algorithm.md §20). Once scored, the completions no longer hold their environment
+    instances: those are not kept past the step, nor sent to other processes (distributed.gather pickles them)."""
+    try:
+        return _score(rewards, texts, completions, examples, step, tokenizer)
+    finally:
+        for c in completions:
+            if c.env is not None and c.env.instance is not None:
+                c.env = replace(c.env, instance=None)
+
+
+def _score(rewards, texts: list, completions: list, examples: list, step: int, tokenizer):
     ok = [j for j, c in enumerate(completions) if c.env is None or not c.env.error]
     if len(ok) < len(completions):
-        scored = (score(rewards, [texts[j] for j in ok], [completions[j] for j in ok], [examples[j] for j in ok],
-                        step, tokenizer=tokenizer) if ok else None)
+        scored = (_score(rewards, [texts[j] for j in ok], [completions[j] for j in ok], [examples[j] for j in ok],
+                         step, tokenizer) if ok else None)
         return _spread(rewards.names, scored, ok, len(completions))
     chats = [prompt_messages(c, e) for c, e in zip(completions, examples)]
     driven = any(c.env is not None for c in completions)
