@@ -172,10 +172,14 @@ def train(recipe, resume_dir, overrides, nproc):
 
     def go():
         r = load_recipe(Path(resume_dir) / "recipe.yaml" if resume_dir else recipe, list(overrides))
-        with distributed.joined(r.train.collective_timeout_s) as world:
-            trainer = Trainer(r, run_dir=Path(resume_dir) if resume_dir else None, resume=bool(resume_dir),
-                              world=world)
-            out = trainer.fit()
+        try:
+            with distributed.joined(r.train.collective_timeout_s) as world:
+                trainer = Trainer(r, run_dir=Path(resume_dir) if resume_dir else None, resume=bool(resume_dir),
+                                  world=world)
+                out = trainer.fit()
+        except KeyboardInterrupt:   # outside a step (loading, an eval), or a second Ctrl-C: click said "Aborted!"
+            click.echo(f"\n{interrupted_note(Path(resume_dir or r.output.dir))}", err=True)
+            sys.exit(130)   # as a shell reports a process that SIGINT ended
         if not world.main:
             return out
         for key, label in (("first_eval", "before"), ("final_eval", "after")):
@@ -192,6 +196,18 @@ def train(recipe, resume_dir, overrides, nproc):
         sys.exit(128 + out["signal"])
 
 
+def interrupted_note(run_dir: Path) -> str:
+    """What a Ctrl-C outside a training step kept, and how to go on: the checkpoints written stay (a step's work
+    since the last one is lost only to a second Ctrl-C), and a resume runs an eval the interruption cut."""
+    from . import checkpoint as ckpt
+
+    if not (run_dir / "recipe.yaml").is_file():
+        return "[lowmem-grpo] interrupted (Ctrl-C) before the run wrote anything: run the same command again"
+    last = ckpt.latest(run_dir)
+    kept = f"the last checkpoint, {last}, is kept" if last is not None else "no checkpoint yet (it starts again)"
+    return f"[lowmem-grpo] interrupted (Ctrl-C); {kept}. Continue with: lowmem-grpo train --resume {run_dir}"
+
+
 @main.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
@@ -201,8 +217,8 @@ def train(recipe, resume_dir, overrides, nproc):
 @click.option("--adapter-only", is_flag=True, help="Write only the adapter, no merged model.")
 @click.option("--step", type=int, default=None, help="Export this checkpoint step instead of the latest.")
 @click.option("--overwrite", is_flag=True,
-              help="--out holds an earlier export: replace it (its adapter/ and merged/ are removed first). Without "
-                   "it, an --out that holds anything is refused.")
+              help="--out holds an earlier export: replace it (its adapter/ and merged/), once the new export is "
+                   "complete. Without it, an --out that holds anything is refused.")
 def export(run_dir, out_dir, dtype, adapter_only, step, overwrite):
     """Write the LoRA adapter and a merged standalone Hugging Face model."""
     from .export import export_run

@@ -4,19 +4,28 @@ The merge goes into the base loaded unquantized (float32 by default, or bfloat16
 the 4-bit weights: merging into NF4 re-quantizes the sum (a 0.03 logit drift on a tiny model, measured),
 and dequantizing after the LoRA wrappers are attached fails. After merging, the merged model's logits are
 compared with base + adapter on a probe input; the max difference is reported and checked.
+
+An export is written whole or not at all: into a staging folder beside --out (`.OUT.partial-PID`), starting
+with a copy of the checkpoint's adapter (the merge reads that copy, so a checkpoint that a training run rotates
+away meanwhile cannot break it), flushed to disk, then renamed into place. --overwrite sets the earlier export
+aside (`.OUT.old-PID`) only then, and deletes it after the new one is in. What an export killed midway leaves
+there is cleaned up by the next export into the same --out (clear_leftovers).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 
 from . import checkpoint as ckpt
-from .hub import folder_contents
-from .model import DTYPES, load_adapter, load_base_model, load_tokenizer
+from .hub import folder_contents, model_path_problem, tokenizer_files_problem
+from .model import DTYPES, AdapterLoadError, load_adapter, load_base_model, load_tokenizer
 from .recipe import load_recipe
 
 
@@ -34,48 +43,161 @@ def find_adapter(run_dir: Path, step: Optional[int] = None) -> Path:
 
 
 EXPORT_ENTRIES = ("adapter", "merged")   # what an export writes into --out
+STAGING, ASIDE = "partial", "old"        # .OUT.partial-PID: being written; .OUT.old-PID: the export --overwrite replaces
 
 
-def prepare_out(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an --out that holds anything: exporting into it would leave the earlier files beside the new ones
-    (an adapter of one step next to a merged model of another), silently. With `overwrite`, an earlier export's
-    adapter/ and merged/ are removed first; other files are not an export's, and are never removed."""
+def side_path(out_dir: Path, kind: str, pid: Optional[int] = None) -> Path:
+    """Where an export into out_dir stages (kind STAGING) or sets the earlier export aside (ASIDE): beside it, so
+    that a rename moves it into place (a rename within one filesystem is atomic)."""
+    return out_dir.parent / f".{out_dir.name}.{kind}-{os.getpid() if pid is None else pid}"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():   # this process exports one at a time: its own leftover is a cut-short earlier call's
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
+
+
+def clear_leftovers(out_dir: Path, log=print) -> None:
+    """What an export killed midway left beside out_dir: its staging folder (removed), or, killed between
+    --overwrite's renames, the earlier export set aside (put back where out_dir is missing, else removed: the new
+    one is in). Those of an export still running (its pid is alive) are left alone."""
+    pattern = re.compile(re.escape(f".{out_dir.name}.") + f"({STAGING}|{ASIDE})-([0-9]+)")
+    try:
+        found = sorted(p for p in out_dir.parent.iterdir() if pattern.fullmatch(p.name))
+    except OSError:   # no parent yet, or it cannot be listed (the export's own write says so)
+        return
+    for path in found:
+        kind, pid = pattern.fullmatch(path.name).groups()
+        if _alive(int(pid)):
+            log(f"[lowmem-grpo] {path}: left alone, an export that is still running (pid {pid}) writes it")
+        elif kind == ASIDE and not os.path.lexists(out_dir):
+            os.replace(path, out_dir)
+            log(f"[lowmem-grpo] {out_dir}: put the earlier export back (an --overwrite cut short had set it aside "
+                f"as {path.name})")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            what = "the unfinished files of an export" if kind == STAGING else "the earlier export replaced by an --overwrite"
+            log(f"[lowmem-grpo] removed {path}: {what} that was cut short (pid {pid})")
+
+
+def prepare_out(out_dir: Path, overwrite: bool) -> bool:
+    """Whether out_dir holds an earlier export that the new one replaces (only with `overwrite`; it is replaced only
+    once the new one is complete). Refuses an --out that holds anything else: exporting into it would leave the
+    earlier files beside the new ones (an adapter of one step next to a merged model of another), silently; other
+    files are not an export's, and are never removed. Removes nothing."""
+    if not os.path.lexists(out_dir):
+        return False
     if not out_dir.is_dir():
-        return   # new (created below), or not a folder (mkdir says so)
+        raise ExportError(f"--out {out_dir}: exists and is not a folder; choose a new or empty folder")
+    try:
+        cwd = Path.cwd()
+    except OSError:   # (a working folder that was deleted)
+        cwd = None
+    if os.path.ismount(out_dir) or (cwd is not None and out_dir.resolve() in (cwd, *cwd.parents)):
+        # the export is renamed into place: a mount point cannot be, and a working folder would be left deleted
+        raise ExportError(f"--out {out_dir}: is a mount point or the current folder, which the finished export "
+                          f"cannot be renamed onto; choose a folder inside it (e.g. {out_dir / 'export'})")
     try:
         held = list(out_dir.iterdir())
     except OSError as exc:
         raise ExportError(f"--out {out_dir}: cannot list the folder ({exc.strerror or exc})") from None
     if not held:
-        return
+        return False
     if any(p.name not in EXPORT_ENTRIES for p in held):
         raise ExportError(f"--out {out_dir}: the folder is not empty, and not an earlier export "
                           f"({folder_contents(out_dir)}); choose another --out (a new or empty folder)")
     if not overwrite:
         raise ExportError(f"--out {out_dir}: the folder already holds an export ({folder_contents(out_dir)}); choose "
                           "another --out, or pass --overwrite to replace it")
+    return True
+
+
+def _base_problem(model_cfg) -> Optional[str]:
+    """Why the merge could not load the run's base model (checked before anything is written), or None."""
+    if problem := model_path_problem(model_cfg.name_or_path):
+        return problem
+    folder = Path(model_cfg.name_or_path).expanduser()
+    if folder.is_dir() and (problem := tokenizer_files_problem(folder)):
+        return f"model.name_or_path={model_cfg.name_or_path!r}: {problem}"
+    return None
+
+
+def _removed_message(adapter: Path, keep_last: int) -> str:
+    return (f"checkpoint {adapter.parent.name} was removed while exporting (is the run still training? it keeps the "
+            f"last {keep_last} checkpoints, output.keep_last); export again, or --step an existing one")
+
+
+def _write_error(out_dir: Path, what: str, exc: Exception, where: Optional[Path] = None) -> ExportError:
+    """One line for an OSError (or safetensors' own error for one) while writing: what, the errno text, the path."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        src, dst, why = exc.args[0][0]   # copytree: (src, dst, reason) per file that failed
+        reason, where = str(why), dst
+    elif isinstance(exc, OSError):
+        reason = exc.strerror or str(exc)
+        where = exc.filename or where
+    else:   # SafetensorError: "Error while serializing: I/O error: No space left on device (os error 28)"
+        found = re.search(r"I/O error: (.*?)(?: \(os error \d+\))?$", str(exc))
+        reason = found.group(1) if found else str(exc)
+    return ExportError(f"--out {out_dir}: cannot {what} ({reason}{f': {where}' if where else ''}); the export was "
+                       "not made, --out is left as it was")
+
+
+def _fsync_dir(path: Path) -> None:
+    # (not ckpt._fsync_tree: that would also fsync every file below --out's parent)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        for path in held:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
-    except OSError as exc:
-        raise ExportError(f"--out {out_dir}: cannot remove the earlier export ({exc})") from None
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(staging: Path, out_dir: Path, replace: bool) -> None:
+    """The complete export in staging, flushed, renamed to out_dir; with `replace`, the earlier export there is
+    set aside first, and deleted only once the new one is in."""
+    ckpt._fsync_tree(staging)
+    for sub in staging.iterdir():   # (_fsync_tree flushes the files and staging itself, not the folders between)
+        if sub.is_dir():
+            _fsync_dir(sub)
+    if not replace:
+        os.replace(staging, out_dir)   # (onto an empty folder too; onto one that is no longer empty, it fails)
+        _fsync_dir(out_dir.parent)
+        return
+    aside = side_path(out_dir, ASIDE)
+    os.replace(out_dir, aside)
+    try:
+        os.replace(staging, out_dir)
+    except BaseException:
+        os.replace(aside, out_dir)
+        raise
+    _fsync_dir(out_dir.parent)
+    shutil.rmtree(aside, ignore_errors=True)   # (a crash here leaves it: clear_leftovers removes it)
 
 
 def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, step: Optional[int] = None,
                tolerance: float = 1e-5, log=print, overwrite: bool = False) -> dict:
     """RUN's checkpoint (the latest complete one, or `step`) into OUT/adapter and, with `merged`, OUT/merged.
-    OUT must be new or empty; `overwrite` replaces an earlier export there (prepare_out)."""
+    OUT must be new or empty; `overwrite` replaces an earlier export there (prepare_out). All of it is written
+    into a staging folder first and renamed into place when complete: a failure leaves OUT as it was."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if out_dir.is_symlink() or out_dir.name in ("", ".", ".."):   # a link: the export goes where it points; "..": a name
+        out_dir = out_dir.resolve()
     recipe_path = run_dir / "recipe.yaml"
     if not recipe_path.is_file():
         raise ExportError(f"{run_dir}: not a run directory (no recipe.yaml)")
     recipe = load_recipe(recipe_path)
+    keep_last = recipe.output.keep_last
     adapter = find_adapter(run_dir, step)
     problem = ckpt.adapter_problem(adapter)
     if problem:
+        if not adapter.parent.is_dir():
+            raise ExportError(_removed_message(adapter, keep_last))
         raise ExportError(f"checkpoint {adapter.parent.name} cannot be exported: {problem}")
     src = adapter.resolve()
     for entry in EXPORT_ENTRIES:   # what an --overwrite removes must not hold the checkpoint, nor lie inside it
@@ -83,16 +205,52 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
         if src == dst or dst in src.parents or src in dst.parents:
             raise ExportError(f"--out {out_dir}: its {entry}/ would overwrite the checkpoint being exported ({adapter}); "
                               "choose a folder outside it")
-    prepare_out(out_dir, overwrite)
+    if merged and (problem := _base_problem(recipe.model)):
+        raise ExportError(f"{problem} (the merge loads the base model the run was trained on; --adapter-only exports "
+                          "the adapter alone)")
+    clear_leftovers(out_dir, log)
+    replace = prepare_out(out_dir, overwrite)
+    # the folders above --out that this export creates: removed again when it fails
+    created = [p for p in (out_dir.parent, *out_dir.parent.parents) if not os.path.lexists(p)]
+    staging = side_path(out_dir, STAGING)
+    log(f"[lowmem-grpo] exporting {adapter.parent.name}: written into {staging}, renamed to {out_dir} when complete")
+    what, where, done = "write the adapter there", staging / "adapter", False
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(adapter, out_dir / "adapter")
-    except OSError as exc:
-        raise ExportError(f"--out {out_dir}: cannot write the adapter there ({exc})") from None
-    log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {out_dir / 'adapter'}")
-    report = {"adapter": str(out_dir / "adapter"), "checkpoint": adapter.parent.name}
+        try:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
+            shutil.copytree(adapter, staging / "adapter")
+        except OSError:
+            if not adapter.parent.is_dir():   # rotated away by a run that trains (checkpoint._remove)
+                raise ExportError(_removed_message(adapter, keep_last)) from None
+            raise
+        if problem := ckpt.adapter_problem(staging / "adapter"):   # (a copy of files that were being deleted)
+            raise ExportError(_removed_message(adapter, keep_last) if not adapter.parent.is_dir() else
+                              f"checkpoint {adapter.parent.name}: its copy is incomplete: {problem}")
+        report = {"adapter": str(out_dir / "adapter"), "checkpoint": adapter.parent.name}
+        if merged:
+            what, where = "write the merged model there", staging / "merged"
+            try:
+                report.update(merge_adapter(recipe.model, staging / "adapter", staging / "merged", dtype, tolerance,
+                                            probe_data=recipe.data))
+            except AdapterLoadError as exc:   # it names the staged copy, which is about to go: name the checkpoint
+                raise AdapterLoadError(str(exc).replace(str(staging / "adapter"), str(adapter))) from None
+            report["merged"] = str(out_dir / "merged")
+        what, where = "move the finished export into place", out_dir
+        _commit(staging, out_dir, replace)
+        done = True
+    except (OSError, SafetensorError) as exc:   # (safetensors raises its own error for a failed write: a full disk)
+        raise _write_error(out_dir, what, exc, where) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not done:
+            for p in created:   # (deepest first; one that is not empty stays, and so do those above it)
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+    log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {report['adapter']}")
     if merged:
-        report.update(merge_adapter(recipe.model, adapter, out_dir / "merged", dtype, tolerance, probe_data=recipe.data))
         log(f"[lowmem-grpo] merged model -> {report['merged']} (max |logit diff| vs base + adapter: {report['max_logit_diff']:.2e})")
     return report
 

@@ -493,7 +493,7 @@ class TrainConfig(_Section):
         "other steps' rows hold null there. 0: never. Default 10.")
     max_nonfinite_steps: int = Field(
         3, ge=1, description="Stop the run with an error after this many steps in a row whose loss or gradient is NaN/inf "
-        "(each such step is skipped: no optimizer step, no checkpoint); default 3.")
+        "(each such step is skipped: no optimizer step; it is checkpointed as any other, with the weights unchanged); default 3.")
     collective_timeout_s: float = Field(
         1800.0, gt=0, description="Under torchrun (several processes, docs/algorithm.md §21): how long a process waits "
         "for the others at an exchange before it fails the job. Covers a process that hangs; one that exits or is "

@@ -53,7 +53,7 @@ from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_
 from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, completion_tokens, decode_waves,
                      device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload,
                      out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os)
-from .metrics import PhaseTimer, summary_line
+from .metrics import PhaseTimer, read_metrics, summary_line
 from .model import (check_logit_head, eval_mode, load_policy, reference_mode, takes_shared_prompts, text_config,
                     trainable_parameters)
 from .progress import Progress
@@ -161,6 +161,13 @@ class Trainer:
             raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `lowmem-grpo train "
                                 f"--resume {self.run_dir}`, or train into another folder (--set output.dir=...), or "
                                 "delete that one")
+        if not resume and (self.run_dir / "recipe.yaml").is_file():
+            # a run writes its own recipe.yaml there: a user's recipe in that folder would be overwritten (found by
+            # a red team: output.dir=. replaced the recipe being trained, comments and all)
+            raise TrainingError(f"{self.run_dir} holds a recipe.yaml, which a run writes its own copy over: train into "
+                                "a folder of its own (--set output.dir=...); if it is an earlier run's that stopped "
+                                f"before its first step, continue it with `lowmem-grpo train --resume {self.run_dir}`, "
+                                "or delete it")
         if resume:
             self._check_resume_changes()
         torch.manual_seed(recipe.seed)
@@ -172,6 +179,9 @@ class Trainer:
                      f"{recipe.output.save_every}): the run starts again from step 0")
         if start_ckpt is not None and (problem := ckpt.adapter_problem(start_ckpt / "adapter")):
             raise TrainingError(_damaged(start_ckpt, problem))
+        if start_ckpt is not None and (problem := ckpt.adapter_mismatch(start_ckpt / "adapter", recipe.lora)):
+            raise TrainingError(f"cannot resume from {start_ckpt}: {problem}. Was recipe.yaml edited? A resumed run "
+                                "keeps these: put them back, or start a new run.")
         self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                  adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
         if check_logit_head(self.model) is None:   # the kernel's log-probs are the model's own, or a refusal
@@ -240,7 +250,7 @@ class Trainer:
             before = load_recipe(self.run_dir / "recipe.yaml")
         except Exception:   # (an unreadable recipe.yaml: the caller read it; nothing to compare with)
             return
-        changed = resume_changes(anchored(before), anchored(self.recipe))
+        changed = resume_changes(fixed_values(before), fixed_values(self.recipe), log=lambda *a: None)
         if changed:
             raise TrainingError(f"a resumed run cannot change {'; '.join(changed)}: its checkpoints were made with "
                                 f"the run's values ({self.run_dir / 'recipe.yaml'}). Start a new run for that "
@@ -268,9 +278,22 @@ class Trainer:
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
         if start_ckpt is not None:
             try:
-                saved = ckpt.load_trainer_state(start_ckpt)
+                saved = ckpt.load_trainer_state(start_ckpt, loop_fields=set(asdict(LoopState())),
+                                                params=trainable_parameters(self.model))
+            except ckpt.NewerFormat as exc:   # not damaged: this lowmem-grpo is older than the run's
+                raise TrainingError(f"cannot resume from {start_ckpt}: trainer_state.pt: {exc}") from None
+            except ckpt.TrainerStateError as exc:
+                raise TrainingError(_damaged(start_ckpt, f"trainer_state.pt: {exc}")) from None
             except Exception as exc:  # torch.load of a cut file: EOFError, RuntimeError, UnpicklingError, ...
                 raise TrainingError(_damaged(start_ckpt, f"trainer_state.pt: {type(exc).__name__}: {exc}")) from None
+            made_with = saved.get("extra", {}).get("fixed")   # (older checkpoints: recipe.yaml's word only)
+            if isinstance(made_with, dict):   # the run folder itself may move: output.dir is where it is now
+                changed = resume_changes({k: v for k, v in made_with.items() if k != "output.dir"}, fixed_values(r),
+                                         self.log)
+                if changed:
+                    raise TrainingError(f"cannot resume from {start_ckpt}: it was made with other settings than the "
+                                        f"run's recipe.yaml now says: {'; '.join(changed)}. Was recipe.yaml edited? "
+                                        "A resumed run keeps these: put them back, or start a new run.")
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
             self._apply_optimizer_settings()
@@ -759,6 +782,12 @@ class Trainer:
         if result:
             self.metrics.write({"step": self.step, **{f"eval/{k}": v for k, v in result.items()}})
 
+    def _final_eval_logged(self) -> bool:
+        """Whether metrics.jsonl holds the eval of the last step (only the final eval writes one there: eval_every
+        skips the last step)."""
+        return any(row.get("step") == self.step and any(k.startswith("eval/") for k in row)
+                   for row in read_metrics(self.run_dir))
+
     # -- the loop --------------------------------------------------------------------------------------
 
     def fit(self) -> dict:
@@ -791,7 +820,10 @@ class Trainer:
             ckpt.set_rng_state(rng)
             self.state = state
             last = ckpt.latest(self.run_dir)
-            saved = last if last is not None and ckpt.step_of(last) == self.step else self.save()
+            try:
+                saved = last if last is not None and ckpt.step_of(last) == self.step else self.save()
+            except TrainingError:   # (a full disk too: the out-of-memory error is the one to tell)
+                saved = None
         raise TrainingError(self.out_of_memory(what, f"{clock.failed or 'step'} phase of step {self.step + 1}",
                                                saved)) from None
 
@@ -822,10 +854,19 @@ class Trainer:
 
     def _fit(self) -> dict:
         r = self.recipe
-        if self.step >= r.train.steps:   # a resumed run that had finished: its final eval is in its metrics already
-            self.log(f"[lowmem-grpo] the run is complete: step {self.step} of train.steps={r.train.steps}; to train "
-                     f"further, raise it: {self.resume_command} --set train.steps=N")
-            return {"first_eval": None, "final_eval": None, "stopped": False, "step": self.step, "signal": None}
+        if self.step >= r.train.steps:   # a resumed run that had finished its steps
+            final = None
+            if self.eval_set is not None and distributed.any_true(self.world.main and not self._final_eval_logged(),
+                                                                  self.world):   # (process 0 keeps the metrics)
+                # stopped in its final eval (the last checkpoint comes first): run it now (found by a red team)
+                self.log(f"[lowmem-grpo] the run finished its {self.step} steps, not its final held-out eval: "
+                         "running it")
+                final = self.evaluate()
+                self._write_eval(final)
+            else:
+                self.log(f"[lowmem-grpo] the run is complete: step {self.step} of train.steps={r.train.steps}; to "
+                         f"train further, raise it: {self.resume_command} --set train.steps=N")
+            return {"first_eval": None, "final_eval": final, "stopped": False, "step": self.step, "signal": None}
         if r.train.preflight:
             self.preflight()
         first_eval = None
@@ -858,17 +899,19 @@ class Trainer:
                     last = ckpt.latest(self.run_dir)
                     raise TrainingError(
                         f"{self.state.nonfinite_run} steps in a row (up to step {self.step}) had a non-finite loss or "
-                        f"gradient (train.max_nonfinite_steps={r.train.max_nonfinite_steps}); stopped. Last good "
-                        "checkpoint: " + (f"{last} (resume with: {self.resume_command})" if last else "none")
+                        f"gradient (train.max_nonfinite_steps={r.train.max_nonfinite_steps}); stopped. Last "
+                        "checkpoint (its weights the last finite update's): "
+                        + (f"{last} (resume with: {self.resume_command})" if last else "none")
                         + ". Try a lower optimizer.lr, or optimizer.max_grad_norm > 0.")
-                # A skipped (non-finite) step writes no checkpoint: the latest one stays the last good step's.
-                # a Ctrl-C that reached any process, or a request in code (stop_requested: TRL-API callbacks)
-                stopping = distributed.any_true(stop.requested or self.stop_requested, self.world)
-                if not bad and (stopping or self.step % r.output.save_every == 0 or self.step == r.train.steps):
-                    self.save()
-                elif bad:
+                if bad:
                     progress.log(f"[lowmem-grpo] step {self.step}: non-finite loss or gradient, update skipped "
                                  f"({self.state.nonfinite_run} in a row)")
+                # a Ctrl-C that reached any process, or a request in code (stop_requested: TRL-API callbacks)
+                stopping = distributed.any_true(stop.requested or self.stop_requested, self.world)
+                # A skipped step is checkpointed too: its weights are the last good update's, and a last or
+                # stopping step left unsaved lost that update (found by a red team; save() refuses NaN weights)
+                if stopping or self.step % r.output.save_every == 0 or self.step == r.train.steps:
+                    self.save()
                 if stopping:
                     stopped, self.stopped_by = True, stop.signal
                     break
@@ -895,8 +938,16 @@ class Trainer:
         rng = distributed.gather(ckpt.rng_state(), self.world)
         if not self.world.main:
             return None
-        path = ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                         extra={"loop": asdict(self.state)}, keep_last=self.recipe.output.keep_last, rng=rng)
+        # "fixed": what the checkpoint was made with, checked on resume (recipe.yaml can be edited: a red team's find)
+        try:
+            path = ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
+                             extra={"loop": asdict(self.state), "fixed": fixed_values(self.recipe)},
+                             keep_last=self.recipe.output.keep_last, rng=rng)
+        except ckpt.CheckpointWriteError as exc:   # a full disk: one clear line, and how to go on
+            last = ckpt.latest(self.run_dir)
+            raise TrainingError(f"step {self.step}: {exc}. " + (
+                f"Free some space there, then resume with: {self.resume_command}" if last
+                else "Free some space there and start the run again")) from None
         self.metrics.saved(self.step, path)
         return path
 
@@ -916,21 +967,34 @@ class Trainer:
 FIXED_ON_RESUME = ("model", "lora", "optimizer.name", "seed", "output.dir")
 
 
-def resume_changes(before: Recipe, after: Recipe) -> list[str]:
-    """The FIXED_ON_RESUME settings that differ, as 'key (old -> new)'."""
+def fixed_values(recipe: Recipe) -> dict:
+    """{key: value} of every FIXED_ON_RESUME setting (each field of a section named whole), as a run's
+    checkpoints keep them."""
     def leaves(value, key: str) -> dict:
         if isinstance(value, dict):
             return {k: v for name, sub in value.items() for k, v in leaves(sub, f"{key}.{name}").items()}
         return {key: value}
 
-    a, b = before.model_dump(mode="json"), after.model_dump(mode="json")
-    out = []
+    dumped, out = anchored(recipe).model_dump(mode="json"), {}
     for key in FIXED_ON_RESUME:
         head, *rest = key.split(".")
-        old, new = leaves(a[head], head), leaves(b[head], head)
-        for k in old:
-            if (not rest or k == key) and old[k] != new.get(k):
-                out.append(f"{k} ({old[k]!r} -> {new.get(k)!r})")
+        out.update({k: v for k, v in leaves(dumped[head], head).items() if not rest or k == key})
+    return out
+
+
+def resume_changes(before: dict, after: dict, log=print) -> list[str]:
+    """The fixed_values that differ, as 'key (old -> new)'. But for one: a base model folder that is gone may be
+    named anew (found by a red team: a moved folder blocked the resume for good); said in the log."""
+    out = []
+    for key, old in before.items():
+        new = after.get(key)
+        if old == new:
+            continue
+        if key == "model.name_or_path" and isinstance(old, str) and old.startswith("/") and not Path(old).exists():
+            log(f"[lowmem-grpo] model.name_or_path: {old} is gone; the run goes on with {new} (it must be the same "
+                "base model: the checkpoint's adapter was trained on that one)")
+            continue
+        out.append(f"{key} ({old!r} -> {new!r})")
     return out
 
 

@@ -40,13 +40,13 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tiny_data
         t.fit()
     msg = str(err.value)
     assert "3 steps in a row" in msg and "up to step 7" in msg and "max_nonfinite_steps=3" in msg
-    assert str(run / "checkpoints" / "step-000004") in msg and f"--resume {run}" in msg
+    assert str(run / "checkpoints" / "step-000006") in msg and f"--resume {run}" in msg
 
-    # No checkpoint from a skipped step; the latest is step 4's and holds exactly the weights the model has now
-    # (the skipped steps took no optimizer step).
-    assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step-000001", "step-000002", "step-000004"]
+    # A skipped step is checkpointed as any other (save_every 1 here; the stopping step 7 is not): the latest is
+    # step 6's and holds exactly the weights the model has now, step 4's (the skipped steps took no optimizer step).
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == [f"step-00000{i}" for i in range(1, 7)]
     latest = ckpt.latest(run)
-    assert ckpt.load_trainer_state(latest)["step"] == 4
+    assert ckpt.load_trainer_state(latest)["step"] == 6
     saved = load_file(latest / "adapter" / "adapter_model.safetensors")
     live = {n: p.detach() for n, p in t.model.named_parameters() if p.requires_grad}
     assert len(saved) == len(live) > 0
@@ -61,10 +61,10 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tiny_model_dir, tiny_data
     assert [rows[s]["nonfinite/consecutive"] for s in range(1, 8)] == [0, 0, 1, 0, 1, 2, 3]
     assert [rows[s]["nonfinite/skipped_total"] for s in range(1, 8)] == [0, 0, 1, 1, 2, 3, 4]
 
-    # Resuming (no more NaN) continues from the last good checkpoint, with the skip counters it saved.
+    # Resuming (no more NaN) continues from the last checkpoint, with the skip counters it saved.
     monkeypatch.setattr(train_mod, "aggregate", orig)
     resumed = Trainer(recipe_from_dict(d), run_dir=run, resume=True, **QUIET)
-    assert resumed.step == 4 and resumed.state.nonfinite_total == 1 and resumed.state.nonfinite_run == 0
+    assert resumed.step == 6 and resumed.state.nonfinite_total == 3 and resumed.state.nonfinite_run == 2
 
 
 # -- 5. kill -9 at random moments, resume each time --------------------------------------------------------
@@ -275,7 +275,7 @@ def test_second_ctrl_c_aborts_and_keeps_the_last_checkpoint(tiny_model_dir, tiny
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(timeout=60)
     out = log.read_text()
-    assert rc != 0 and "Aborted" in out and "resume with" not in out and "Traceback" not in out, (rc, out[-3000:])
+    assert rc == 130 and "interrupted (Ctrl-C); the last checkpoint" in out and "Traceback" not in out, (rc, out[-3000:])
     # Whatever the second Ctrl-C cut (a step, a save), the latest complete checkpoint loads and resumes.
     latest = ckpt.latest(run)
     state = ckpt.load_trainer_state(latest)
@@ -453,3 +453,136 @@ def test_the_run_folder_keeps_local_paths_absolute_and_a_folder_that_cannot_be_m
     d["output"] = {"dir": str(tmp_path / "a_file")}
     with pytest.raises(TrainingError, match=r"output.dir='.*a_file': cannot make or write the run folder there"):
         Trainer(recipe_from_dict(d), **QUIET)
+
+
+# -- a red team of crash safety and resume (each found failing) ---------------------------------------------------
+
+def test_a_last_step_whose_loss_is_not_finite_is_still_checkpointed(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """A skipped step wrote no checkpoint: when it was the last (or a save_every) step, the last good update was
+    never saved, export wrote an older adapter than the final eval measured, and a resume ran it again."""
+    import lowmem_grpo.train as train_mod
+
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 3, "preflight": False, "eval_max_prompts": 2},
+                    output={"save_every": 2})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    orig = train_mod.aggregate
+    monkeypatch.setattr(train_mod, "aggregate", lambda *a, **k: orig(*a, **k) * (float("nan") if t.step == 2 else 1.0))
+    assert t.fit()["step"] == 3
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step-000002", "step-000003"]
+    assert ckpt.load_trainer_state(ckpt.latest(run))["extra"]["loop"]["nonfinite_total"] == 1
+
+
+def test_a_run_stopped_in_its_final_eval_runs_it_on_resume(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """The last checkpoint is written before the final eval: a run stopped there (kill -9, Ctrl-C) resumed as
+    'complete', and its held-out accuracy after training was never measured."""
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 2, "preflight": False, "eval_max_prompts": 2},
+                    output={"save_every": 1})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    real = Trainer.evaluate
+
+    def stopped_in_final_eval(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", stopped_in_final_eval)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit()
+    monkeypatch.setattr(Trainer, "evaluate", real)
+    assert not [r for r in read_metrics(run) if r["step"] == 2 and "eval/accuracy" in r]
+    lines = []
+    out = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, log=lines.append).fit()
+    assert out["final_eval"] is not None and any("not its final held-out eval: running it" in x for x in lines)
+    assert len([r for r in read_metrics(run) if r["step"] == 2 and "eval/accuracy" in r]) == 1
+    lines.clear()
+    again = Trainer(recipe_from_dict(_recipe_of(run)), run_dir=run, resume=True, log=lines.append).fit()
+    assert again["final_eval"] is None and any("the run is complete" in x for x in lines)
+
+
+def test_an_edited_recipe_yaml_cannot_change_what_the_checkpoint_was_made_with(tiny_model_dir, tiny_data, tmp_path):
+    """Only --set was checked against the run's recipe.yaml: the file edited by hand changed the seed unnoticed,
+    and lora.r 4 -> 8 trained on at r 4 while recipe.yaml said 8. The checkpoint keeps what it was made with."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    run = tmp_path / "run"
+    d = recipe_dict(base, tiny_data, run, train={"steps": 1, "preflight": False, "eval_max_prompts": 2},
+                    output={"save_every": 1})
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    edited = _recipe_of(run)
+    edited["lora"]["r"] = 8   # caught before the model loads: the adapter's own config
+    write_recipe(run / "recipe.yaml", edited)
+    with pytest.raises(TrainingError, match=r"cannot resume from .*step-000001: its adapter was made with other "
+                                            r"settings than the recipe says: lora.r \(4 -> 8\)"):
+        Trainer(recipe_from_dict(edited), run_dir=run, resume=True, **QUIET)
+    edited["lora"]["r"], edited["seed"] = 4, 5
+    write_recipe(run / "recipe.yaml", edited)
+    with pytest.raises(TrainingError, match=r"cannot resume from .*step-000001: it was made with other settings than "
+                                            r"the run's recipe.yaml now says: seed \(3 -> 5\)"):
+        Trainer(recipe_from_dict(edited), run_dir=run, resume=True, **QUIET)
+    # a base model folder that moved may be named anew (it blocked the resume for good)
+    moved = tmp_path / "moved"
+    base.rename(moved)
+    back = _recipe_of(run)
+    back["lora"]["r"], back["seed"] = 4, 3
+    write_recipe(run / "recipe.yaml", back)   # put back, as the error says
+    back["model"]["name_or_path"] = str(moved)   # --set model.name_or_path=...
+    lines = []
+    resumed = Trainer(recipe_from_dict(back), run_dir=run, resume=True, log=lines.append)
+    assert resumed.step == 1 and any(f"{base} is gone; the run goes on with {moved}" in x for x in lines), lines
+    resumed.close()
+
+
+def test_a_fresh_run_will_not_overwrite_a_recipe_yaml_in_its_folder(tiny_model_dir, tiny_data, tmp_path):
+    """output.dir=. in a project folder replaced the user's recipe.yaml with the run's copy, comments and all."""
+    run = tmp_path / "project"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("# my recipe\n")
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"preflight": False})
+    with pytest.raises(TrainingError, match=r"holds a recipe.yaml, which a run writes its own copy over"):
+        Trainer(recipe_from_dict(d), **QUIET)
+    assert (run / "recipe.yaml").read_text() == "# my recipe\n"
+
+
+def test_ctrl_c_outside_a_step_exits_130_with_the_resume_command(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """Ctrl-C in the step-0 eval, the final eval or loading printed click's 'Aborted!' and exit 1, no resume hint."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    run = tmp_path / "run"
+    path = write_recipe(tmp_path / "r.yaml", recipe_dict(tiny_model_dir, tiny_data, run,
+                                                         train={"steps": 1, "preflight": False, "eval_max_prompts": 2}))
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)
+    res = CliRunner().invoke(main, ["train", str(path)])
+    assert res.exit_code == 130 and "Aborted" not in res.output, res.output
+    assert f"no checkpoint yet (it starts again). Continue with: lowmem-grpo train --resume {run}" in res.output
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_error_with_the_resume_command(tiny_model_dir, tiny_data, tmp_path,
+                                                                          monkeypatch):
+    """A checkpoint write that failed (a full disk) ended in torch's 'enforce fail ... unexpected pos' traceback."""
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 2, "preflight": False, "eval_max_prompts": 2},
+                    output={"save_every": 1})
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    real = ckpt.save
+
+    def full_at_step_2(run_dir, step, *args, **kwargs):
+        if step == 2:
+            raise ckpt.CheckpointWriteError(f"could not write the checkpoint {run_dir}/checkpoints/step-000002 "
+                                            "(OSError: No space left on device)", run_dir, OSError(28, "full"))
+        return real(run_dir, step, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save", full_at_step_2)
+    with pytest.raises(TrainingError, match=rf"step 2: could not write the checkpoint .*No space left on device\)\. "
+                                            rf"Free some space there, then resume with: lowmem-grpo train --resume {run}"):
+        t.fit()
+    assert ckpt.latest(run).name == "step-000001"
