@@ -22,6 +22,23 @@ class _Section(BaseModel):
     # .nan / .inf would pass every bound check (a NaN compares false) and make NaN rewards or losses.
     model_config = ConfigDict(extra="forbid", validate_default=True, protected_namespaces=(), allow_inf_nan=False)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value, info: ValidationInfo):
+        # pydantic's lax mode reads true/false as 1/0: `train.steps: true` trained one step (found by a red team)
+        if isinstance(value, bool) and info.field_name in cls.model_fields:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError("expected a number, not true or false")
+        return value
+
+
+def _kinds(annotation) -> set:
+    """The plain types an annotation admits (int | None -> {int, NoneType}); {} for anything else."""
+    if get_origin(annotation) is None:
+        return {annotation} if isinstance(annotation, type) else set()
+    return set().union(*(_kinds(a) for a in getattr(annotation, "__args__", ())))
+
 
 class ModelConfig(_Section):
     name_or_path: str = Field("", description="Hugging Face model id or local folder of the base model.")

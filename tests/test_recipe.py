@@ -192,6 +192,11 @@ def test_careless_recipe_values_are_named_errors(tmp_path):
     assert p["optimizer.betas"] == "each beta must be >= 0 and < 1, got [1.5, 0.9]"  # (without pydantic's prefix)
     assert "empty list" in p["lora.target_modules"] and "all-linear" in p["lora.target_modules"]
     assert "allowed: <= 4294967295" in p["seed"]
+    # YAML's true/false for a number: pydantic's lax mode read them as 1/0 (`train.steps: true` trained one step)
+    p = problems({**MIN, "train": {"steps": True}, "generation": {"temperature": False}, "model": {
+        "name_or_path": "m", "load_in_4bit": True}, "seed": True})
+    assert set(p) == {"train.steps", "generation.temperature", "seed"}, p
+    assert p["train.steps"] == "expected a number, not true or false (got True)"
     for template, says in (("{prompt", "not a valid format string"), ("{0} and {prompt}", "positional field {0}"),
                            ("{prompt!x}", "unknown conversion '!x'")):
         assert says in problems({**MIN, "data": {"train_path": "t.jsonl", "template": template}})["data.template"]
