@@ -44,7 +44,9 @@ per call with the tool's name and its result (rollout/turns.completion_messages)
 Refused at load, naming the model and what is supported: a tokenizer without a chat template, a template that
 cannot render a tool-calling conversation (user, assistant with tool_calls, tool), one whose calls are in neither
 format above, and one that is not prefix-preserving (its assistant tool-call turn renders differently once a tool
-message follows: the answer's text could not be told apart, TRL's own check). A tool without the hints and
+message follows: the answer's text could not be told apart, TRL's own check) unless TRL has a training template for
+it, which the TRL drop-in then takes, as TRL does (_with_training_template: Qwen3's and the others TRL knows). A
+tool without the hints and
 docstring get_json_schema needs, or two tools of one name, is refused naming it.
 """
 
@@ -228,9 +230,10 @@ class ChatFormat:
         if not full.startswith(head):
             raise ToolCallError(f"{where}: its chat template is not prefix-preserving (the assistant's tool-call turn "
                                 "renders differently once a tool message follows it), so a tool's answer cannot be "
-                                "appended to the model's turn as the template would write it; TRL refuses such a "
-                                "template too, or swaps in a training template of its own: save a prefix-preserving "
-                                "template into a copy of the model folder and pass that folder")
+                                "appended to the model's turn as the template would write it, and TRL has no "
+                                "training template for it (that of Qwen3 and others is taken, as TRL does): save a "
+                                "prefix-preserving template into a copy of the model folder and pass that folder, or "
+                                "give it as chat_template_kwargs={\"chat_template\": ...}")
 
     def render(self, messages: list, add_generation_prompt: bool = False, tools: Optional[list] = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -756,6 +759,31 @@ class ToolCalls(Environment):
 # lowmem_grpo.trl: GRPOTrainer(tools=..., environment_factory=...) as a recipe's environment section
 # ----------------------------------------------------------------------------------------------------
 
+def _with_training_template(model: str, trust_remote_code: bool, chat_template_kwargs: Optional[dict]) -> dict:
+    """chat_template_kwargs, with TRL's training template as `chat_template` where the model's own is not
+    prefix-preserving and TRL has one for it (Qwen3's drops its empty think block once a tool message follows), as
+    TRL's GRPOTrainer swaps it in for tools: through TRL's public trl.chat_template_utils.get_training_chat_template
+    (checked against TRL 1.16; tests/test_trl_tools.py). Unchanged otherwise: ChatFormat then says what is wrong."""
+    kwargs = dict(chat_template_kwargs or {})
+    if "chat_template" in kwargs:   # the user's own choice
+        return kwargs
+    try:
+        _format(model, trust_remote_code, json.dumps(kwargs, sort_keys=True))
+        return kwargs
+    except ToolCallError as exc:
+        if "not prefix-preserving" not in str(exc):
+            raise
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:   # (TRL-shaped code without TRL installed)
+        return kwargs
+    try:
+        template = get_training_chat_template(_tokenizer(model, trust_remote_code))
+    except ValueError:   # a template TRL has no training version of: refused as it is
+        return kwargs
+    return {**kwargs, "chat_template": template} if isinstance(template, str) else kwargs
+
+
 def trl_environment(tools, environment_factory, *, model: str, trust_remote_code: bool,
                     chat_template_kwargs: Optional[dict], max_tool_calling_iterations: Optional[int],
                     max_completion_length: int) -> tuple[dict, dict]:
@@ -797,6 +825,7 @@ def trl_environment(tools, environment_factory, *, model: str, trust_remote_code
     if not by_name:
         raise ToolCallError("environment_factory: its environment has no public methods to call as tools (and "
                             "tools= gives none)")
+    chat_template_kwargs = _with_training_template(model, bool(trust_remote_code), chat_template_kwargs)
     _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))   # its checks
     kwargs = {"model": model, "tools": register(tools, "tool") if tools else [],
               "environment_factory": register([environment_factory], "environment")[0] if environment_factory else "",

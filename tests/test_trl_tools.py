@@ -683,6 +683,36 @@ def test_trl_shaped_rewards_get_an_episode_as_its_messages_and_score_the_models_
     assert plain == [{"role": "assistant", "content": "It is 42."}]
 
 
+def test_qwen3s_template_runs_on_trls_training_template(tmp_path):
+    """Qwen3's chat template is not prefix-preserving (its last assistant turn's empty think block goes once a
+    tool message follows) and was refused. TRL's GRPOTrainer swaps in its training template for tools; the drop-in
+    now does too, through TRL's public get_training_chat_template: the prompt, the tools' answers and training."""
+    import importlib.util
+    from pathlib import Path
+
+    templates = Path(importlib.util.find_spec("trl").origin).parent / "chat_templates"
+    folder = model_folder(tmp_path / "m", (templates / "qwen3.jinja").read_text())
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}?"}]} for a in range(2) for b in range(2)]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, learning_rate=1e-3, num_generations=2,
+                      per_device_train_batch_size=4, max_completion_length=12, max_steps=1, logging_steps=1,
+                      save_steps=1)
+    trainer = GRPOTrainer(model=folder, reward_funcs=[tool_reward], args=args, train_dataset=rows, tools=[add],
+                          log=lambda *a: None)
+    kwargs = trainer.recipe.data.chat_template_kwargs
+    assert kwargs["chat_template"] == (templates / "qwen3_training.jinja").read_text()
+    assert trainer.recipe.environment.kwargs["chat_template_kwargs"]["chat_template"] == kwargs["chat_template"]
+    # an episode on it: the call's answer is what the training template writes after the turn
+    factory = EnvironmentFactory(trainer.recipe.environment)
+    tok = build_tokenizer((templates / "qwen3.jinja").read_text())
+    from lowmem_grpo.data import PromptSet
+
+    pset = PromptSet("rows.jsonl", trainer.recipe.data, tok, rows=rows[:1], require_answer=False)
+    [c] = run_episodes(Scripted(tok, [call("add", a=1, b=2), "3"]), tok, pset.examples, SamplingParams(n=1, max_new_tokens=64),
+                       factory, TurnLimits(max_turns=3, max_total_tokens=256, observation_max_tokens=256))
+    assert c.env.error is None and "<tool_response>\n3\n</tool_response>" in tok.decode(c.token_ids)
+    assert trainer.train()["step"] == 1
+
+
 TRIM = HERMES.replace("'\\n<tool_response>\\n' + message.content + '\\n</tool_response>'",
                       "'\\n<tool_response>\\n' + (message.content | trim) + '\\n</tool_response>'")
 # Hermes-2-Pro's layout: the tool message names its tool
