@@ -8,6 +8,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -69,31 +70,106 @@ DATA_ROWS_CHECKED = 100   # validate reads this many rows of each local data fil
 
 def data_problems(r, rows: int = DATA_ROWS_CHECKED) -> list[tuple[str, str]]:
     """(recipe key, message) for what training would stop on in the recipe's local data files, read from their first
-    `rows` rows: a file that cannot be opened, and a data.prompt_field or a data.template field that none of those
-    rows has. Hub splits are not fetched (nor is the model loaded: the prompts are not tokenized)."""
+    `rows` rows: a file that cannot be opened; a data.prompt_field or a data.template field that none of those
+    rows has; else a row training refuses (with data.on_bad_row: error), by the checks data.py runs on a row before
+    it tokenizes the prompt (`_row_problem`); and a data.eval_fraction split that a whole file read so cannot make.
+    Hub splits are not fetched (nor is the model loaded: the prompts are not tokenized)."""
+    from .data import ROW_SKIP_ADVICE, split_rows
     from .hub import is_hub
+    from .rewards.options import BUILTINS
     from .sources import DataError, open_source
 
+    # as the trainer's Rewards.reads_answer: every row needs data.answer_field when a built-in reward reads it
+    require_answer = any(BUILTINS[spec.function].reads_answer for spec in r.rewards.functions if spec.function in BUILTINS)
     problems = []
     for key in ("data.train_path", "data.eval_path"):
         path = getattr(r.data, key.split(".")[1])
         if not path or is_hub(path):
             continue
         try:
-            read = [row for _, row in open_source(path, limit=rows).iter_rows()]
+            source = open_source(path, limit=rows)
+            read = list(source.iter_rows())
         except DataError as exc:
             where = "" if Path(path).is_absolute() else " (a relative path is read from the current folder, then the " \
                                                         "recipe's)"
             problems.append((key, f"{exc}{where}"))
             continue
-        head = [row for row in read if isinstance(row, dict)]
+        head = [row for _, row in read if isinstance(row, dict)]
+        whole = len(read) < rows
         if not head:   # a row that is not a mapping is an Unreadable, or a JSON value other than an object
             some = f"{'first ' if len(read) == rows else ''}{len(read)}"
             problems.append((key, f"{path}: no rows" if not read else f"{path}: none of its {some} rows can be read as "
-                                  f"a row of fields (row 1: {str(read[0])[:200]})"))
+                                  f"a row of fields (row 1: {str(read[0][1])[:200]})"))
             continue
-        problems += _fields_missing(path, head, r.data, whole=len(read) < rows)
+        missing = _fields_missing(path, head, r.data, whole=whole)
+        problems += missing
+        bad = [(i, why) for i, row in read if (why := _row_problem(row, r.data, require_answer))]
+        if bad and not missing and r.data.on_bad_row == "error":   # training stops at the first
+            i, why = bad[0]
+            line = source.line(i)
+            where = f"row {i + 1}" + (f" (line {line})" if line not in (None, i + 1) else "")
+            more = f"; {len(bad) - 1} more of its {'' if whole else 'first '}{len(read)} rows too" if len(bad) > 1 else ""
+            problems.append((key, f"{path}: {where}: {why} ({ROW_SKIP_ADVICE}{more})"))
+        elif bad and not missing and whole and len(bad) == len(read):   # with skip: none left to train on
+            problems.append((key, f"{path}: no usable rows (data.on_bad_row: skip skips all {len(read)}; row "
+                                  f"{bad[0][0] + 1}: {bad[0][1]})"))
+        if key == "data.train_path" and r.data.eval_fraction and not r.data.eval_path and whole and not missing:
+            try:   # the split train makes: held-out prompts apart from the trained ones (one distinct prompt: none)
+                split_rows(head, r.data)
+            except DataError as exc:
+                problems.append(("data.eval_fraction", f"{path}: {exc}"))
     return problems
+
+
+def _row_problem(row, cfg, require_answer: bool) -> Optional[str]:
+    """Why training refuses this row of a data file, or None: the checks of data.py's PromptSet before it tokenizes
+    the prompt (a row that cannot be read, data.check_fields, data.chat_messages for chat messages,
+    data.fill_template for text)."""
+    from .data import chat_messages, check_fields, fill_template, is_chat
+    from .sources import DataError, Unreadable
+
+    if isinstance(row, Unreadable):
+        return str(row)
+    if not isinstance(row, dict):
+        return f"expected a JSON object (a row of fields), got {type(row).__name__}"
+    try:
+        check_fields(row, cfg, require_answer)
+        prompt = row[cfg.prompt_field]
+        chat_messages(prompt, cfg) if is_chat(prompt) else fill_template(row, cfg)
+    except DataError as exc:
+        return str(exc)
+    return None
+
+
+def model_problems(r) -> tuple[list[tuple[str, str]], list[str]]:
+    """(problems, notes) of a model.name_or_path that is a local path, as train finds them at once (hub.py's
+    model_path_problem, tokenizer_files_problem: a file, a folder without config.json, one without a tokenizer), and
+    a note when a completion alone passes the max_position_embeddings of its config.json (Trainer._note_context says
+    it with the prompts). A hub id is left to train: validate does not reach the hub."""
+    import json
+
+    from .hub import model_path_problem, tokenizer_files_problem
+
+    name = str(r.model.name_or_path)
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+        return [], []   # a hub id (model_path_problem would ask the hub whether it can be reached)
+    if problem := model_path_problem(name):
+        return [("model.name_or_path", problem.removeprefix(f"model.name_or_path={name!r}: "))], []
+    if problem := tokenizer_files_problem(path):
+        return [("model.name_or_path", f"{name!r}: {problem}")], []
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return [], []   # (train says what is wrong with it; estimate too)
+    text = config.get("text_config") if isinstance(config, dict) and isinstance(config.get("text_config"), dict) else config
+    limit = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    field = "environment.max_total_tokens" if r.environment.name else "generation.max_new_tokens"
+    completion = r.environment.max_total_tokens if r.environment.name else r.generation.max_new_tokens
+    if isinstance(limit, int) and not isinstance(limit, bool) and completion >= limit:
+        return [], [f"note: {field}={completion} alone comes to the model's max_position_embeddings={limit} (its "
+                    f"config.json) or past it, before any prompt token: lower it, or use a model with a longer context"]
+    return [], []
 
 
 def _fields_missing(path: str, head: list[dict], cfg, whole: bool) -> list[tuple[str, str]]:
@@ -119,6 +195,7 @@ def _fields_missing(path: str, head: list[dict], cfg, whole: bool) -> list[tuple
 def validate(recipe, overrides):
     """Check a recipe: report every problem at once, with its key path."""
     conventions: dict = {}
+    notes: list[str] = []
 
     def check():
         r = load_recipe(recipe, list(overrides))
@@ -127,7 +204,9 @@ def validate(recipe, overrides):
 
         from .environment import environment_problems
 
-        problems = (function_problems(r.rewards, conventions, environment=bool(r.environment.name))
+        model, said = model_problems(r)
+        notes.extend(said)
+        problems = (model + function_problems(r.rewards, conventions, environment=bool(r.environment.name))
                     + environment_problems(r.environment) + data_problems(r))
         if problems:
             raise RecipeError(recipe, problems)
@@ -141,7 +220,7 @@ def validate(recipe, overrides):
                                                           else "with lowmem-grpo's convention (prompts=, rows=)"))
     from .rewards.judging import judging_notes
 
-    for note in judging_notes(r):
+    for note in [*notes, *judging_notes(r)]:
         click.echo(note)
 
 
@@ -236,20 +315,30 @@ MEMORY_UNITS = {"": GiB, "B": 1, **{prefix + suffix: 1024 ** power for power, pr
                                     for suffix in ("", "B", "IB")}}
 
 
+MAX_MEMORY = 2 ** 50   # 1 PiB: more than any GPU or machine has; a larger --memory is a typo (1e30, 8e9 GiB)
+# a plain decimal number, as written in a size: not float()'s other forms ('8_0' read as 80, other scripts' digits)
+SIZE_NUMBER = re.compile(r"\+?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
 def parse_memory(text: str) -> int:
     """--memory SIZE in bytes: '8' (GiB), '8GiB', '12GB', '7.5G', '512MiB', '1TiB'. ValueError saying what is
-    allowed, for text that is no size or one below MIN_MEMORY."""
+    allowed, for text that is no size, or one below MIN_MEMORY or above MAX_MEMORY."""
     from .memory import fmt
 
     t = str(text).strip()
     unit = re.search(r"[A-Za-z]*$", t).group()
+    number = t[: len(t) - len(unit)].strip()
     try:
-        size = float(t[: len(t) - len(unit)]) * MEMORY_UNITS[unit.upper()]
+        size = float(number) * MEMORY_UNITS[unit.upper()] if SIZE_NUMBER.fullmatch(number) else math.nan
         ok = math.isfinite(size) and size > 0
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):
         ok = False
     if not ok:
         raise ValueError(f"{text!r}: expected a positive size, {MEMORY_FORMS}")
+    if size > MAX_MEMORY:
+        raise ValueError(f"{text!r} is {size / 2 ** 40:.4g} TiB, more than the {MAX_MEMORY // 2 ** 40} TiB (1 PiB) "
+                         f"that any GPU or machine has; expected the GPU's (or with --device cpu, the RAM's) size, "
+                         f"{MEMORY_FORMS}")
     if size < MIN_MEMORY:
         raise ValueError(f"{text!r} is {fmt(size) if size >= 2 ** 20 else f'{int(size)} bytes'}, below the "
                          f"{fmt(MIN_MEMORY)} that any model needs; expected the GPU's (or with --device cpu, the "

@@ -15,9 +15,10 @@ costs little memory and start-up time.
 A PromptSet renders and tokenizes a row when its batch comes (a small cache keeps recent ones). At
 start-up it checks a bounded sample (`CHECK_HEAD` first rows and `CHECK_SAMPLE` seeded others; every
 row of a smaller source): a bad row there is an error naming the file and row, or a skip that removes the
-row from the set. A bad row first met later is the same error, or a counted skip replaced by the next
-usable row (`PromptSet.examples`), so a step still gets its full batch and the choice depends only on
-the data.
+row from the set. A bad row first met later is the same error, or a counted skip: in a training set
+replaced by the next usable row (`PromptSet.examples`), so a step still gets its full batch and the choice
+depends only on the data; in a held-out set (`held_out`: the one eval scores) it leaves the set, as if the
+start-up check had found it, so that no prompt is scored twice.
 
 Without `data.eval_path`, `data.eval_fraction` holds out a seeded share of the training rows, grouped by
 prompt so that no held-out prompt is also a training prompt (`split_indices`); only row indices are kept.
@@ -31,6 +32,7 @@ import math
 import numbers
 import operator
 import random
+import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,6 +45,8 @@ from .recipe import DataConfig
 from .sources import (DataChanged, DataError, DataSettingsError, ListSource, Subset, Unreadable, open_source,  # noqa: F401
                       read_rows, row_number)
 from .user_code import short_repr
+
+_REEXPORTED = (DataChanged, read_rows)   # sources.py's, imported from here by callers and tests
 
 NO_CHAT_TEMPLATE = ("needs the tokenizer's chat template, and this tokenizer has none (tokenizer.chat_template is not "
                     "set): use a chat (instruct) model's tokenizer")
@@ -85,9 +89,27 @@ class _Examples(Sequence):
     def __len__(self) -> int:
         return len(self._ps)
 
+    def _held_out_slice(self, s: slice) -> list:
+        """A slice of a held-out set, whose rows found bad now leave it: positions are taken in ascending order, so
+        a row that leaves moves only positions not yet taken, and each usable row comes once."""
+        ps = self._ps
+        start, stop, step = s.indices(len(ps))
+        if step < 0:   # the same positions ascending, then reversed
+            pos = range(start, stop, step)
+            return self._held_out_slice(slice(pos[-1], pos[0] + 1, -step))[::-1] if pos else []
+        out = []
+        for j in range(start, stop, step):
+            ex = ps._example_or_end(j) if j < len(ps) else None
+            if ex is None:   # rows left the set on the way: it ends before j
+                break
+            out.append(ex)
+        return out
+
     def __getitem__(self, i):
         n = len(self._ps)
         if isinstance(i, slice):
+            if self._ps.held_out:
+                return self._held_out_slice(i)
             return [self._ps._example(j) for j in range(*i.indices(n))]
         i = operator.index(i)
         if i < 0:
@@ -97,8 +119,13 @@ class _Examples(Sequence):
         return self._ps._example(i)
 
     def __iter__(self):
-        for j in range(len(self._ps)):
-            yield self._ps._example(j)
+        j = 0
+        while j < len(self._ps):   # (a held-out set may lose rows on the way)
+            ex = self._ps._example_or_end(j)
+            if ex is None:
+                return
+            yield ex
+            j += 1
 
 
 class PromptSet:
@@ -108,14 +135,19 @@ class PromptSet:
     hold data.answer_field (False when no reward reads it, Rewards.reads_answer).
 
     `examples[i]` is the i-th usable row's Example. Rows found bad in the start-up check are not in the
-    set; a row found bad later is an error (on_bad_row=error) or, with skip, counted in `skipped` and
-    replaced by the next usable row, so that `examples[i]` still is one and depends only on the data
-    (a resumed run sees the same prompts). `len(ps)` is fixed at start-up."""
+    set; a row found bad later is an error (on_bad_row=error) or, with skip, counted in `skipped` (every
+    skip, at start-up or later, once) and then:
+    - a training set (held_out=False) replaces it by the next usable row, so that `examples[i]` still is one
+      and depends only on the data (a resumed run sees the same prompts); `len(ps)` is fixed at start-up;
+    - a held-out set (held_out=True: a set that is scored, never trained on) drops it, as if the start-up
+      check had found it: `len(ps)` goes down by one, and `examples[:n]` is the first n usable rows, each
+      once (a replacement would score one prompt twice)."""
 
     def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: Optional[int] = None,
-                 rows: Optional[list] = None, source=None, require_answer: bool = True):
+                 rows: Optional[list] = None, source=None, require_answer: bool = True, held_out: bool = False):
         self.path, self.cfg, self.tokenizer = path, cfg, tokenizer
         self.require_answer = require_answer   # False: no reward reads data.answer_field, so rows may lack it
+        self.held_out = held_out   # True: a row found bad after start-up leaves the set (never replaced)
         if source is None:
             source = ListSource(path, rows[:limit]) if rows is not None else open_source(path, limit)
         elif limit is not None and limit < len(source):
@@ -168,25 +200,48 @@ class PromptSet:
             r = nxt
 
     def _example(self, pos: int) -> Example:
+        ex = self._example_or_end(pos)
+        if ex is None:
+            raise IndexError(f"example {pos} of a set of {self._len} (rows found bad left the set)")
+        return ex
+
+    def _example_or_end(self, pos: int) -> Optional[Example]:
+        """The example at position pos (0 <= pos < len); None where a held-out set lost rows found bad now and so
+        has no position pos any more."""
         for _ in range(self._len):
             r = self._source_index(pos)
-            ex = self._cache.get(r)
+            ex = self._cached_or_rendered(r)
             if ex is not None:
-                self._cache.move_to_end(r)
                 return ex
-            if r not in self._late_bad:
-                try:
-                    ex = self._render_at(r)
-                except (DataError, Unreadable) as exc:
-                    self._bad_row(r, exc)
-                    self._late_bad.add(r)
-                else:
-                    self._cache[r] = ex
-                    if len(self._cache) > CACHE_EXAMPLES:
-                        self._cache.popitem(last=False)
-                    return ex
+            if self.held_out:   # the row leaves the set: pos now names the next usable row
+                bisect.insort(self._bad, r)
+                self._len -= 1
+                if not self._len:
+                    break
+                if pos >= self._len:
+                    return None
+                continue
             pos = (pos + 1) % self._len  # skip: the next usable row
         raise DataError(f"{self.path}: no usable rows ({len(self.skipped)} skipped, first: {self.skipped[0]})")
+
+    def _cached_or_rendered(self, r: int) -> Optional[Example]:
+        """Source row r's example, or None when it is bad (found now: the error raised, or the skip counted)."""
+        ex = self._cache.get(r)
+        if ex is not None:
+            self._cache.move_to_end(r)
+            return ex
+        if r in self._late_bad:
+            return None
+        try:
+            ex = self._render_at(r)
+        except (DataError, Unreadable) as exc:
+            self._bad_row(r, exc)
+            self._late_bad.add(r)
+            return None
+        self._cache[r] = ex
+        if len(self._cache) > CACHE_EXAMPLES:
+            self._cache.popitem(last=False)
+        return ex
 
     def _bad_row(self, i: int, exc: Exception) -> None:
         """Raise the error naming the row (on_bad_row=error), or count the skip."""
@@ -216,46 +271,74 @@ class PromptSet:
 
     def _render(self, row: dict, tokenizer) -> Example:
         cfg = self.cfg
-        # the answer is required only when a reward reads it (Rewards.reads_answer): TRL-style data has none
-        for name in (cfg.prompt_field, cfg.answer_field) if self.require_answer else (cfg.prompt_field,):
-            if name not in row:
-                raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
-            if row[name] is None:  # present, so "missing" would contradict the list of fields the row has
-                raise DataError(f"field {name!r} is null (the row has it, with no value)")
-        if self.require_answer:
-            answer_problem(row[cfg.answer_field], cfg.answer_field)
+        check_fields(row, cfg, self.require_answer)
         prompt = row[cfg.prompt_field]
-        # a mapping would be rendered as its Python repr; a blank string as a prompt with no question in it
-        if isinstance(prompt, dict):
-            raise DataError(f"the prompt field {cfg.prompt_field!r} holds a mapping (keys: "
-                            f"{', '.join(sorted(map(str, prompt)))[:80]}); expected text, or a list of chat messages "
-                            "[{role, content}, ...]")
-        if isinstance(prompt, str) and not prompt.strip():
-            raise DataError(f"the prompt field {cfg.prompt_field!r} is empty")
         chat = None
         if is_chat(prompt):   # a conversational row: the messages as they are
             chat = chat_messages(row[cfg.prompt_field], cfg)
             text = _chat_text(tokenizer, chat, f"the prompt field {cfg.prompt_field!r} holds chat messages, which",
                               cfg.chat_template_kwargs)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(_text_problem(text, cfg), add_special_tokens=False)["input_ids"]
         elif cfg.chat_template:
             # the setting's error, whatever the row (a row of chat messages without a template is that row's)
             if not getattr(tokenizer, "chat_template", None):
                 raise DataSettingsError(f"data.chat_template is true, which {NO_CHAT_TEMPLATE}")
-            text = fill_template(row, cfg)
+            text = _text_problem(fill_template(row, cfg), cfg)
             messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
             messages.append({"role": "user", "content": text})
             text = _chat_text(tokenizer, messages, "data.chat_template is true, which", cfg.chat_template_kwargs)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(_text_problem(text, cfg), add_special_tokens=False)["input_ids"]
         else:
             text = fill_template(row, cfg)
-            ids = plain_prompt_ids(tokenizer, text)
+            ids = plain_prompt_ids(tokenizer, _text_problem(text, cfg))
         if not ids:  # nothing to condition on: generation would fail on an empty row
             raise DataError("the prompt renders to no tokens (an empty text, or a tokenizer that has none of its "
                             "characters: check that model.name_or_path holds the model's tokenizer files)")
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
         return Example(row, text, ids, chat)
+
+
+def check_fields(row: dict, cfg, require_answer: bool) -> None:
+    """A DataError for a row whose fields cannot make a prompt (and an answer, when a reward reads one: TRL-style data
+    has none): a field missing or null, data.answer_problem, a prompt that is a mapping or blank. What PromptSet
+    checks before it renders and tokenizes the prompt; `lowmem-grpo validate` checks a file's first rows so too."""
+    for name in (cfg.prompt_field, cfg.answer_field) if require_answer else (cfg.prompt_field,):
+        if name not in row:
+            raise DataError(f"missing field {name!r} (row has: {', '.join(sorted(map(str, row))) or 'nothing'})")
+        if row[name] is None:  # present, so "missing" would contradict the list of fields the row has
+            raise DataError(f"field {name!r} is null (the row has it, with no value)")
+    if require_answer:
+        answer_problem(row[cfg.answer_field], cfg.answer_field)
+    prompt = row[cfg.prompt_field]
+    # a mapping would be rendered as its Python repr; a blank string as a prompt with no question in it
+    if isinstance(prompt, dict):
+        raise DataError(f"the prompt field {cfg.prompt_field!r} holds a mapping (keys: "
+                        f"{', '.join(sorted(map(str, prompt)))[:80]}); expected text, or a list of chat messages "
+                        "[{role, content}, ...]")
+    if isinstance(prompt, str) and not prompt.strip():
+        raise DataError(f"the prompt field {cfg.prompt_field!r} is empty")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text_problem(text: str, cfg: DataConfig) -> str:
+    """A prompt's text, checked before a tokenizer sees it (returned as it is); DataError:
+    - over chars_within(data.max_prompt_tokens) characters: more tokens than that limit for sure (no token covers
+      more than CHARS_PER_TOKEN characters), refused here rather than after tokenizing it whole (a 50 MB row took
+      minutes and 19 GB to be refused so);
+    - a lone surrogate (e.g. a JSON escape of half a UTF-16 pair, "\\ud800"): not Unicode text, which the tokenizer
+      refuses with a TypeError."""
+    if len(text) > chars_within(cfg.max_prompt_tokens):
+        raise DataError(f"prompt is {len(text)} characters, over data.max_prompt_tokens={cfg.max_prompt_tokens} (that "
+                        f"many tokens hold at most {chars_within(cfg.max_prompt_tokens)} characters)")
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise DataError(f"the prompt holds text that is not valid Unicode (a lone surrogate {ascii(bad.group())} at "
+                        f"character {bad.start()}, e.g. from a JSON escape of half a UTF-16 pair); fix the data's "
+                        "encoding")
+    return text
 
 
 def plain_prompt_ids(tokenizer, text: str) -> list[int]:
@@ -279,7 +362,21 @@ def answer_problem(value, field: str) -> None:
     if not isinstance(value, (str, numbers.Real)):
         raise DataError(f"the answer field {field!r} holds {type(value).__name__} {short_repr(value)}; expected text "
                         "or a number (one reference answer per row)")
-    if not isinstance(value, str) and not math.isfinite(float(value)):
+    if isinstance(value, numbers.Integral):   # finite however long; compared as text, so it must have one
+        if value.bit_length() > 64:
+            try:
+                str(value)
+            except ValueError:   # over Python's limit on the digits of an int turned into text (4300)
+                raise DataError(f"the answer field {field!r} holds an integer of {value.bit_length()} bits, too long "
+                                "for Python to write as text (sys.set_int_max_str_digits); write it as text") from None
+        return
+    if isinstance(value, str):
+        return
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:   # a Real too large for a float (e.g. a Fraction) is still a finite number
+        finite = True
+    if not finite:
         raise DataError(f"the answer field {field!r} is {value} (not a finite number)")
 
 
@@ -455,11 +552,16 @@ def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
     return [rows[i] for i in train.tolist()], [rows[i] for i in held.tolist()]
 
 
-def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_answer: bool = True) -> dict:
+def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_answer: bool = True,
+                for_eval: bool = False) -> dict:
     """{split: PromptSet or None} for each asked split: 'train', the training set; 'test', the held-out set
     (None when the recipe has none): `data.eval_path`, else the `data.eval_fraction` split of
     `data.train_path`, whose source is opened once for both. `require_answer`: as PromptSet's (pass
-    Rewards.reads_answer). Errors name the field."""
+    Rewards.reads_answer). Errors name the field.
+
+    The 'test' set is always a held-out PromptSet (held_out=True: a bad row met late is dropped and counted in
+    `skipped`, never replaced, so eval scores no prompt twice); `for_eval` makes the 'train' set one too (an
+    eval of the training split), where training needs the replacement that keeps a batch full."""
     for w in which:
         if w not in ("train", "test"):
             raise DataError(f"split {w!r} is unknown; allowed: train, test")
@@ -473,21 +575,22 @@ def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_ans
     out = {}
     for w in which:
         if w == "test" and cfg.eval_path:
-            out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer, require_answer=require_answer),
-                            "data.eval_path")
+            out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer, require_answer=require_answer,
+                                              held_out=True), "data.eval_path")
         elif w not in sources:
             out[w] = None
         else:
             label = cfg.train_path + (f" ({'held-out' if w == 'test' else 'training'} part, data.eval_fraction="
                                       f"{cfg.eval_fraction})" if split else "")
-            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w], require_answer=require_answer),
-                            "data.train_path")
+            out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w], require_answer=require_answer,
+                                              held_out=for_eval or w == "test"), "data.train_path")
     return out
 
 
-def prompt_set(cfg: DataConfig, tokenizer, which: str, require_answer: bool = True) -> "PromptSet | None":
+def prompt_set(cfg: DataConfig, tokenizer, which: str, require_answer: bool = True,
+               for_eval: bool = False) -> "PromptSet | None":
     """One split of prompt_sets."""
-    return prompt_sets(cfg, tokenizer, (which,), require_answer=require_answer)[which]
+    return prompt_sets(cfg, tokenizer, (which,), require_answer=require_answer, for_eval=for_eval)[which]
 
 
 def _named(fn, field: str):

@@ -18,9 +18,13 @@ estimate of "at least one of k samples is correct", averaged over prompts.
 
 from __future__ import annotations
 
+import errno
+import filecmp
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 from dataclasses import replace
 from typing import Callable, Optional, Sequence
@@ -218,6 +222,95 @@ def resolve_adapter(path: str) -> tuple[Path, Optional[Path]]:
                          "(with adapter/), or an adapter folder (with adapter_config.json)")
 
 
+def _trained_on(adapter: Path, run_dir: Optional[Path]) -> list[tuple[str, str]]:
+    """(base model name, where it is recorded) for an adapter: its adapter_config.json's base_model_name_or_path,
+    and the model.name_or_path of its run's recipe.yaml (`run_dir`, or the run of a RUN/checkpoints/step-N/adapter
+    folder). What cannot be read is left out (adapter_problem names a broken config when the adapter loads)."""
+    import yaml
+
+    found = []
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    if isinstance(base, str) and base:
+        found.append((base, str(adapter / "adapter_config.json")))
+    if run_dir is None and adapter.parent.parent.name == "checkpoints":
+        run_dir = adapter.parent.parent.parent
+    if run_dir is not None and (run_dir / "recipe.yaml").is_file():
+        try:
+            name = (yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8")) or {})["model"]["name_or_path"]
+        except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+            name = None
+        if isinstance(name, str) and name:
+            found.append((name, str(run_dir / "recipe.yaml")))
+    return found
+
+
+def _same_model(a: str, b: str) -> bool:
+    """The same name, or two paths to the same local folder."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    except OSError:
+        return False
+
+
+def check_adapter_base(adapter: Path, run_dir: Optional[Path], base: str) -> Optional[str]:
+    """Before an adapter is applied to the recipe's model.name_or_path (`base`): ModelLoadError when `base` is the
+    merged model of an export of this very adapter (EXPORT/merged beside an EXPORT/adapter holding the same weights:
+    the adapter would be applied twice); else a warning naming both when the adapter records another base (one can
+    move, or be a hub id here and a local snapshot there, so not a refusal), or None."""
+    from .model import ModelLoadError
+
+    folder, weights = Path(base).expanduser(), adapter / "adapter_model.safetensors"
+    exported = folder.parent / "adapter" / "adapter_model.safetensors"
+    try:
+        twice = (folder / "config.json").is_file() and exported.is_file() and weights.is_file() and \
+            filecmp.cmp(exported, weights, shallow=False)
+    except OSError:
+        twice = False
+    trained_on = _trained_on(adapter, run_dir)
+    if twice:
+        was = f", or apply the adapter to the base it was trained on ({trained_on[0][0]})" if trained_on else ""
+        raise ModelLoadError(f"--adapter {adapter}: model.name_or_path={base!r} is the merged model exported with this "
+                             f"adapter (its weights are those of {exported.parent}): the base already contains this "
+                             f"adapter, which would be applied twice. Evaluate the merged model alone (--model {base}, "
+                             f"without --adapter){was}")
+    if not trained_on or any(_same_model(name, base) for name, _ in trained_on):
+        return None
+    where: dict = {}
+    for name, source in trained_on:
+        where.setdefault(name, []).append(source)
+    names = "; ".join(f"{name!r} (in {', '.join(sources)})" for name, sources in where.items())
+    return (f"warning: --adapter {adapter} was trained on {names}, not on the recipe's model.name_or_path={base!r}, to "
+            "which it is applied now: unless that is the same model (a moved folder, a hub id and its local copy), "
+            "these figures are not the adapter's (a merged export, for one, already holds an adapter)")
+
+
+def _check_out(out: Path) -> None:
+    """That eval can write its files into `out` (which exists), before any work: its files are not folders, and a
+    file can be created there (and an existing one replaced)."""
+    for name in ("samples.jsonl", "summary.json"):
+        p = out / name
+        if p.is_dir():
+            raise EvalError(f"--out {out}: {p} is a folder; eval writes a file of that name there (remove it, or choose "
+                            "another --out)")
+        if p.exists():
+            try:
+                open(p, "ab").close()   # (appends nothing: the file is replaced when the eval is done)
+            except OSError as exc:
+                raise EvalError(f"--out {out}: cannot replace {p}: {exc.strerror or exc}") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".eval-write-probe-")
+    except OSError as exc:
+        raise EvalError(f"--out {out}: cannot write a file there: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
     from .hub import tokenizer_files_problem
     from .model import AdapterLoadError, ModelLoadError, load_base_model, load_policy, load_tokenizer
@@ -257,6 +350,10 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
             Path(out_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EvalError(f"--out {out_dir}: cannot create the folder ({exc})") from None
+        _check_out(Path(out_dir))
+    if adapter_dir is not None and not model_dir:
+        if warning := check_adapter_base(adapter_dir, run_dir, recipe.model.name_or_path):
+            log(warning)
     rewards, g = Rewards.from_recipe(recipe), recipe.generation   # (before the model: a bad reward fails fast)
     model, tok = _load(recipe, adapter_dir, model_dir)
     pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer)
@@ -264,11 +361,13 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")
     examples = pset.examples[: recipe.train.eval_max_prompts]
+    bad_rows = list(pset.skipped)   # on_bad_row=skip: the rows left out (read after the examples: a late-found one too)
     first, stop = distributed.shard_bounds(len(examples), world)
     mine, greedy_records, sample_records = examples[first:stop], [], []
     summary = {"recipe": name, "split": split, "adapter": str(adapter_dir) if adapter_dir else None,
                "model": str(model_dir or recipe.model.name_or_path), "environment": recipe.environment.name or None,
-               "prompts": len(examples), "max_new_tokens": g.max_new_tokens}
+               "prompts": len(examples), "max_new_tokens": g.max_new_tokens,
+               "rows_skipped": len(bad_rows), "rows_skipped_first": bad_rows[:10]}
     # A bar on a terminal (prompts done, greedy then sampled): an eval of 1,000+ prompts takes a while.
     from .progress import use_bar
 
@@ -315,21 +414,32 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     if not world.main:
         return summary
     out = Path(out_dir)
+    *figures, wrote = summary_lines({**summary, "out": str(out)}, ks)
+    for line in figures:   # before the files: a write that fails then loses no figure
+        log(line)
     _write_results(out, records, summary)
     summary["out"] = str(out)
-    for line in summary_lines(summary, ks):
-        log(line)
+    log(wrote)
     return summary
 
 
 def _write_results(out: Path, records: list, summary: dict, part: str = "") -> None:
     """OUT/samples{part}.jsonl (one line per completion) and OUT/summary{part}.json; part: one process's share of
-    an interrupted eval, else ''."""
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"samples{part}.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    (out / f"summary{part}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    an interrupted eval, else ''. EvalError naming the file that cannot be written (a full disk, a folder of that
+    name) and why."""
+    path = out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"samples{part}.jsonl"
+        with open(path, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        path = out / f"summary{part}.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:
+        why = exc.strerror or errno.errorcode.get(exc.errno or 0) or str(exc)
+        raise EvalError(f"cannot write {path}: {why}" + (" (the figures above are not saved)" if not part else "")) \
+            from None
 
 
 def eval_wave(recipe, model, examples: list, samples: int) -> Optional[int]:
@@ -402,12 +512,29 @@ def env_error_line(s: dict) -> Optional[str]:
 
 
 def summary_lines(s: dict, ks: Sequence[int]) -> list[str]:
-    lines = [f"greedy accuracy: {accuracy_text(s)} ({s['correct']}/{s['n']} prompts, "
-             f"mean reward {s['mean_reward']:.3f}) on {s['split']}"]
+    """The printed summary: each figure with the prompts it covers, the prompts the reward skipped (not counted),
+    and the rows of the data skipped as bad (data.on_bad_row=skip); the last line names the files written."""
+    prompts = s.get("prompts", s["n"])
+    notes = [f"{s['correct']}/{s['n']} prompts", f"mean reward {s['mean_reward']:.3f}"]
+    if 0 < s["n"] < prompts:   # (with none counted, accuracy_text says so)
+        why = "the reward skipped" + (", or an environment error ended," if s.get("environment") else "")
+        notes.append(f"{prompts - s['n']} of the {prompts} prompts not counted: {why} "
+                     f"{'its completion' if prompts - s['n'] == 1 else 'their completions'}")
+    if s.get("rows_skipped"):
+        first = s["rows_skipped_first"][0] if s.get("rows_skipped_first") else ""
+        first = first if len(first) <= 200 else first[:200] + "..."
+        notes.append(f"{s['rows_skipped']} row{'s' * (s['rows_skipped'] != 1)} skipped as bad" +
+                     (f": first: {first}" if first else ""))
+    lines = [f"greedy accuracy: {accuracy_text(s)} ({', '.join(notes[:2])}" +
+             "".join(f"; {note}" for note in notes[2:]) + f") on {s['split']}"]
     if env := env_error_line(s):   # next to the figures it explains (0/0 prompts when every episode failed)
         lines.append(env)
-    parts = [f"pass@{k}: " + ("n/a" if s[f"pass@{k}"] is None else f"{100 * s[f'pass@{k}']:.1f}%") for k in ks]
+    parts = [f"pass@{k}: " + ("n/a" if s[f"pass@{k}"] is None else f"{100 * s[f'pass@{k}']:.1f}%") +
+             (f" ({s[f'pass@{k}/prompts']}/{prompts} prompts)" if f"pass@{k}/prompts" in s else "") for k in ks]
     n = s["samples_per_prompt"]
-    lines.append("  ".join(parts) + f"  ({n} sample{'s' * (n != 1)} per prompt at temperature {s['temperature']})")
+    left_out = any(s.get(f"pass@{k}/prompts", prompts) < prompts for k in ks)
+    lines.append("  ".join(parts) + f"  ({n} sample{'s' * (n != 1)} per prompt at temperature {s['temperature']}" +
+                 ("; a prompt counts for pass@k when the reward judged at least k of its samples" if left_out else "")
+                 + ")")
     lines.append(f"wrote {s['out']}/samples.jsonl and {s['out']}/summary.json")
     return lines

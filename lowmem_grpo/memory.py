@@ -43,6 +43,13 @@ class MemoryModelError(Exception):
     pass
 
 
+try:   # what transformers 5 raises for a config field of the wrong type or value, as it reads config.json
+    from huggingface_hub.errors import StrictDataclassError
+    _CONFIG_CHECK_ERRORS: tuple = (StrictDataclassError,)
+except ImportError:   # an older huggingface_hub: configs are not checked so
+    _CONFIG_CHECK_ERRORS = ()
+
+
 class Linear(NamedTuple):
     """A linear layer of the decoder: its last name (what lora.target_modules matches), its sizes, and which
     decoder layers have it: every one ('attention'), the dense ones or the MoE ones."""
@@ -79,21 +86,39 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
+        """The shape of a config's decoder. MemoryModelError, one line naming the config field and what is allowed,
+        for a config that is no decoder-only causal LM (`causal_lm_problem`) or whose sizes no model can have."""
         from .model import text_config
 
+        if problem := causal_lm_problem(config):
+            raise MemoryModelError(problem)
         config = text_config(config)   # a multimodal model's language part
         try:
-            heads = config.num_attention_heads
-            hidden = config.hidden_size
+            heads = _whole(config, "num_attention_heads")
+            hidden = _whole(config, "hidden_size")
+            layers = _whole(config, "num_hidden_layers")
+            vocab = _whole(config, "vocab_size")
+            kv = _whole(config, "num_key_value_heads", optional=True) or heads
+            if heads % kv:
+                raise MemoryModelError(f"config.json: num_attention_heads ({heads}) is not a multiple of "
+                                       f"num_key_value_heads ({kv}); allowed: a divisor of num_attention_heads")
+            head_dim = _whole(config, "head_dim", optional=True)
+            if head_dim is None and hidden < heads:
+                raise MemoryModelError(f"config.json: hidden_size ({hidden}) is smaller than num_attention_heads "
+                                       f"({heads}), so a head would have no dimensions; allowed: hidden_size >= "
+                                       "num_attention_heads, or a head_dim")
+            experts = _experts(config)
+            # the dense layers' MLP width; a mixture whose every layer is a MoE layer may leave it out
+            dense = layers - experts.get("moe_layers", 0)
+            inter = _whole(config, "intermediate_size") if dense else _whole(config, "intermediate_size", optional=True) or 0
             return cls(
-                vocab_size=config.vocab_size, hidden_size=hidden, num_layers=config.num_hidden_layers,
-                num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                head_dim=getattr(config, "head_dim", None) or hidden // heads,
-                intermediate_size=config.intermediate_size,
+                vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                num_heads=heads, num_kv_heads=kv, head_dim=head_dim or hidden // heads,
+                intermediate_size=inter,
                 tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                 attention_bias=bool(getattr(config, "attention_bias", config.model_type == "qwen2")),
                 logit_softcap=bool(getattr(config, "final_logit_softcapping", None)),
-                **_experts(config),
+                **experts,
             )
         except AttributeError as exc:
             raise MemoryModelError(f"the memory model knows decoder-only LLaMA-style configs; this one lacks {exc}") from None
@@ -155,23 +180,81 @@ class ModelShape:
 
 def _experts(config) -> dict:
     """ModelShape's mixture-of-experts fields from a config (empty for a dense model). Which layers are MoE:
-    Qwen2/3-MoE's mlp_only_layers and decoder_sparse_step, GLM-4-MoE's first_k_dense_replace."""
+    Qwen2/3-MoE's mlp_only_layers and decoder_sparse_step, GLM-4-MoE's first_k_dense_replace. A value no model
+    can have (decoder_sparse_step 0, which transformers divides by) is a MemoryModelError naming the field."""
     from .experts4bit import routed_experts
 
-    experts = routed_experts(config)
+    try:
+        experts = routed_experts(config)
+    except (TypeError, ValueError):
+        raise MemoryModelError("config.json: the number of routed experts (num_experts, num_local_experts or "
+                               "n_routed_experts) is no whole number") from None
     if experts <= 1:
         return {}
-    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    shared = getattr(config, "shared_expert_intermediate_size", None) or \
-        (getattr(config, "n_shared_experts", None) or 0) * width
-    dense_only = set(getattr(config, "mlp_only_layers", None) or ())
-    step = getattr(config, "decoder_sparse_step", None) or 1
-    first_sparse = getattr(config, "first_k_dense_replace", None) or 0
+    per_token = _whole(config, "num_experts_per_tok")
+    if per_token > experts:
+        raise MemoryModelError(f"config.json: num_experts_per_tok is {per_token}, more than the {experts} routed "
+                               f"experts; allowed: 1 to {experts}")
+    width = _whole(config, "moe_intermediate_size", optional=True) or _whole(config, "intermediate_size")
+    shared = _whole(config, "shared_expert_intermediate_size", optional=True, least=0) or \
+        (_whole(config, "n_shared_experts", optional=True, least=0) or 0) * width
+    only = getattr(config, "mlp_only_layers", None) or ()
+    if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise MemoryModelError(f"config.json: mlp_only_layers is {only!r}; allowed: a list of layer indices")
+    dense_only = set(only)
+    step = _whole(config, "decoder_sparse_step", optional=True) or 1
+    first_sparse = _whole(config, "first_k_dense_replace", optional=True, least=0) or 0
     moe = sum(1 for i in range(config.num_hidden_layers)
               if i not in dense_only and (i + 1) % step == 0 and i >= first_sparse)
-    return dict(experts=experts, experts_per_token=config.num_experts_per_tok, expert_intermediate=width,
+    return dict(experts=experts, experts_per_token=per_token, expert_intermediate=width,
                 shared_expert_intermediate=shared, shared_expert_gate=shared > 0 and config.model_type == "qwen2_moe",
                 moe_layers=moe)
+
+
+def _whole(config, name: str, optional: bool = False, least: int = 1):
+    """config.<name> as a whole number >= least (None where `optional` and it is missing or null); else
+    MemoryModelError naming the field and what is allowed. AttributeError where it is missing and required."""
+    value = getattr(config, name, None) if optional else getattr(config, name)
+    if value is None and optional:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+        return value
+    raise MemoryModelError(f"config.json: {name} is {value!r}; allowed: a whole number >= {least}"
+                           + (" (or leave it out)" if optional else ""))
+
+
+# The class names (config.json's "architectures") of a model that generates text: a causal LM, or a multimodal
+# model around one (its text_config is the language model)
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "WithLMHead", "WithLMHeadModel")
+
+
+def causal_lm_problem(config) -> Optional[str]:
+    """Why a config is no decoder-only causal language model, which is what the trainer trains and the memory model
+    counts, or None. Decided from what config.json says: an encoder-decoder (is_encoder_decoder); "architectures"
+    that name no text-generating class (BertForMaskedLM, ViTModel); without architectures, a model_type that
+    transformers' AutoModelForCausalLM (or its image-text-to-text models) has no class for, or an encoder family
+    (a masked LM: BERT, RoBERTa, ...) that is not set up as a decoder (is_decoder: true)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    kind = getattr(config, "model_type", None) or "?"
+    allowed = ("allowed: a decoder-only causal language model (config.json's architectures ending in ForCausalLM, or "
+               "ForConditionalGeneration for a multimodal one)")
+    if getattr(config, "is_encoder_decoder", False) is True:
+        return f"config.json: model_type {kind!r} is an encoder-decoder model (is_encoder_decoder: true); {allowed}"
+    archs = getattr(config, "architectures", None) or []
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, (list, tuple)) else []
+    if names and not any(a.endswith(CAUSAL_HEADS) for a in names):
+        return f"config.json: architectures {names} names no causal language model; {allowed}"
+    if kind in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES and getattr(config, "is_decoder", False) is not True:
+        return (f"config.json: model_type {kind!r} is an encoder (a masked language model, not set up as a decoder: "
+                f"is_decoder is not true); {allowed}")
+    auto_map = getattr(config, "auto_map", None)
+    remote = isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map   # trust_remote_code's own class
+    if not names and not remote and kind not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
+            and kind not in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return (f"config.json: model_type {kind!r} is no causal language model transformers knows (AutoModelForCausalLM "
+                f"has no class for it, and config.json names no architectures); {allowed}")
+    return None
 
 
 @dataclass
@@ -766,9 +849,16 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
     shipped = shipped_model_config(name)  # a hub id whose config.json ships with the package: read offline
     try:
         config = AutoConfig.from_pretrained(shipped or name, trust_remote_code=recipe.model.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model.name_or_path={name!r}: cannot read its config ({exc})") from None
-    shape = ModelShape.from_config(config)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, *_CONFIG_CHECK_ERRORS) as exc:
+        # transformers 5 checks a config's fields as it reads them (huggingface_hub's strict dataclasses): the
+        # cause names the field and what it expected, e.g. "Field 'vocab_size' expected int, got str"
+        why = exc.__cause__ if isinstance(exc, _CONFIG_CHECK_ERRORS) and exc.__cause__ else exc
+        raise ModelLoadError(f"model.name_or_path={name!r}: cannot read its config "
+                             f"({' '.join(str(why).split())})") from None
+    try:
+        shape = ModelShape.from_config(config)
+    except MemoryModelError as exc:
+        raise MemoryModelError(f"model.name_or_path={name!r}: {exc}") from None
     note = None
     if prompt_tokens is None and shipped:
         # A shipped shape means the model is no local folder: its tokenizer (and hf: data) would come from the
@@ -780,15 +870,52 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
         prompt_tokens, note = longest_prompt(recipe)
     workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
     if shape.experts:
-        workload = replace(workload, **experts_census_from_config(config, recipe.model, recipe.lora))
+        try:
+            census = experts_census_from_config(config, recipe.model, recipe.lora)
+        except Exception as exc:   # transformers builds the model from a config it did not check (on the meta device)
+            raise MemoryModelError(f"model.name_or_path={name!r}: transformers cannot build the model its config.json "
+                                   f"describes ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+        workload = replace(workload, **census)
     est = estimate(shape, workload, budget)
     if note:
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
     if shipped:
         est.notes.insert(0, f"model shape: the shipped copy of {name}'s config.json (lowmem_grpo/model_configs; nothing downloaded)")
+    if part := outside_text_config(config):
+        est.notes.append(part)
+    if context := context_note(config, prompt_tokens, recipe):
+        est.notes.append(context)
     if shape.experts:
         est.notes.append(experts_note(shape, workload))
     return est, shape, workload
+
+
+def outside_text_config(config) -> Optional[str]:
+    """For a multimodal config (the language model in its text_config): a note that the rest is not counted."""
+    from .model import text_config
+
+    if text_config(config) is config:
+        return None
+    towers = [key.split("_")[0] for key in ("vision_config", "audio_config", "speech_config")
+              if getattr(config, key, None) is not None]
+    rest = f"its {' and '.join(towers)} tower" if towers else "the rest of the model"
+    return (f"model shape: the language model of this {getattr(config, 'model_type', '?')} config (its text_config) "
+            f"only; {rest} is not counted (its weights and activations come on top)")
+
+
+def context_note(config, prompt_tokens: int, recipe) -> Optional[str]:
+    """As the trainer's start-up says it (Trainer._note_context): a prompt and a completion that pass the model's
+    max_position_embeddings, or None."""
+    from .model import text_config
+
+    limit = getattr(text_config(config), "max_position_embeddings", None)
+    need = prompt_tokens + completion_tokens(recipe)
+    if not isinstance(limit, int) or isinstance(limit, bool) or need <= limit:
+        return None
+    field = "environment.max_total_tokens" if recipe.environment.name else "generation.max_new_tokens"
+    return (f"context: a prompt of {prompt_tokens} tokens (the prompt length above) and a completion of "
+            f"{field}={completion_tokens(recipe)} come to {need} tokens, past the model's max_position_embeddings="
+            f"{limit}: lower them, or use a model with a longer context")
 
 
 def experts_note(s: ModelShape, w: Workload) -> str:

@@ -76,10 +76,16 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
             bnb_4bit_use_double_quant=cfg.double_quant,
         )
         kwargs["device_map"] = {"": "cpu" if staged else target}
+    from safetensors import SafetensorError
+
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model ({exc})") from None
+    except SafetensorError as exc:   # a weights file cut short or damaged: safetensors' error names no file
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model: "
+                             f"{unreadable_weights(cfg.name_or_path) or 'a weights file'} is unreadable, truncated or "
+                             f"corrupt ({' '.join(str(exc).split())})") from None
     if staged:
         from .experts4bit import quantize_experts
 
@@ -91,6 +97,23 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
     elif device:
         model.to(device)
     return model
+
+
+def unreadable_weights(name_or_path: str) -> Optional[str]:
+    """The first *.safetensors file of a local model folder whose header safetensors cannot read (which also checks
+    the file's length), or None."""
+    from safetensors import safe_open
+
+    folder = Path(name_or_path).expanduser()
+    if not folder.is_dir():
+        return None
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as opened:
+                opened.keys()
+        except Exception:   # safetensors raises its own error types
+            return str(f)
+    return None
 
 
 def _routed_experts(cfg: ModelConfig) -> bool:

@@ -22,13 +22,37 @@ class ReportError(Exception):
     pass
 
 
+# What matplotlib can draw: past ~1e308 its axis ticks overflow ("arange: cannot compute length"); 1e300 leaves
+# room for the sums and means of the figures too. A larger value is left out, and counted in report.md.
+PLOT_LIMIT = 1e300
+MAX_STEP = 2 ** 53   # steps as exact floats on the x axis (a 400-digit step overflows float); no run has more
+SHARES = ("success_rate", "eval/accuracy")   # shown as percentages: a value outside 0..1 is no share, left out
+STEP_KEYS = ("loss", "reward/mean")          # what makes a row a training step's
+
+
+def _real(v) -> bool:
+    """A JSON number (not a bool): finite or not, of any size."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A number the plots and figures can use: finite, and within PLOT_LIMIT."""
+    if not _real(v):
+        return False
+    try:
+        return math.isfinite(v) and abs(float(v)) <= PLOT_LIMIT
+    except OverflowError:   # an int too large for a float
+        return False
+
+
+def _usable(key: str, v) -> bool:
+    """_number, and for a share (SHARES) one within 0..1."""
+    return _number(v) and (key not in SHARES or 0 <= v <= 1)
 
 
 def _histogram(v) -> Optional[list]:
     """A step's success_rate/hist as counts (two bins or more, none negative, some prompts), else None."""
-    if isinstance(v, list) and len(v) >= 2 and all(_number(x) and x >= 0 for x in v) and sum(v) > 0:
+    if isinstance(v, list) and len(v) >= 2 and all(_number(x) and x >= 0 for x in v) and 0 < sum(v) <= PLOT_LIMIT:
         return v
     return None
 
@@ -37,10 +61,41 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if _number(v):
+        if _usable(key, v):
             xs.append(r["step"])
             ys.append(float(v))
     return xs, ys
+
+
+def _sorted_rows(rows: list[dict]) -> tuple[list[dict], dict]:
+    """The rows in step order (a resumed or hand-edited metrics.jsonl need not be), less those whose step cannot be
+    plotted; and what was left out, counted: {"step": rows with a step beyond MAX_STEP, "huge": values beyond
+    PLOT_LIMIT, "share": shares outside 0..1}. (Non-finite values are not counted: a skipped step logs them.)"""
+    kept = [r for r in rows if abs(r["step"]) <= MAX_STEP]
+    counts = {"step": len(rows) - len(kept), "huge": 0, "share": 0}
+    for r in kept:
+        for key, v in r.items():
+            if key == "step" or not _real(v) or (isinstance(v, float) and not math.isfinite(v)):
+                continue
+            if not _number(v):
+                counts["huge"] += 1
+            elif not _usable(key, v):
+                counts["share"] += 1
+    return sorted(kept, key=lambda r: r["step"]), counts
+
+
+def _left_out_note(counts: dict, malformed: int) -> list[str]:
+    """report.md's lines on the rows and values the report left out, or none."""
+    parts = []
+    if counts["step"]:
+        parts.append(f"{counts['step']} row(s) with a step beyond ±{MAX_STEP:,} (no run has as many)")
+    if malformed:
+        parts.append(f"{malformed} row(s) whose {' and '.join(STEP_KEYS)} are neither numbers nor null (e.g. text)")
+    if counts["huge"]:
+        parts.append(f"{counts['huge']} value(s) beyond ±{PLOT_LIMIT:.0e}, which cannot be plotted".replace("e+", "e"))
+    if counts["share"]:
+        parts.append(f"{counts['share']} value(s) of {' or '.join(SHARES)} outside 0..1, which is no share")
+    return [f"(Left out of the plots and figures: {'; '.join(parts)}.)", ""] if parts else []
 
 
 def _smooth(ys: list[float]) -> list[float]:
@@ -120,11 +175,16 @@ def render(run_dir, out_dir=None) -> dict:
     if not (run_dir / "metrics.jsonl").is_file():
         raise ReportError(f"{run_dir}: no metrics.jsonl (not a run directory, or the run has not finished a step)")
     rows, skipped = read_metrics_file(run_dir / "metrics.jsonl")
-    steps = [r for r in rows if "loss" in r or "reward/mean" in r]
+    rows, counts = _sorted_rows(rows)
+    claimed = [r for r in rows if any(k in r for k in STEP_KEYS)]
+    # a number, or null (metrics.py writes a non-finite value so: a step skipped for it); loss: "abc" is no step's
+    steps = [r for r in claimed if any(k in r and (r[k] is None or _real(r[k])) for k in STEP_KEYS)]
+    malformed = len(claimed) - len(steps)
     if not steps:
-        raise ReportError(f"{run_dir / 'metrics.jsonl'}: no step rows to plot"
-                          + (f" ({skipped} line(s) are not metrics rows: a JSON object with an integer step)"
-                             if skipped else ""))
+        why = [f"{skipped} line(s) are not metrics rows: a JSON object with an integer step"] if skipped else []
+        why += [f"{malformed} row(s) whose {' and '.join(STEP_KEYS)} are neither numbers nor null"] if malformed else []
+        why += [f"{counts['step']} row(s) with a step beyond ±{MAX_STEP:,}"] if counts["step"] else []
+        raise ReportError(f"{run_dir / 'metrics.jsonl'}: no step rows to plot" + (f" ({'; '.join(why)})" if why else ""))
     try:
         import matplotlib
 
@@ -139,7 +199,7 @@ def render(run_dir, out_dir=None) -> dict:
         raise ReportError(f"--out {out}: cannot create the folder ({exc})") from None
     fn_keys = sorted({k for r in steps for k in r if k.startswith("reward/") and k.count("/") == 1
                       and k not in ("reward/mean", "reward/std", "reward/skipped")})
-    evals = [r for r in rows if _number(r.get("eval/accuracy"))]
+    evals = [r for r in rows if _number(r.get("eval/accuracy"))]   # one outside 0..1 is listed, flagged
     figures = [
         ("reward.png", "Reward", [[("reward/mean", "total")] + [(k, k.split("/", 1)[1]) for k in fn_keys]]),
         ("success.png", "Success rate (train batches) and held-out accuracy",
@@ -156,14 +216,30 @@ def render(run_dir, out_dir=None) -> dict:
         ("time_memory.png", "Step time and memory",
          [[("time/step_s", "step (s)"), ("time/rollout_s", "rollout (s)")], [("memory/peak_mib", "peak memory (MiB)")]]),
     ]
-    images = []
+    images, failed = [], []
+
+    def draw(name, plot, *args):
+        try:
+            if plot(plt, *args, out / name):
+                images.append(name)
+        except OSError as exc:   # reward.png is a folder, the disk is full, no permission
+            plt.close("all")
+            raise ReportError(f"--out {out}: cannot write {name} ({exc.strerror or exc})") from None
+        except (ValueError, OverflowError, FloatingPointError) as exc:   # what matplotlib cannot draw: that plot only
+            plt.close("all")
+            failed.append(f"{name} ({type(exc).__name__}: {exc})")
+
     for name, title, panels in figures:
-        rows_for = rows if name == "success.png" else steps  # eval rows carry eval/accuracy
-        if _plot_lines(plt, rows_for, panels, title, out / name):
-            images.append(name)
-        if name == "success.png" and _plot_success_hist(plt, steps, out / "success_hist.png"):
-            images.append("success_hist.png")
-    (out / "report.md").write_text(_markdown(run_dir, rows, steps, evals, images, skipped))
+        draw(name, _plot_lines, rows if name == "success.png" else steps, panels, title)  # eval rows: eval/accuracy
+        if name == "success.png":
+            draw("success_hist.png", _plot_success_hist, steps)
+    md = _markdown(run_dir, rows, steps, evals, images, skipped, _left_out_note(counts, malformed))
+    if failed:
+        md += f"\nNot drawn: {', '.join(failed)}.\n"
+    try:
+        (out / "report.md").write_text(md)
+    except OSError as exc:
+        raise ReportError(f"--out {out}: cannot write report.md ({exc.strerror or exc})") from None
     return {"report": out / "report.md", "images": [out / i for i in images], "skipped": skipped}
 
 
@@ -177,7 +253,7 @@ def _recipe(run_dir: Path) -> dict:
     return recipe if isinstance(recipe, dict) else {}
 
 
-def _markdown(run_dir: Path, rows, steps, evals, images, bad_lines: int = 0) -> str:
+def _markdown(run_dir: Path, rows, steps, evals, images, bad_lines: int = 0, left_out: Optional[list] = None) -> str:
     recipe = _recipe(run_dir)
     g = lambda sec, key: (recipe.get(sec) if isinstance(recipe.get(sec), dict) else {}).get(key, "?")
     last = steps[-1]
@@ -188,7 +264,7 @@ def _markdown(run_dir: Path, rows, steps, evals, images, bad_lines: int = 0) -> 
     best = max(range(len(smooth)), key=smooth.__getitem__) if smooth else None
     times = _series(steps, "time/step_s")[1]
     mem = _series(steps, "memory/peak_mib")[1]
-    skipped = last.get("nonfinite/skipped_total")
+    skipped = last.get("nonfinite/skipped_total") if _number(last.get("nonfinite/skipped_total")) else None
     lines = [f"# Run report: {run_dir.name}", "",
              f"Model `{g('model', 'name_or_path')}`, {g('train', 'steps')} steps planned, {last['step']} run; "
              f"{g('train', 'prompts_per_step')} prompts x G={g('generation', 'num_generations')} per step; "
@@ -206,11 +282,19 @@ def _markdown(run_dir: Path, rows, steps, evals, images, bad_lines: int = 0) -> 
     if bad_lines:
         lines += [f"({bad_lines} line(s) of metrics.jsonl skipped: not a JSON object with an integer step, e.g. a line "
                   "cut by a crash.)", ""]
+    lines += left_out or []
     if evals:
+        num = lambda v: _fmt(v if _number(v) else None)   # noqa: E731  (text in a metrics row is no figure)
+        acc = lambda v: _fmt(v, pct=True) if _usable("eval/accuracy", v) else f"{v:.4g} (outside 0..1: not a share)"  # noqa: E731
         lines += ["## Held-out accuracy", "", "| step | accuracy | mean reward | prompts |", "|---|---|---|---|"]
-        lines += [f"| {r['step']} | {_fmt(r['eval/accuracy'], pct=True)} | {_fmt(r.get('eval/mean_reward'))} | "
-                  f"{_fmt(r.get('eval/n'))} |" for r in evals]
-        best_eval = max(evals, key=lambda r: r["eval/accuracy"])
-        lines += ["", f"Best held-out accuracy: {_fmt(best_eval['eval/accuracy'], pct=True)} at step {best_eval['step']}.", ""]
+        lines += [f"| {r['step']} | {acc(r['eval/accuracy'])} | {num(r.get('eval/mean_reward'))} | "
+                  f"{num(r.get('eval/n'))} |" for r in evals]
+        shares = [r for r in evals if _usable("eval/accuracy", r["eval/accuracy"])]
+        if shares:
+            best_eval = max(shares, key=lambda r: r["eval/accuracy"])
+            lines += ["", f"Best held-out accuracy: {_fmt(best_eval['eval/accuracy'], pct=True)} at step "
+                          f"{best_eval['step']}.", ""]
+        else:
+            lines += [""]
     lines += ["## Plots", ""] + [f"![{i[:-4]}]({i})" for i in images] + [""]
     return "\n".join(lines)

@@ -6,6 +6,8 @@ memory and start-up time.
 - CSV: the same index of record boundaries (found with the csv module, so quoted fields may span lines);
   a row is the dict `csv.DictReader` makes of its record.
 - Parquet and hub splits: `datasets`' Arrow tables, memory-mapped from its cache; a row is `dataset[i]`.
+- A folder written by `Dataset.save_to_disk`: loaded with `datasets.load_from_disk` (memory-mapped, as above);
+  a `DatasetDict`'s folder is refused, naming its splits' folders.
 
 A source has len(source), source.row(i) -> dict, source.line(i) -> the row's line in the file (or None),
 source.iter_rows() -> (i, row or Unreadable) in order; `path` labels errors. data.py builds prompt sets
@@ -19,6 +21,7 @@ import io
 import json
 import os
 import re
+import sys
 import weakref
 from array import array
 from pathlib import Path
@@ -30,6 +33,9 @@ from . import hub
 
 _CHUNK = 8 << 20       # bytes read at a time when indexing a file
 _BOM = b"\xef\xbb\xbf"   # UTF-8 byte order mark, which Windows editors and Excel put first
+# The csv module refuses a field over 131,072 characters, and with it the whole file (a long prompt, a test case):
+# its limit is raised to this (a C long on every platform); what a row may hold is data.max_prompt_tokens' to say.
+_CSV_FIELD_LIMIT = 2**31 - 1
 
 
 class DataError(Exception):
@@ -144,7 +150,7 @@ class _JsonlSource(_File):
             head = first.strip()
             try:  # an array of rows on one line; a list of plain values is only a bad row
                 rows_on_one_line = any(isinstance(r, dict) for r in json.loads(head)) if head[:1] == b"[" else False
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, RecursionError):  # (ValueError: bad JSON, or an integer too long)
                 rows_on_one_line = False
             if head in (b"[", b"{") or rows_on_one_line:
                 what = "an object spread over several lines" if head == b"{" else "an array"
@@ -203,9 +209,23 @@ class _JsonlSource(_File):
             raise Unreadable(f"not valid UTF-8 ({exc.reason})") from None
         except json.JSONDecodeError as exc:
             raise Unreadable(f"not valid JSON ({exc.msg})") from None
+        except ValueError as exc:  # valid JSON that Python will not read: an integer over its digit limit
+            raise Unreadable(_json_value_error(exc)) from None
+        except RecursionError:
+            raise Unreadable("not readable JSON (nested too deeply)") from None
         if not isinstance(row, dict):
             raise Unreadable(f"expected a JSON object, got {type(row).__name__}")
         return row
+
+
+def _json_value_error(exc: ValueError) -> str:
+    """A row's text for a ValueError json.loads raised that is no JSONDecodeError: Python's limit on the digits of
+    an integer read from text (sys.set_int_max_str_digits; 4300 by default)."""
+    if "digits" in str(exc):
+        limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else None
+        return (f"holds an integer of more than {limit or 'the allowed'} digits, which Python will not read (its limit "
+                "on the digits of a number read from text); write such a number as text, in quotes")
+    return f"not readable JSON ({exc})"
 
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -237,6 +257,8 @@ class _CsvSource(_File):
 
     def __init__(self, path: Path, label: str, limit: Optional[int] = None):
         super().__init__(path, label)
+        if csv.field_size_limit() < _CSV_FIELD_LIMIT:   # process-wide: only ever raised
+            csv.field_size_limit(_CSV_FIELD_LIMIT)
         starts, ends = array("q"), array("q")
         pos = [0]
 
@@ -365,33 +387,87 @@ def open_source(path: str, limit: Optional[int] = None):
     """The rows of a file or hub split, indexed but not read (`limit`: the first N rows only)."""
     if hub.is_hub(path):
         try:
+            name = hub.parse(path).name
+            if _saved_with_save_to_disk(Path(name)) == "Dataset":  # load_dataset refuses it, blaming the hub
+                raise DataError(f"{path}: {name} is a folder written by Dataset.save_to_disk, which holds one split "
+                                f"and is loaded as it is: give the folder itself ({name}), without hf: and @SPLIT")
             src = _ArrowSource(path, hub.load(path))
         except ValueError as exc:
             raise DataError(f"{path}: {exc}") from None
+    elif _saved_with_save_to_disk(Path(path)) == "Dataset":
+        src = _ArrowSource(path, _load_from_disk(Path(path), path))
     else:
-        p = Path(path)
-        if p.is_dir():
-            raise DataError(f"{path}: is a directory; give a .jsonl, .csv or .parquet file (a folder of such files: "
-                            f"hf:{path}@train)")
-        if not p.is_file():
-            raise DataError(f"{path}: file not found")
-        suffix = p.suffix.lower()
-        try:
-            if suffix in (".jsonl", ".json"):
-                return _JsonlSource(p, path, limit)
-            if suffix == ".csv":
-                return _CsvSource(p, path, limit)
-        except OSError as exc:  # e.g. no permission to read it
-            raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-        if suffix != ".parquet":
-            raise DataError(f"{path}: unknown file type {suffix!r}; allowed: .jsonl, .csv, .parquet")
-        if _parquet_rows(p, path) == 0:  # datasets' own error for it names no cause
-            raise DataError(f"{path}: no usable rows (the Parquet table is empty)")
-        try:
-            src = _ArrowSource(path, hub.load_file("parquet", p))
-        except ValueError as exc:
-            raise DataError(f"{path}: {exc}") from None
+        return _open_file(Path(path), path, limit)
     return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
+
+
+def _open_file(p: Path, path: str, limit: Optional[int]):
+    if _saved_with_save_to_disk(p) == "DatasetDict":
+        splits = _saved_splits(p)
+        raise DataError(f"{path}: is a folder written by DatasetDict.save_to_disk, which holds several splits; give "
+                        "one split's folder: " + (", ".join(str(p / s) for s in splits) if splits else str(p / "train")))
+    if p.is_dir():
+        raise DataError(f"{path}: is a directory; give a .jsonl, .csv or .parquet file (a folder of such files: "
+                        f"hf:{path}@train)")
+    if not p.is_file():
+        raise DataError(f"{path}: file not found")
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".json"):
+            return _JsonlSource(p, path, limit)
+        if suffix == ".csv":
+            return _CsvSource(p, path, limit)
+    except OSError as exc:  # e.g. no permission to read it
+        raise DataError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if suffix != ".parquet":
+        raise DataError(f"{path}: unknown file type {suffix!r}; allowed: .jsonl, .csv, .parquet")
+    if _parquet_rows(p, path) == 0:  # datasets' own error for it names no cause
+        raise DataError(f"{path}: no usable rows (the Parquet table is empty)")
+    try:
+        src = _ArrowSource(path, hub.load_file("parquet", p))
+    except ValueError as exc:
+        raise DataError(f"{path}: {exc}") from None
+    return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
+
+
+def _saved_with_save_to_disk(p: Path) -> Optional[str]:
+    """'Dataset' or 'DatasetDict' for a folder that `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote (which
+    only `datasets.load_from_disk` reads; load_dataset refuses it), else None."""
+    try:
+        if not p.is_dir():
+            return None
+        if (p / "dataset_dict.json").is_file():
+            return "DatasetDict"
+        if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
+            return "Dataset"
+    except OSError:   # (a folder that cannot be looked into: the ordinary errors say so)
+        return None
+    return None
+
+
+def _saved_splits(p: Path) -> list:
+    """The splits a DatasetDict.save_to_disk folder names (its dataset_dict.json), or [] where it cannot be read."""
+    try:
+        splits = json.loads((p / "dataset_dict.json").read_text(encoding="utf-8")).get("splits")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(s) for s in splits] if isinstance(splits, list) else []
+
+
+def _load_from_disk(p: Path, label: str):
+    """A Dataset.save_to_disk folder as a `datasets.Dataset`, memory-mapped from its Arrow files."""
+    try:
+        ds = hub._datasets(label).load_from_disk(str(p))
+    except ValueError as exc:   # no `datasets` package: hub's message
+        raise DataError(f"{label}: {exc}") from None
+    except Exception as exc:  # a corrupt or partial folder: datasets and pyarrow raise many types
+        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        raise DataError(f"{label}: cannot load this Dataset.save_to_disk folder with datasets.load_from_disk: "
+                        f"{type(exc).__name__}: {first}") from None
+    if not hasattr(ds, "select"):   # a DatasetDict after all
+        raise DataError(f"{label}: datasets.load_from_disk gives a {type(ds).__name__}, not one split; give one "
+                        "split's folder")
+    return ds
 
 
 def _parquet_rows(path: Path, label: str) -> int:

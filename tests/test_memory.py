@@ -145,7 +145,7 @@ def test_parse_size_rejects_garbage(text):
 @pytest.mark.parametrize("text,expected", [("8", 8 * 2**30), ("0.5", 2**29), ("8GiB", 8 * 2**30), ("12GB", 12 * 2**30),
                                            ("12 gb", 12 * 2**30), ("7.5G", int(7.5 * 2**30)), ("512MiB", 512 * 2**20),
                                            ("65536KiB", 64 * 2**20), ("1TiB", 2**40), ("1TB", 2**40),
-                                           ("1e11B", 10**11)])
+                                           ("1e11B", 10**11), ("1024TiB", 2**50), (".5", 2**29), ("+8", 8 * 2**30)])
 def test_the_memory_option_reads_a_bare_number_as_gib(text, expected):
     from lowmem_grpo.cli import parse_memory
 
@@ -156,7 +156,12 @@ def test_the_memory_option_reads_a_bare_number_as_gib(text, expected):
                                        ("0.01", "'0.01' is 10 MiB, below the 64 MiB"),
                                        ("8GiBs", "'8GiBs': expected a positive size"),
                                        ("lots", "'lots': expected a positive size"),
-                                       ("nan", "'nan': expected a positive size")])
+                                       ("nan", "'nan': expected a positive size"),
+                                       # float() reads these as 80 and 12: a size is a plain decimal number
+                                       ("8_0", "'8_0': expected a positive size"),
+                                       ("\uff11\uff12", "expected a positive size"),
+                                       ("1e30", "'1e30' is 9.766e.26 TiB, more than the 1024 TiB"),
+                                       ("1025TiB", "'1025TiB' is 1025 TiB, more than the 1024 TiB")])
 def test_the_memory_option_refuses_sizes_no_card_has(text, says):
     from lowmem_grpo.cli import parse_memory
 
@@ -247,6 +252,99 @@ def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
     assert f"of {mm.fmt(mm.card_budget(8 * mm.GiB))} (" in card and "of 8.00 GiB (" not in card
     ram = CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB", "--device", "cpu"]).output
     assert "budget:" not in ram and "of 8.00 GiB (" in ram, ram
+
+
+def _config_folder(tiny_model_dir, folder, **changes):
+    """A model folder (config.json and the tokenizer, no weights: estimate reads no more) with the tiny model's
+    config.json changed: a value None deletes the key, unless given as `null=[keys]` (written as JSON null)."""
+    import json
+    import shutil
+
+    folder.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, folder / f.name)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    nulls = changes.pop("null", [])
+    for key, value in changes.items():
+        config.pop(key, None) if value is None else config.__setitem__(key, value)
+    config.update({key: None for key in nulls})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+QWEN2_MOE = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=0)
+
+
+@pytest.mark.parametrize("changes,says", [
+    (dict(num_attention_heads=0), "num_attention_heads is 0; allowed: a whole number >= 1"),
+    (dict(hidden_size=-64), "hidden_size is -64; allowed: a whole number >= 1"),
+    (dict(num_key_value_heads=3), "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
+    (dict(null=["intermediate_size"]), "'intermediate_size' expected int"),   # transformers' own check, as it reads it
+    (dict(vocab_size="21"), "'vocab_size' expected int, got str"),
+    (dict(num_hidden_layers=7), "`num_hidden_layers` (7) must be equal to the number of `layer_types` (2)"),
+    ({**QWEN2_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step is 0; allowed: a whole number >= 1"),
+    ({**QWEN2_MOE, "num_experts_per_tok": 0}, "num_experts_per_tok is 0; allowed: a whole number >= 1"),
+    ({**QWEN2_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok is 5, more than the 4 routed experts"),
+    (dict(model_type="bert", architectures=None, layer_types=None), "model_type 'bert' is an encoder"),
+    (dict(architectures=["BertForMaskedLM"]), "architectures ['BertForMaskedLM'] names no causal language model"),
+    (dict(model_type="t5", architectures=None, d_model=64), "model_type 't5' is an encoder-decoder model"),
+])
+def test_estimate_refuses_a_config_no_model_has_in_one_line(tmp_path, tiny_model_dir, tiny_data, changes, says):
+    """An audit found estimate answering "fits" for a BERT encoder and a negative hidden_size ("-0 MiB"), and
+    tracebacks for a zero head count, a MoE decoder_sparse_step of 0 (inside transformers) and fields that
+    transformers' config checks refuse. Each is now one error line naming the config field, exit 2."""
+    folder = _config_folder(tiny_model_dir, tmp_path / "model", **changes)
+    d = recipe_dict(folder, tiny_data, tmp_path / "run")
+    res = CliRunner().invoke(main, ["estimate", str(write_recipe(tmp_path / "r.yaml", d)), "--memory", "8GiB"])
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0] == res.output.strip(), res.output
+    assert f"model.name_or_path={str(folder)!r}" in errors[0] and says in errors[0], res.output
+    assert "fits" not in res.output
+
+
+def test_estimate_says_in_one_line_what_transformers_cannot_build(tmp_path, tiny_model_dir, tiny_data, monkeypatch):
+    """For a mixture of experts estimate builds the model on the meta device (peft decides its adapters): a config
+    value transformers fails on there (as it did on decoder_sparse_step 0) is one error line, not a traceback."""
+    def fails(*a, **k):
+        raise ZeroDivisionError("integer modulo by zero")
+
+    monkeypatch.setattr(mm, "experts_census_from_config", fails)
+    folder = _config_folder(tiny_model_dir, tmp_path / "model", **QWEN2_MOE)
+    d = recipe_dict(folder, tiny_data, tmp_path / "run")
+    res = CliRunner().invoke(main, ["estimate", str(write_recipe(tmp_path / "r.yaml", d)), "--memory", "8GiB"])
+    assert res.exit_code == 2 and res.output == (f"error: model.name_or_path={str(folder)!r}: transformers cannot build "
+                                                 "the model its config.json describes (ZeroDivisionError: integer "
+                                                 "modulo by zero)\n"), res.output
+
+
+def test_estimate_notes_what_it_leaves_out(tmp_path, tiny_model_dir, tiny_data):
+    """A multimodal config is estimated from its text_config: said, with the tower it leaves out. A prompt and a
+    completion past max_position_embeddings: said as the trainer's start-up says it."""
+    import json
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", generation={"max_new_tokens": 100})
+    res = CliRunner().invoke(main, ["estimate", str(write_recipe(tmp_path / "r.yaml", d)), "--memory", "8GiB"])
+    limit = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert res.exit_code == 0 and f"tokens, past the model's max_position_embeddings={limit}" in res.output, res.output
+    assert "generation.max_new_tokens=100 come to" in res.output
+    d["generation"]["max_new_tokens"] = 4
+    res = CliRunner().invoke(main, ["estimate", str(write_recipe(tmp_path / "r.yaml", d)), "--memory", "8GiB"])
+    assert res.exit_code == 0 and "max_position_embeddings" not in res.output, res.output
+    text = json.loads((tiny_model_dir / "config.json").read_text())
+    for key in ("architectures", "layer_types", "transformers_version", "dtype"):
+        text.pop(key, None)
+    llava = _config_folder(tiny_model_dir, tmp_path / "llava", model_type="llava", architectures=None,
+                           text_config={**text, "model_type": "qwen2"}, vision_config={"model_type": "clip_vision_model"})
+    d = recipe_dict(llava, tiny_data, tmp_path / "run")
+    res = CliRunner().invoke(main, ["estimate", str(write_recipe(tmp_path / "r.yaml", d)), "--memory", "8GiB"])
+    assert res.exit_code == 0, res.output
+    assert "note: model shape: the language model of this llava config (its text_config) only; its vision tower is " \
+           "not counted" in res.output
+    shape = mm.ModelShape.from_config(__import__("transformers").AutoConfig.from_pretrained(llava))
+    assert shape == _shape_and_config(tiny_model_dir)[0]   # the text part is the tiny model
 
 
 def _trainer(tmp_path, tiny_model_dir, tiny_data, **train):

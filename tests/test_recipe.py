@@ -234,3 +234,87 @@ def test_cli_options_a_careless_user_gets_wrong(tmp_path):
     assert res.exit_code == 2 and "not both" in res.output and res.exception.__class__ is SystemExit
     res = CliRunner().invoke(main, ["train", "--resume", str(tmp_path / "run")])
     assert res.exit_code == 2 and "is not a run directory (no recipe.yaml in it)" in res.output
+
+
+def _validate(recipe_path, *overrides):
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    return CliRunner().invoke(main, ["validate", str(recipe_path)] + [f"--set={o}" for o in overrides])
+
+
+def test_validate_refuses_a_model_path_train_refuses_and_notes_a_context_too_short(tmp_path):
+    """model.name_or_path a file, or a folder without config.json or tokenizer: train refuses them at once (hub.py's
+    checks), validate said ok. A completion longer than the local model's max_position_embeddings: a note, as the
+    trainer's start-up says it. A hub id is not looked up (validate does not reach the hub)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2", "answer": "3"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"model": {"name_or_path": str(model)}, "data": {"train_path": str(data)},
+                                 "generation": {"max_new_tokens": 8}}))
+    res = _validate(f)
+    assert res.exit_code == 2 and "model.name_or_path: the folder has no config.json, so it is no model folder (it " \
+                                  "is empty)" in res.output, res.output
+    (model / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 64}')
+    res = _validate(f)
+    assert res.exit_code == 2 and f"model.name_or_path: {str(model)!r}: no tokenizer files" in res.output, res.output
+    (model / "tokenizer.json").write_text("{}")
+    res = _validate(f)
+    assert res.exit_code == 0 and "max_position_embeddings" not in res.output, res.output
+    res = _validate(f, "generation.max_new_tokens=64")
+    assert res.exit_code == 0 and ("note: generation.max_new_tokens=64 alone comes to the model's "
+                                   "max_position_embeddings=64 (its config.json) or past it") in res.output, res.output
+    res = _validate(f, f"model.name_or_path={model / 'config.json'}")
+    assert res.exit_code == 2 and "model.name_or_path: no such model folder" in res.output, res.output
+    assert _validate(f, "model.name_or_path=no-such/model").exit_code == 0
+
+
+@pytest.mark.parametrize("row,says", [
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"prompt": "1+3", "answer": [4]}', "the answer field 'answer' holds list [4]"),
+    ('{"prompt": "1+3", "answer": NaN}', "the answer field 'answer' is nan (not a finite number)"),
+    ('{"prompt": "1+3", "answer": true}', "the answer field 'answer' holds the boolean True"),
+    ('{"prompt": "1+3"}', "missing field 'answer' (row has: prompt)"),
+    ('{"prompt": [{"role": "bot", "content": "1+3"}], "answer": "4"}', "has role 'bot'; allowed: system, user"),
+    ('{"prompt": [{"role": "user", "content": [{"type": "text"}]}], "answer": "4"}', "has content list"),
+    ('{"prompt": " ", "answer": "4"}', "the prompt field 'prompt' is empty"),
+])
+def test_validate_says_which_row_train_would_stop_on(tmp_path, row, says):
+    """A bad row among the first rows validate reads: train (data.on_bad_row: error) stops on it at start-up, with
+    the same words (data.py's row checks: answer_problem, chat_messages), so validate reports it; with skip, the row
+    is skipped and validate says ok. A reward that reads no answer needs none."""
+    from lowmem_grpo import tiny
+    from lowmem_grpo.data import DataError, PromptSet
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2", "answer": "3"}\n' + row + "\n")
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"model": {"name_or_path": "no-such/model"}, "data": {"train_path": str(data)}}))
+    res = _validate(f)
+    assert res.exit_code == 2, res.output
+    assert f"data.train_path: {data}: row 3: " in res.output and says in res.output, res.output
+    assert "data.on_bad_row: skip skips them" in res.output
+    with pytest.raises(DataError) as err:   # what train says of it: the same words
+        PromptSet(str(data), load_recipe(f).data, tiny.build_tokenizer())
+    assert f"{data}: row 3: " + str(err.value).split("row 3: ", 1)[1] in res.output, (str(err.value), res.output)
+    assert _validate(f, "data.on_bad_row=skip").exit_code == 0
+    if "answer" in says:
+        assert _validate(f, "rewards.functions=[{function: format}]").exit_code == 0
+
+
+def test_validate_refuses_a_held_out_split_train_cannot_make(tmp_path):
+    """data.eval_fraction on a file whose prompts are all one: train refuses it at once (data.split_indices);
+    validate, which reads the whole of a small file, too."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 5)
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"model": {"name_or_path": "no-such/model"},
+                                 "data": {"train_path": str(data), "eval_path": "", "eval_fraction": 0.5}}))
+    res = _validate(f)
+    assert res.exit_code == 2 and (f"data.eval_fraction: {data}: data.eval_fraction=0.5: the training source has 1 "
+                                   "distinct prompt(s), too few") in res.output, res.output
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2", "answer": "3"}\n')
+    assert _validate(f).exit_code == 0

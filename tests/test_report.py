@@ -84,3 +84,71 @@ def test_report_on_damaged_metrics_and_recipe(tmp_path):
     (tmp_path / "afile").write_text("x")
     res = CliRunner().invoke(main, ["report", str(run), "--out", str(tmp_path / "afile" / "sub")])
     assert res.exit_code == 2 and "--out" in res.output and "cannot create the folder" in res.output
+
+
+def _report(run, out):
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    return CliRunner().invoke(main, ["report", str(run), "--out", str(out)])
+
+
+def test_report_leaves_out_what_cannot_be_plotted_and_counts_it(tmp_path):
+    """An audit's metrics.jsonl: values of 1e308 (matplotlib: "arange: cannot compute length"), a 400-digit step
+    (OverflowError), text where loss goes, steps out of order (the header and the "final" figures came from file
+    order), an accuracy of 5.0 (printed as 500.0% and named best). The report is written; what it left out is
+    counted in report.md, the steps are in order, and an accuracy outside 0..1 is flagged, never best."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": 5, "loss": 0.1, "reward/mean": 0.5, "success_rate": 0.5, "success_rate/hist": [1, 1]},
+            {"step": 3, "loss": 0.1, "reward/mean": 0.3, "success_rate": 0.3, "success_rate/hist": [7, 3]},
+            {"step": 9, "loss": 0.1, "reward/mean": 0.9, "success_rate": 0.9, "success_rate/hist": [1, 9]},
+            {"step": 1, "loss": 0.1, "reward/mean": 0.1, "success_rate": 1e308, "time/step_s": 1e308},
+            {"step": 7, "loss": "abc", "reward/mean": "x"},
+            {"step": 2, "eval/accuracy": 5.0, "eval/n": "ten"}, {"step": 4, "eval/accuracy": 0.25, "eval/n": 8},
+            {"step": 6, "loss": None, "reward/mean": 0.6, "success_rate": -1}]   # null: a non-finite loss, kept
+    lines = [json.dumps(r) for r in rows] + ['{"step": ' + "9" * 400 + ', "loss": 0.1, "reward/mean": 0.5}']
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    res = _report(run, tmp_path / "rep")
+    assert res.exit_code == 0 and res.exception is None, res.output
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert ", 9 run;" in md and "| final reward (mean of last 1 steps) | 0.9 |" in md, md
+    assert "best success rate (trailing mean) | 90.0% at step 9" in md
+    assert ("(Left out of the plots and figures: 1 row(s) with a step beyond ±9,007,199,254,740,992 (no run has as "
+            "many); 1 row(s) whose loss and reward/mean are neither numbers nor null (e.g. text); 2 value(s) beyond "
+            "±1e300, which cannot be plotted; 2 value(s) of success_rate or eval/accuracy outside 0..1, which is no "
+            "share.)") in md, md
+    assert "| 2 | 5 (outside 0..1: not a share) | - | - |" in md and "| 4 | 25.0% | - | 8 |" in md
+    assert "Best held-out accuracy: 25.0% at step 4." in md and "500" not in md
+    assert {"reward.png", "success.png", "success_hist.png"} <= {p.name for p in (tmp_path / "rep").iterdir()}
+    assert "time_memory.png" not in md   # its only value was 1e308
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": "abc"}) + "\n")
+    res = _report(run, tmp_path / "rep")
+    assert res.exit_code == 2 and "no step rows to plot (1 row(s) whose loss and reward/mean are neither numbers " \
+                                  "nor null)" in res.output, res.output
+
+
+def test_report_says_in_one_line_where_it_cannot_write(tmp_path, monkeypatch):
+    """reward.png or report.md already a folder, a full disk: one error line naming the file, exit 2 (an
+    IsADirectoryError traceback before)."""
+    import errno
+
+    import matplotlib.figure
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1, "reward/mean": 0.5}) + "\n")
+    (tmp_path / "a" / "reward.png").mkdir(parents=True)
+    (tmp_path / "b" / "report.md").mkdir(parents=True)
+    for out, name in ((tmp_path / "a", "reward.png"), (tmp_path / "b", "report.md")):
+        res = _report(run, out)
+        assert res.exit_code == 2 and res.output == f"error: --out {out}: cannot write {name} (Is a directory)\n", \
+            res.output
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    res = _report(run, tmp_path / "c")
+    assert res.exit_code == 2 and "cannot write reward.png (No space left on device)" in res.output, res.output
