@@ -470,6 +470,10 @@ def report(run_dir, out_dir):
     res = _run(lambda: render(run_dir, out_dir), errors=(ReportError,))
     click.echo(f"wrote {res['report']} and {len(res['images'])} plots"
                + (f" ({res['skipped']} unreadable line(s) of metrics.jsonl skipped)" if res["skipped"] else ""))
+    if res.get("left_out"):   # (said in report.md too: here, so that it is not missed)
+        click.echo(res["left_out"])
+    if res.get("not_drawn"):
+        click.echo(f"not drawn: {', '.join(res['not_drawn'])}")
 
 
 if __name__ == "__main__":

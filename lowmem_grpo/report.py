@@ -233,14 +233,16 @@ def render(run_dir, out_dir=None) -> dict:
         draw(name, _plot_lines, rows if name == "success.png" else steps, panels, title)  # eval rows: eval/accuracy
         if name == "success.png":
             draw("success_hist.png", _plot_success_hist, steps)
-    md = _markdown(run_dir, rows, steps, evals, images, skipped, _left_out_note(counts, malformed))
+    left_out = _left_out_note(counts, malformed)
+    md = _markdown(run_dir, rows, steps, evals, images, skipped, left_out)
     if failed:
         md += f"\nNot drawn: {', '.join(failed)}.\n"
     try:
         (out / "report.md").write_text(md)
     except OSError as exc:
         raise ReportError(f"--out {out}: cannot write report.md ({exc.strerror or exc})") from None
-    return {"report": out / "report.md", "images": [out / i for i in images], "skipped": skipped}
+    return {"report": out / "report.md", "images": [out / i for i in images], "skipped": skipped,
+            "left_out": left_out[0] if left_out else None, "not_drawn": failed}
 
 
 def _recipe(run_dir: Path) -> dict:

@@ -119,6 +119,7 @@ def test_report_leaves_out_what_cannot_be_plotted_and_counts_it(tmp_path):
             "many); 1 row(s) whose loss and reward/mean are neither numbers nor null (e.g. text); 2 value(s) beyond "
             "±1e300, which cannot be plotted; 2 value(s) of success_rate or eval/accuracy outside 0..1, which is no "
             "share.)") in md, md
+    assert "(Left out of the plots and figures: 1 row(s) with a step beyond" in res.output   # said, not only in md
     assert "| 2 | 5 (outside 0..1: not a share) | - | - |" in md and "| 4 | 25.0% | - | 8 |" in md
     assert "Best held-out accuracy: 25.0% at step 4." in md and "500" not in md
     assert {"reward.png", "success.png", "success_hist.png"} <= {p.name for p in (tmp_path / "rep").iterdir()}
