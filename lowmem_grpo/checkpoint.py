@@ -52,16 +52,25 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (the names in it) to disk: what makes a rename into it last."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file under `path`, every folder below it and `path` itself to disk (before it is renamed into
+    place: a checkpoint, an export)."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        elif p.is_dir():
+            fsync_dir(p)
+    fsync_dir(path)
 
 
 def rng_state() -> dict:
@@ -96,7 +105,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[
         tmp.mkdir()
         model.save_pretrained(tmp / "adapter")
         torch.save(state, tmp / "trainer_state.pt")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     except BaseException as exc:
         failure = _write_failure(final, root, exc, run_dir) if isinstance(exc, WRITE_ERRORS) else None
         shutil.rmtree(tmp, ignore_errors=True)   # a partial folder on a full disk would keep it full
@@ -106,7 +115,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[
     if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
         _remove(final)
     os.replace(tmp, final)
-    _fsync_tree(root)
+    fsync_dir(root)   # the rename (tmp's files are flushed already; the earlier checkpoints' were at their save)
     for old in complete_checkpoints(run_dir)[:-keep_last]:
         _remove(old)
     return final
@@ -327,6 +336,18 @@ def optimizer_state_problem(saved_optimizer_state: dict, params: list) -> Option
     return None
 
 
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why safetensors cannot read a file's header (which also checks the file's length: one cut short), or None."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as exc:  # safetensors raises its own error types
+        return str(exc)
+    return None
+
+
 def adapter_problem(folder: Path) -> Optional[str]:
     """What makes a peft adapter folder unloadable (a missing or corrupt config or weights file: a copy cut short,
     a full disk), or None; checked before any model is loaded, so it is one clear line, not peft's traceback."""
@@ -347,13 +368,8 @@ def adapter_problem(folder: Path) -> Optional[str]:
         if (folder / "adapter_model.bin").is_file():
             return None
         return f"{folder}: no adapter_model.safetensors (the adapter's weights)"
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(weights), framework="pt") as f:  # reads the header, which also checks the file's length
-            f.keys()
-    except Exception as exc:  # safetensors raises its own error types
-        return f"{weights}: unreadable, truncated or corrupt ({exc})"
+    if (why := safetensors_problem(weights)) is not None:
+        return f"{weights}: unreadable, truncated or corrupt ({why})"
     return None
 
 

@@ -149,25 +149,13 @@ def _write_error(out_dir: Path, what: str, exc: Exception, where: Optional[Path]
                        "not made, --out is left as it was")
 
 
-def _fsync_dir(path: Path) -> None:
-    # (not ckpt._fsync_tree: that would also fsync every file below --out's parent)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(staging: Path, out_dir: Path, replace: bool) -> None:
     """The complete export in staging, flushed, renamed to out_dir; with `replace`, the earlier export there is
     set aside first, and deleted only once the new one is in."""
-    ckpt._fsync_tree(staging)
-    for sub in staging.iterdir():   # (_fsync_tree flushes the files and staging itself, not the folders between)
-        if sub.is_dir():
-            _fsync_dir(sub)
+    ckpt.fsync_tree(staging)
     if not replace:
         os.replace(staging, out_dir)   # (onto an empty folder too; onto one that is no longer empty, it fails)
-        _fsync_dir(out_dir.parent)
+        ckpt.fsync_dir(out_dir.parent)
         return
     aside = side_path(out_dir, ASIDE)
     os.replace(out_dir, aside)
@@ -176,7 +164,7 @@ def _commit(staging: Path, out_dir: Path, replace: bool) -> None:
     except BaseException:
         os.replace(aside, out_dir)
         raise
-    _fsync_dir(out_dir.parent)
+    ckpt.fsync_dir(out_dir.parent)
     shutil.rmtree(aside, ignore_errors=True)   # (a crash here leaves it: clear_leftovers removes it)
 
 

@@ -102,18 +102,12 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
 def unreadable_weights(name_or_path: str) -> Optional[str]:
     """The first *.safetensors file of a local model folder whose header safetensors cannot read (which also checks
     the file's length), or None."""
-    from safetensors import safe_open
+    from .checkpoint import safetensors_problem
 
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():
         return None
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as opened:
-                opened.keys()
-        except Exception:   # safetensors raises its own error types
-            return str(f)
-    return None
+    return next((str(f) for f in sorted(folder.glob("*.safetensors")) if safetensors_problem(f) is not None), None)
 
 
 def _routed_experts(cfg: ModelConfig) -> bool:

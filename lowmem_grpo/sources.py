@@ -397,7 +397,7 @@ def open_source(path: str, limit: Optional[int] = None):
     elif _saved_with_save_to_disk(Path(path)) == "Dataset":
         src = _ArrowSource(path, _load_from_disk(Path(path), path))
     else:
-        return _open_file(Path(path), path, limit)
+        src = _open_file(Path(path), path, limit)   # (a JSONL or CSV index holds `limit` rows at most already)
     return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
 
 
@@ -424,10 +424,9 @@ def _open_file(p: Path, path: str, limit: Optional[int]):
     if _parquet_rows(p, path) == 0:  # datasets' own error for it names no cause
         raise DataError(f"{path}: no usable rows (the Parquet table is empty)")
     try:
-        src = _ArrowSource(path, hub.load_file("parquet", p))
+        return _ArrowSource(path, hub.load_file("parquet", p))
     except ValueError as exc:
         raise DataError(f"{path}: {exc}") from None
-    return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
 
 
 def _saved_with_save_to_disk(p: Path) -> Optional[str]:

@@ -87,6 +87,10 @@ class ToolCallError(ValueError):
     """Tools, an environment factory or a chat template that cannot be run as TRL's tools here."""
 
 
+class NotPrefixPreserving(ToolCallError):
+    """A chat template whose assistant tool-call turn renders differently once a tool message follows it."""
+
+
 # ----------------------------------------------------------------------------------------------------
 # Tools: importable names, JSON schemas
 # ----------------------------------------------------------------------------------------------------
@@ -228,12 +232,12 @@ class ChatFormat:
         full = self.render(dummy + [{"role": "tool", "name": _PROBE_NAME, "content": _PROBE_RESULT}],
                            add_generation_prompt=True)
         if not full.startswith(head):
-            raise ToolCallError(f"{where}: its chat template is not prefix-preserving (the assistant's tool-call turn "
-                                "renders differently once a tool message follows it), so a tool's answer cannot be "
-                                "appended to the model's turn as the template would write it, and TRL has no "
-                                "training template for it (that of Qwen3 and others is taken, as TRL does): save a "
-                                "prefix-preserving template into a copy of the model folder and pass that folder, or "
-                                "give it as chat_template_kwargs={\"chat_template\": ...}")
+            raise NotPrefixPreserving(
+                f"{where}: its chat template is not prefix-preserving (the assistant's tool-call turn renders "
+                "differently once a tool message follows it), so a tool's answer cannot be appended to the model's "
+                "turn as the template would write it, and TRL has no training template for it (that of Qwen3 and "
+                "others is taken, as TRL does): save a prefix-preserving template into a copy of the model folder "
+                "and pass that folder, or give it as chat_template_kwargs={\"chat_template\": ...}")
 
     def render(self, messages: list, add_generation_prompt: bool = False, tools: Optional[list] = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -770,9 +774,8 @@ def _with_training_template(model: str, trust_remote_code: bool, chat_template_k
     try:
         _format(model, trust_remote_code, json.dumps(kwargs, sort_keys=True))
         return kwargs
-    except ToolCallError as exc:
-        if "not prefix-preserving" not in str(exc):
-            raise
+    except NotPrefixPreserving:
+        pass
     try:
         from trl.chat_template_utils import get_training_chat_template
     except ImportError:   # (TRL-shaped code without TRL installed)
