@@ -256,21 +256,24 @@ class PromptSet:
             raise DataError(f"{self.path}: {where}: {exc} ({ROW_SKIP_ADVICE})") from None
         self.skipped.append(f"row {number}: {exc}")
 
-    def render_message(self, row: dict, message: str) -> Example:
+    def render_message(self, row: dict, message: str, template_kwargs: Optional[dict] = None) -> Example:
         """`message` (an environment's first user message, docs/algorithm.md §20) rendered as this row's prompt
-        would be: in place of its prompt field, through data.template and the chat template. DataError as for
-        a row; a message too long for data.max_prompt_tokens is refused before it is tokenized (an environment may
-        return megabytes, once per episode)."""
+        would be: in place of its prompt field, through data.template and the chat template (`template_kwargs`, the
+        episode's own variables, over data.chat_template_kwargs). DataError as for a row; a message too long for
+        data.max_prompt_tokens is refused before it is tokenized (an environment may return megabytes, once per
+        episode)."""
         if isinstance(message, str) and len(message) > chars_within(self.cfg.max_prompt_tokens):
             raise DataError(f"the message is {len(message)} characters: more than data.max_prompt_tokens="
                             f"{self.cfg.max_prompt_tokens} tokens can hold")
-        return self._render({**row, self.cfg.prompt_field: message}, self.tokenizer)
+        cfg = self.cfg.model_copy(update={"chat_template_kwargs": {**self.cfg.chat_template_kwargs,
+                                                                   **template_kwargs}}) if template_kwargs else None
+        return self._render({**row, self.cfg.prompt_field: message}, self.tokenizer, cfg)
 
     def _render_at(self, i: int) -> Example:
         return self._render(self.source.row(i), self.tokenizer)
 
-    def _render(self, row: dict, tokenizer) -> Example:
-        cfg = self.cfg
+    def _render(self, row: dict, tokenizer, cfg=None) -> Example:
+        cfg = cfg or self.cfg
         check_fields(row, cfg, self.require_answer)
         prompt = row[cfg.prompt_field]
         chat = None

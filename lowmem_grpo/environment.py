@@ -102,6 +102,9 @@ class Environment:
     # True: a model turn cut short (generation.max_new_tokens, or the room left) ends the episode there, truncated,
     # without step() (a chat template's turn is finished only at its end of turn: ToolCalls); False: step() reads it
     ends_at_cut_turn: bool = False
+    # The chat template's variables for this episode's prompt, over data.chat_template_kwargs, when reset() gives
+    # the prompt (ToolCalls with several environments: each episode's prompt shows its own environment's tools)
+    template_kwargs: Optional[dict] = None
 
     def reset(self, row: dict) -> Optional[str]:
         """The first user message for this dataset row (or the whole prompt as chat messages, [{role, content},

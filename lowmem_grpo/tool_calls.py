@@ -35,7 +35,10 @@ text, appended to the prompt's last message (the episode's prompt is then those 
 would be); its public methods (not reset, get_reward, or names starting with _) are its tools, beside `tools`;
 a `get_reward()` it defines is the episode's environment reward (final_reward: environment.reward_weight, logged as
 reward/environment), read once the episode ends, as TRL scores with it; TRL-shaped reward functions get the
-instance as environments[i] (for_rewards).
+instance as environments[i] (for_rewards). Several environments (TRL's dict {name: factory}): each row's
+`environment` names its own, reset without that field; the episode's prompt is then always its own, rendered with
+that environment's tools alone (template_kwargs, over the union of all environments' tools the dataset's prompt
+shows), as TRL renders each example with its environment's tools.
 
 Reward functions see the exchange as TRL gives it to them: each observation carries its messages
 (Rendered.messages), the assistant turn with its text less the calls and its tool_calls, then one tool message
@@ -62,13 +65,15 @@ import re
 import sys
 import time
 import types
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from .environment import EnvError, EnvOutputError, Environment, Rendered
 from .rollout.turns import cut_to_ends
 from .user_code import HungCalls, import_named, importable_name
 
 NAME = "lowmem_grpo.tool_calls:ToolCalls"   # the recipe's environment.name for it
+ENVIRONMENT_FIELD = "environment"   # with several environments (TRL's dict environment_factory): a row's choice
+Factories = Union[str, dict]   # environment_factory: 'module:attr', or {name: 'module:attr'} for several
 DEFAULT_TIMEOUT_S = 30.0
 MAX_HUNG = 16   # tool calls past their timeout whose threads still run: past this, the run stops (EnvError)
 UNKNOWN_TOOL = "unknown"   # the name on the answer to a call of a tool that does not exist
@@ -608,21 +613,30 @@ class ToolCalls(Environment):
     # answer after it without the turn's end (found by a red team); its episode ends there, truncated
     ends_at_cut_turn = True
 
-    def __init__(self, model: str, tools: Optional[list] = None, environment_factory: str = "",
+    def __init__(self, model: str, tools: Optional[list] = None, environment_factory: Factories = "",
                  trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None,
                  max_result_tokens: Optional[int] = None):
         self.timeout_s, self.max_rounds, self.max_result_tokens = float(timeout_s), max_rounds, max_result_tokens
         self.format = _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))
-        standalone = list(_loaded_tools(tuple(tools or ())))
-        self.env = _load(environment_factory, "environment_factory")() if environment_factory else None
-        self.tools = _by_name(standalone + (environment_tools(self.env) if self.env is not None else []), "tools")
-        self.schemas = _schemas(self.tools)
+        self._standalone = list(_loaded_tools(tuple(tools or ())))
+        # several environments (TRL's dict): the row's `environment` picks one at reset(), and with it the tools
+        self._factories = ({name: _load(f, f"environment_factory[{name!r}]") for name, f in environment_factory.items()}
+                           if isinstance(environment_factory, dict) else None)
+        self.env = None
+        if environment_factory and self._factories is None:
+            self.env = _load(environment_factory, "environment_factory")()
+        self._use(self.env)
         self.rounds = self.calls = self.errors = self.timeouts = 0
         self._prefix: Optional[str] = None
 
+    def _use(self, env) -> None:
+        self.env = env
+        self.tools = _by_name(self._standalone + (environment_tools(env) if env is not None else []), "tools")
+        self.schemas = _schemas(self.tools)
+
     @classmethod
-    def startup(cls, model: str, tools: Optional[list] = None, environment_factory: str = "",
+    def startup(cls, model: str, tools: Optional[list] = None, environment_factory: Factories = "",
                 trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None,
                 max_result_tokens: Optional[int] = None) -> list[str]:
@@ -634,13 +648,19 @@ class ToolCalls(Environment):
         if max_result_tokens is not None and max_result_tokens < 1:
             raise ValueError(f"max_result_tokens must be >= 1 or null (no cut), got {max_result_tokens}")
         names = _by_name(list(_loaded_tools(tuple(tools or ()))), "tools")
-        if environment_factory:
-            factory = _load(environment_factory, "environment_factory")
-            if not callable(factory):
-                raise ValueError(f"environment_factory: {environment_factory!r} is not callable")
+        several = isinstance(environment_factory, dict)
+        if several and not environment_factory:
+            raise ValueError("environment_factory: an empty mapping; name at least one environment")
+        for name, target in (environment_factory.items() if several else [(None, environment_factory)]):
+            what = "environment_factory" + (f"[{name!r}]" if several else "")
+            if target and not callable(_load(target, what)):
+                raise ValueError(f"{what}: {target!r} is not callable")
         fmt = _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))
         what = f"{len(names)} tools ({', '.join(names)})" if names else "no standalone tools"
-        return [f"environment tools: {what}{' and an environment_factory' if environment_factory else ''}, calls "
+        envs = (f" and {len(environment_factory)} environments chosen by each row's 'environment' "
+                f"({', '.join(map(str, environment_factory))})" if several else
+                " and an environment_factory" if environment_factory else "")
+        return [f"environment tools: {what}{envs}, calls "
                 f"read in the {fmt.format} format of {model!r}'s chat template, each turn's calls bounded by "
                 f"{timeout_s:g} s"]
 
@@ -651,11 +671,31 @@ class ToolCalls(Environment):
 
     def reset(self, row: dict):
         self._prefix = None
+        if self._factories is not None:
+            return self._reset_chosen(row)
         if self.env is None:
             return None
         observation = self.env.reset(**row)   # (what it raises: the episode's error, counted by the driver)
         if observation is None:
             return None
+        return self._with_observation(row, observation)
+
+    def _reset_chosen(self, row: dict):
+        """Several environments: the one the row's `environment` names, reset on the row less that field (TRL's
+        control field); the prompt is the episode's own, rendered with that environment's tools alone
+        (template_kwargs), as TRL renders each example with its environment's tools."""
+        name = row.get(ENVIRONMENT_FIELD)
+        if name not in self._factories:
+            raise ValueError(f"the row's {ENVIRONMENT_FIELD!r} is {name!r}; allowed: "
+                             f"{', '.join(map(repr, self._factories))} (environment_factory's names)")
+        self._use(self._factories[name]())
+        self.template_kwargs = {"tools": list(self.schemas.values()) or None}   # (None: as TRL, no tool boilerplate)
+        observation = self.env.reset(**{k: v for k, v in row.items() if k != ENVIRONMENT_FIELD})
+        return row.get("prompt") if observation is None else self._with_observation(row, observation)
+
+    @staticmethod
+    def _with_observation(row: dict, observation):
+        """The row's prompt with reset()'s text appended to its last message, as TRL appends it."""
         if not isinstance(observation, str):
             raise TypeError(f"the environment's reset() returned {type(observation).__name__}; allowed here: a str "
                             "(appended to the prompt's last message) or None")
@@ -787,6 +827,36 @@ def _with_training_template(model: str, trust_remote_code: bool, chat_template_k
     return {**kwargs, "chat_template": template} if isinstance(template, str) else kwargs
 
 
+def named_factories(environment_factory) -> dict:
+    """TRL's environment_factory as {name: factory}: a dict's own (several environments, each row's 'environment'
+    names one), {None: it} for one factory, {} for none; a ToolCallError for a dict no row could name."""
+    if not isinstance(environment_factory, dict):
+        return {None: environment_factory} if environment_factory is not None else {}
+    if not environment_factory:
+        raise ToolCallError("environment_factory: an empty dict; map each name a row's 'environment' holds to a factory")
+    for name in environment_factory:
+        if not isinstance(name, str):
+            raise ToolCallError(f"environment_factory: the name {name!r} is not text, as a row's 'environment' holds it")
+    return dict(environment_factory)
+
+
+def _probe(factory, what: str):
+    """An instance of the factory, as TRL makes one at construction (its tools are described in the prompt); a
+    ToolCallError for what TRL would refuse."""
+    if not callable(factory):
+        raise ToolCallError(f"{what}: {factory!r} is not callable (a class, or a function that returns an environment)")
+    try:
+        probe = factory()
+    except Exception as exc:   # the user's constructor
+        raise ToolCallError(f"{what}() raised {type(exc).__name__}: {exc}") from None
+    if not callable(getattr(probe, "reset", None)):
+        raise ToolCallError(f"{what}: its {type(probe).__name__} has no reset method; TRL's environments have "
+                            "reset(**row) -> str or None")
+    if inspect.iscoroutinefunction(getattr(probe, "reset")):
+        raise ToolCallError(f"{what}: {type(probe).__name__}.reset is async def; write it with def")
+    return probe
+
+
 def trl_environment(tools, environment_factory, *, model: str, trust_remote_code: bool,
                     chat_template_kwargs: Optional[dict], max_tool_calling_iterations: Optional[int],
                     max_completion_length: int) -> tuple[dict, dict]:
@@ -806,32 +876,26 @@ def trl_environment(tools, environment_factory, *, model: str, trust_remote_code
             max_tool_calling_iterations, int) or max_tool_calling_iterations < 0):
         raise ToolCallError(f"max_tool_calling_iterations: expected a whole number >= 0 or None, got "
                             f"{max_tool_calling_iterations!r}")
-    methods = []
-    if environment_factory is not None:
-        if isinstance(environment_factory, dict):
-            raise ToolCallError("environment_factory: a dict of environments (chosen by each row's environment "
-                                "column) is not here: pass one factory")
-        if not callable(environment_factory):
-            raise ToolCallError(f"environment_factory: {environment_factory!r} is not callable (a class, or a "
-                                "function that returns an environment)")
-        try:
-            probe = environment_factory()   # as TRL does at construction: its tools are described in the prompt
-        except Exception as exc:   # the user's constructor
-            raise ToolCallError(f"environment_factory() raised {type(exc).__name__}: {exc}") from None
-        if not callable(getattr(probe, "reset", None)):
-            raise ToolCallError(f"environment_factory: its {type(probe).__name__} has no reset method; TRL's "
-                                "environments have reset(**row) -> str or None")
-        if inspect.iscoroutinefunction(getattr(probe, "reset")):
-            raise ToolCallError(f"environment_factory: {type(probe).__name__}.reset is async def; write it with def")
-        methods = environment_tools(probe)
-    by_name = _by_name(tools + methods, "tools")
+    factories = named_factories(environment_factory)
+    several = isinstance(environment_factory, dict)
+    by_name: dict = {}   # every environment's tools (TRL's union): what the prompt shows before a row picks one
+    for name, factory in factories.items():
+        what = f"environment_factory[{name!r}]" if several else "environment_factory"
+        for tool_name, fn in _by_name(tools + environment_tools(_probe(factory, what)), "tools").items():
+            by_name.setdefault(tool_name, fn)
+    if not factories:
+        by_name = _by_name(tools, "tools")
     if not by_name:
         raise ToolCallError("environment_factory: its environment has no public methods to call as tools (and "
                             "tools= gives none)")
     chat_template_kwargs = _with_training_template(model, bool(trust_remote_code), chat_template_kwargs)
     _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))   # its checks
+    if several:
+        registered = dict(zip(factories, register(list(factories.values()), "environment")))
+    else:
+        registered = register([environment_factory], "environment")[0] if environment_factory else ""
     kwargs = {"model": model, "tools": register(tools, "tool") if tools else [],
-              "environment_factory": register([environment_factory], "environment")[0] if environment_factory else "",
+              "environment_factory": registered,
               "trust_remote_code": bool(trust_remote_code),
               "chat_template_kwargs": dict(chat_template_kwargs or {}),
               "timeout_s": DEFAULT_TIMEOUT_S, "max_rounds": max_tool_calling_iterations,

@@ -513,9 +513,52 @@ def _is_stream(dataset, what: str) -> bool:
                          "of dicts")
 
 
-def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optional[int] = None) -> int:
-    """A datasets.Dataset, IterableDataset (its first `limit` rows) or a list of dicts as JSON lines; the number
-    of rows."""
+EMPTY_PROMPT = [{"role": "user", "content": ""}]   # TRL's prompt for a row without one, when an environment gives it
+
+
+def _placeholder_rows(environment_factory, s: dict) -> list[dict]:
+    """TRL's rows for a run without train_dataset, whose environment gives each prompt from reset(): a generation
+    round's worth of empty prompts, cycled; TRL's errors where it has none."""
+    if environment_factory is None:
+        raise TRLCompatError("train_dataset: required unless an environment_factory gives the prompts (as in TRL)")
+    if isinstance(environment_factory, dict):
+        raise TRLCompatError("train_dataset: a dict environment_factory (several environments) needs a train_dataset "
+                             "with an 'environment' column to route each row to its environment, as in TRL")
+    if not s["max_steps"] or s["max_steps"] <= 0:
+        raise TRLCompatError("train_dataset: without one (the environment's reset() gives the prompts), max_steps "
+                             "must be set to a positive value, as in TRL")
+    return [{"prompt": EMPTY_PROMPT} for _ in range(max(1, _generation_batch(s) // s["num_generations"]))]
+
+
+class _RowRules:
+    """What a row needs beyond TRL's prompt: with an environment_factory the prompt may be left out (the
+    environment gives it from reset(); an empty user message, as in TRL), and with several environments each row
+    names one of them in its 'environment' column."""
+
+    def __init__(self, environment_factory=None):
+        from .tool_calls import ToolCallError, named_factories
+
+        self.environment = environment_factory is not None
+        try:
+            names = list(named_factories(environment_factory))
+        except ToolCallError as exc:
+            raise TRLCompatError(f"GRPOTrainer: {exc}") from None
+        self.names = names if isinstance(environment_factory, dict) else None
+
+    def __call__(self, row: dict, n: int, what: str) -> dict:
+        if not isinstance(row, dict) or ("prompt" not in row and not self.environment):
+            raise TRLCompatError(f"{what} row {n}: expected a mapping with a 'prompt' column, as TRL requires")
+        if self.names is not None and row.get("environment") not in self.names:
+            raise TRLCompatError(f"{what} row {n}: its 'environment' is {row.get('environment')!r}, not one of "
+                                 f"environment_factory's names ({', '.join(map(repr, self.names))}), as TRL requires "
+                                 "with several environments")
+        return row if "prompt" in row else {**row, "prompt": EMPTY_PROMPT}
+
+
+def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optional[int] = None,
+                rules: Callable = _RowRules()) -> int:
+    """A datasets.Dataset, IterableDataset (its first `limit` rows) or a list of dicts as JSON lines, each checked
+    (and completed) by `rules`; the number of rows."""
     if _is_stream(dataset, what):   # streaming: as many rows as the run can draw, in the stream's order
         rows = (row for _, row in zip(range(limit) if limit else iter(int, 1), dataset))
     elif isinstance(dataset, (list, tuple)):
@@ -526,8 +569,7 @@ def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optiona
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise TRLCompatError(f"{what} row {n}: expected a mapping with a 'prompt' column, as TRL requires")
+            row = rules(row, n, what)
             for column, value in row.items():
                 try:
                     json.dumps(value)
@@ -888,9 +930,9 @@ class GRPOTrainer:
         if not isinstance(model, (str, Path)):
             raise TRLCompatError("model: pass the model's hub id or local folder, not a loaded model: lowmem-grpo loads "
                                  "the base in 4-bit itself (one copy is policy and reference)")
-        if train_dataset is None:
-            raise TRLCompatError("train_dataset: required")
         settings = _given_settings(args)
+        if train_dataset is None:   # TRL: the environment gives each prompt from reset(); max_steps sets the length
+            train_dataset = _placeholder_rows(environment_factory, {**TRL_DEFAULTS, **settings})
         if args is None:   # TRL's GRPOConfig(f"{model_name}-GRPO") for a script that passes no args
             settings["output_dir"] = f"{str(model).rstrip('/').split('/')[-1]}-GRPO"
             args = GRPOConfig(output_dir=settings["output_dir"])
@@ -911,10 +953,11 @@ class GRPOTrainer:
             if not s["max_steps"] or s["max_steps"] < 0:
                 raise TRLCompatError("train_dataset: an IterableDataset needs max_steps (as in TRL)")
             limit = s["max_steps"] * _generation_batch(s) // s["num_generations"]
-        n = _write_rows(train_dataset, out / "data" / "train.jsonl", limit=limit)
+        rows = _RowRules(environment_factory)
+        n = _write_rows(train_dataset, out / "data" / "train.jsonl", limit=limit, rules=rows)
         eval_path, eval_rows = "", 0
         if eval_dataset is not None:
-            eval_rows = _write_rows(eval_dataset, out / "data" / "eval.jsonl", "eval_dataset")
+            eval_rows = _write_rows(eval_dataset, out / "data" / "eval.jsonl", "eval_dataset", rules=rows)
             eval_path = str(out / "data" / "eval.jsonl")
         self._eval_path, self._eval_rows = eval_path, eval_rows   # evaluate()'s, whatever eval_strategy says
         specs, self._module = _reward_specs(reward_funcs)

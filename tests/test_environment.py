@@ -361,7 +361,8 @@ def test_counters_may_not_take_the_name_of_a_built_in_env_metric():
 def test_first_message_replaces_the_prompt():
     from toy_envs import Scripted
 
-    def render(row, message):
+    def render(row, message, template_kwargs):
+        assert template_kwargs is None   # (the environment sets none)
         return Example(row, "Q:" + message, [TOK.bos_token_id] + ids(message))
 
     engine = FakeEngine("1")

@@ -555,7 +555,10 @@ def test_what_cannot_run_as_trls_tools_is_refused_by_name(hermes_dir, tmp_path):
         trainer(tools=[no_docstring])
     with pytest.raises(TRLCompatError, match="two tools are named 'add'"):
         trainer(tools=[add, add])
-    with pytest.raises(TRLCompatError, match="a dict of environments"):
+    with pytest.raises(TRLCompatError, match="an empty dict"):
+        trainer(environment_factory={})
+    with pytest.raises(TRLCompatError, match=re.escape("train_dataset row 0: its 'environment' is None, not one of "
+                                                       "environment_factory's names ('a')")):
         trainer(environment_factory={"a": Counter})
     with pytest.raises(TRLCompatError, match="max_tool_calling_iterations: expected a whole number"):
         GRPOTrainer(model=hermes_dir, reward_funcs=[tool_reward], train_dataset=[{"prompt": "1+1="}],
@@ -900,3 +903,138 @@ def test_trls_tool_metrics_from_a_step_row():
     assert _tool_frequencies({**row, "env/tool_calls": 0, "env/tool_errors": 0, "env/tool_timeouts": 0}, 8) == {
         "tools/call_frequency": 0.0, "tools/failure_frequency": 0.0}
     assert _tool_frequencies({"loss": 0.1}, 8) == {}
+
+
+# -- 6. several environments (TRL's dict environment_factory), and prompts that only reset() gives ---------------
+
+class Lamp:
+    """A second TRL-style environment, with its own tool: a row picks Counter or Lamp by its 'environment'."""
+
+    def reset(self, **row) -> None:
+        self.on, self.row = False, row
+
+    def switch(self, on: bool) -> str:
+        """Switches the lamp.
+
+        Args:
+            on: Whether it is to be on.
+        """
+        self.on = on
+        return "light" if on else "dark"
+
+
+def _two_environments(hermes_dir, rows):
+    from lowmem_grpo.data import PromptSet
+    from lowmem_grpo.recipe import DataConfig
+
+    tok = build_tokenizer(HERMES)
+    section, template_kwargs = trl_environment([echo], {"count": Counter, "lamp": Lamp}, model=hermes_dir,
+                                               trust_remote_code=False, chat_template_kwargs=None,
+                                               max_tool_calling_iterations=None, max_completion_length=200)
+    factory = EnvironmentFactory(EnvironmentConfig(**section))
+    cfg = DataConfig(train_path="rows.jsonl", chat_template_kwargs=template_kwargs, max_prompt_tokens=4096)
+    pset = PromptSet("rows.jsonl", cfg, tok, rows=rows, require_answer=False)
+    return tok, factory, template_kwargs, pset
+
+
+def test_each_row_picks_its_environment_and_its_prompt_shows_that_environments_tools_alone(hermes_dir):
+    rows = [{"prompt": [{"role": "user", "content": "Count to 10"}], "environment": "count", "start": 7},
+            {"prompt": [{"role": "user", "content": "Light it"}], "environment": "lamp"}]
+    tok, factory, template_kwargs, pset = _two_environments(hermes_dir, rows)
+    # before a row picks one, the prompt shows every environment's tools (TRL's union)
+    assert [t["function"]["name"] for t in template_kwargs["tools"]] == ["echo", "increment", "switch"]
+    limits = TurnLimits(max_turns=3, max_total_tokens=200, observation_max_tokens=100)
+    counted, lit = [run_episodes(Scripted(tok, [call("increment", by=3) if i == 0 else call("switch", on=True),
+                                                "Done."]), tok, [e], SamplingParams(n=1, max_new_tokens=64), factory,
+                                 limits, render=pset.render_message)[0] for i, e in enumerate(pset.examples)]
+    assert '"name": "increment"' in counted.env.prompt_text and '"name": "switch"' not in counted.env.prompt_text
+    assert '"name": "switch"' in lit.env.prompt_text and '"name": "increment"' not in lit.env.prompt_text
+    assert '"name": "echo"' in counted.env.prompt_text and '"name": "echo"' in lit.env.prompt_text
+    assert "Count to 10 (starting at 7)" in counted.env.prompt_text   # reset()'s text, as with one environment
+    assert "<tool_response>\n10\n</tool_response>" in tok.decode(counted.token_ids)
+    assert "<tool_response>\nlight\n</tool_response>" in tok.decode(lit.token_ids)
+    assert counted.env.reward == 1.0 and lit.env.reward is None   # Lamp has no get_reward(): no environment reward
+    # the row's 'environment' is TRL's control field: not passed to reset()
+    assert type(lit.env.instance) is Lamp and "environment" not in lit.env.instance.row
+    assert lit.env.instance.on is True and counted.env.instance.total == 10
+
+
+def test_a_row_naming_no_environment_is_its_episodes_error(hermes_dir):
+    rows = [{"prompt": [{"role": "user", "content": "Hi"}], "environment": "kitchen"}]
+    tok, factory, _, pset = _two_environments(hermes_dir, rows)
+    [c] = run_episodes(Scripted(tok, ["Done."]), tok, pset.examples, SamplingParams(n=1, max_new_tokens=8), factory,
+                       TurnLimits(max_turns=2, max_total_tokens=50, observation_max_tokens=50),
+                       render=pset.render_message)
+    assert "the row's 'environment' is 'kitchen'; allowed: 'count', 'lamp'" in c.env.error
+
+
+def lamp_on(completions, environments, **kwargs):
+    return [float(getattr(e, "on", False)) for e in environments]
+
+
+def test_a_trl_script_with_several_environments_trains(hermes_dir, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Go"}], "environment": name, "start": 1}
+            for name in ("count", "lamp", "count", "lamp")]
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, learning_rate=1e-3, num_generations=2,
+                      per_device_train_batch_size=4, max_completion_length=12, max_steps=1, logging_steps=1,
+                      save_steps=1)
+    trainer = GRPOTrainer(model=hermes_dir, reward_funcs=[lamp_on], args=args, train_dataset=rows,
+                          environment_factory={"count": Counter, "lamp": Lamp}, log=lambda *a: None)
+    assert trainer.train()["step"] == 1
+    [row] = [row for row in read_metrics(tmp_path / "out") if "loss" in row]
+    assert row["env/errors"] == 0 and math.isfinite(row["loss"])
+
+
+class Riddle:
+    """An environment that owns the data: reset() gives the whole question (TRL: no train_dataset)."""
+
+    def reset(self, **row) -> str:
+        self.asked = row
+        return "What is 2+3?"
+
+    def answer(self, value: int) -> str:
+        """Answers the riddle.
+
+        Args:
+            value: The answer.
+        """
+        self.value = value
+        return "noted"
+
+    def get_reward(self) -> float:
+        return float(getattr(self, "value", None) == 5)
+
+
+SEEN_PROMPTS: list = []
+
+
+def seen_prompts(prompts, completions, **kwargs):
+    SEEN_PROMPTS.extend(prompts)
+    return [0.0] * len(completions)
+
+
+def test_without_train_dataset_the_environment_gives_the_prompts(hermes_dir, tmp_path):
+    def args(**kw):
+        return GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, learning_rate=1e-3, num_generations=2,
+                          per_device_train_batch_size=4, max_completion_length=12, logging_steps=1, save_steps=1, **kw)
+
+    trainer = GRPOTrainer(model=hermes_dir, reward_funcs=[seen_prompts], args=args(max_steps=1),
+                          environment_factory=Riddle, log=lambda *a: None)
+    # TRL's placeholder rows: a generation round's prompts (4 completions / G = 2), each an empty user message
+    assert trainer.train_rows == 2
+    SEEN_PROMPTS.clear()
+    assert trainer.train()["step"] == 1
+    [row] = [row for row in read_metrics(tmp_path / "out") if "loss" in row]
+    assert row["env/errors"] == 0 and math.isfinite(row["loss"]) and "reward/environment" in row
+    assert SEEN_PROMPTS == [[{"role": "user", "content": "What is 2+3?"}]] * 4   # reset()'s text is the prompt
+    with pytest.raises(TRLCompatError, match="max_steps must be set to a positive value"):
+        GRPOTrainer(model=hermes_dir, reward_funcs=[], args=args(), environment_factory=Riddle, log=lambda *a: None)
+    with pytest.raises(TRLCompatError, match="needs a train_dataset with an 'environment' column"):
+        GRPOTrainer(model=hermes_dir, reward_funcs=[], args=args(max_steps=1), environment_factory={"r": Riddle},
+                    log=lambda *a: None)
+    with pytest.raises(TRLCompatError, match="train_dataset: required unless an environment_factory"):
+        GRPOTrainer(model=hermes_dir, reward_funcs=[lamp_on], args=args(max_steps=1), log=lambda *a: None)
+    # rows without a prompt: the environment gives it (TRL's routing datasets carry only 'environment')
+    routed = GRPOTrainer(model=hermes_dir, reward_funcs=[], args=args(max_steps=1), train_dataset=[{"x": 1}] * 2,
+                         environment_factory=Riddle, log=lambda *a: None)
+    assert routed.train_rows == 2

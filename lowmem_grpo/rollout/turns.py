@@ -124,7 +124,14 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable], time
             if render is None:
                 raise EnvOutputError("reset() returned a first message, and this rollout cannot render prompts")
             try:
-                rendered = render(example.row, first)
+                extra = getattr(ep.env, "template_kwargs", None)
+            except Exception as exc:   # the user's property
+                raise EnvOutputError(f"reading template_kwargs raised {type(exc).__name__}: {exc}") from None
+            if extra is not None and not isinstance(extra, dict):
+                raise EnvOutputError(f"template_kwargs is {type(extra).__name__}; allowed: a dict of the chat "
+                                     "template's variables, or None")
+            try:
+                rendered = render(example.row, first, extra)
             except Exception as exc:  # e.g. over data.max_prompt_tokens: that completion's outcome
                 raise EnvOutputError(f"reset()'s first message cannot be rendered as a prompt: {exc}") from None
             ep.prompt_ids, ep.prompt_text, ep.own_prompt = list(rendered.prompt_ids), rendered.prompt_text, True
@@ -386,8 +393,9 @@ def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits)
 def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, factory, limits: TurnLimits,
                  render: Optional[Callable] = None) -> list[Completion]:
     """params.n completions per example, each one environment episode; example i's at [i*n, (i+1)*n).
-    `factory.make()` builds an environment, `factory.stop` its turn-ending strings; `render(row, message)`
-    renders reset()'s first message as the dataset prompt would be (an Example), when one is given."""
+    `factory.make()` builds an environment, `factory.stop` its turn-ending strings; `render(row, message,
+    template_kwargs)` renders reset()'s first message as the dataset prompt would be (an Example), with the
+    environment's template_kwargs, when one is given."""
     episodes = [_start(i, e, factory, render, limits.step_timeout_s) for i, e in enumerate(examples)
                 for _ in range(params.n)]
     context = context_tokens(engine)
