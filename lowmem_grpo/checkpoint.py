@@ -87,9 +87,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[dict] = None, keep_last: int = 2,
-         rng: Optional[list] = None) -> Path:
+         rng: Optional[list] = None, adapter_files: Optional[dict] = None) -> Path:
     """rng: every process's rng_state(), in rank order, when several train together (docs/algorithm.md §21);
-    None: this process's. A failed write (a full disk): CheckpointWriteError, its partial folder removed."""
+    None: this process's. adapter_files: {name: text} written into the adapter's folder beside its weights (they
+    travel with it: exports copy the folder). A failed write (a full disk): CheckpointWriteError, its partial
+    folder removed."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -104,6 +106,8 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[
     try:
         tmp.mkdir()
         model.save_pretrained(tmp / "adapter")
+        for name, text in (adapter_files or {}).items():
+            (tmp / "adapter" / name).write_text(text, encoding="utf-8")
         torch.save(state, tmp / "trainer_state.pt")
         fsync_tree(tmp)
     except BaseException as exc:

@@ -37,6 +37,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -272,6 +273,11 @@ class PromptSet:
     def _render_at(self, i: int) -> Example:
         return self._render(self.source.row(i), self.tokenizer)
 
+    def render_row(self, row: dict) -> Example:
+        """A row from elsewhere (not this set's source) rendered as this set renders its own; DataError if it
+        cannot be."""
+        return self._render(row, self.tokenizer)
+
     def _render(self, row: dict, tokenizer, cfg=None) -> Example:
         cfg = cfg or self.cfg
         check_fields(row, cfg, self.require_answer)
@@ -300,6 +306,48 @@ class PromptSet:
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
         return Example(row, text, ids, chat)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The prompt an adapter was trained on: recorded beside it, checked when it is evaluated
+# ----------------------------------------------------------------------------------------------------
+
+PROMPT_RECORD = "lowmem_grpo_prompt.json"   # in a checkpoint's (and an export's) adapter folder
+
+
+def prompt_record(example: Example) -> Optional[str]:
+    """The first training prompt, as a row and the tokens it was rendered to, for the adapter's folder: an eval
+    that renders that row to other tokens (another template, system prompt or chat template, or a change of
+    tokenization rule: a run made before the BOS rule's change scored 0% in eval, found by a red team) says so.
+    None when the row is not JSON data."""
+    try:
+        return json.dumps({"row": example.row, "prompt_ids": list(map(int, example.prompt_ids))}, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def prompt_drift(adapter_dir, pset: "PromptSet") -> Optional[str]:
+    """A warning when the adapter's recorded training prompt renders, by this data config and tokenizer, to tokens
+    other than those it was trained on; None when they agree, or nothing can be compared (no record: an adapter
+    from elsewhere or an older run; a row this config cannot render: another dataset's fields)."""
+    path = Path(adapter_dir) / PROMPT_RECORD
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        row, trained = record["row"], [int(t) for t in record["prompt_ids"]]
+        now = pset.render_row(row).prompt_ids
+    except (OSError, ValueError, TypeError, KeyError, DataError):
+        return None
+    if now == trained:
+        return None
+    k = next((i for i, (a, b) in enumerate(zip(trained, now)) if a != b), min(len(trained), len(now)))
+
+    def shown(ids: list) -> str:
+        return repr(pset.tokenizer.decode(ids[k:k + 12]))
+
+    return (f"warning: the adapter was trained on prompts rendered otherwise: its run's first training prompt is "
+            f"{len(now)} tokens here and was {len(trained)} in training, first differing at token {k} (trained "
+            f"{shown(trained)}, here {shown(now)}; {path}). The figures are not those of the prompts it learned on: "
+            "evaluate with the recipe's data settings and the tokenizer it was trained with (RUN/recipe.yaml)")
 
 
 def check_fields(row: dict, cfg, require_answer: bool) -> None:

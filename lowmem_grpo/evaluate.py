@@ -338,7 +338,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     Under torchrun (`world`, docs/algorithm.md §21) each process takes a contiguous share of the prompts,
     samples with its own stream, and process 0 writes the whole."""
     from . import distributed
-    from .data import DataError, prompt_set
+    from .data import DataError, prompt_drift, prompt_set
     from .rewards import Rewards
 
     world = world or distributed.World()
@@ -360,6 +360,9 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     if pset is None:
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")
+    trained = model_dir or adapter_dir   # the folder whose weights were trained (an export's merged model: its own)
+    if trained and world.main and (warning := prompt_drift(trained, pset)):
+        log(warning)
     examples = pset.examples[: recipe.train.eval_max_prompts]
     bad_rows = list(pset.skipped)   # on_bad_row=skip: the rows left out (read after the examples: a late-found one too)
     first, stop = distributed.shard_bounds(len(examples), world)

@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError
 
 from . import checkpoint as ckpt
+from .data import PROMPT_RECORD
 from .hub import folder_contents, model_path_problem, tokenizer_files_problem
 from .model import DTYPES, AdapterLoadError, load_adapter, load_base_model, load_tokenizer
 from .recipe import load_recipe
@@ -224,6 +225,9 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
             except AdapterLoadError as exc:   # it names the staged copy, which is about to go: name the checkpoint
                 raise AdapterLoadError(str(exc).replace(str(staging / "adapter"), str(adapter))) from None
             report["merged"] = str(out_dir / "merged")
+            record = staging / "adapter" / PROMPT_RECORD   # the merged model is the adapter's: eval checks it too
+            if record.is_file():
+                shutil.copyfile(record, staging / "merged" / PROMPT_RECORD)
         what, where = "move the finished export into place", out_dir
         _commit(staging, out_dir, replace)
         done = True

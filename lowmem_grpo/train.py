@@ -43,7 +43,7 @@ from . import distributed
 from .advantages import group_advantages, normalize_then_sum_advantages
 from .batch import (SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, minibatches, pack,
                     trained_completions)
-from .data import batch_indices, prompt_sets
+from .data import PROMPT_RECORD, batch_indices, prompt_record, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
 from .evaluate import accuracy_text, combine_greedy
@@ -940,9 +940,11 @@ class Trainer:
             return None
         # "fixed": what the checkpoint was made with, checked on resume (recipe.yaml can be edited: a red team's find)
         try:
+            record = prompt_record(self.train_set.examples[0])   # (eval checks its prompts against it)
             path = ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
                              extra={"loop": asdict(self.state), "fixed": fixed_values(self.recipe)},
-                             keep_last=self.recipe.output.keep_last, rng=rng)
+                             keep_last=self.recipe.output.keep_last, rng=rng,
+                             adapter_files={PROMPT_RECORD: record} if record else None)
         except ckpt.CheckpointWriteError as exc:   # a full disk: one clear line, and how to go on
             last = ckpt.latest(self.run_dir)
             raise TrainingError(f"step {self.step}: {exc}. " + (

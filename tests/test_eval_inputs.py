@@ -202,3 +202,47 @@ def test_an_adapter_on_another_base_is_warned_and_on_its_own_merge_refused(tiny_
     # the merged export of another adapter: a warning, not a refusal
     _adapter(tiny_model_dir, exp / "adapter", seed=1)
     assert check_adapter_base(adapter, run, str(exp / "merged")).startswith(f"warning: --adapter {adapter} was trained")
+
+
+def test_an_adapter_trained_on_prompts_rendered_otherwise_is_warned(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """A run made before the BOS rule changed scored 0% in eval, and nothing said why (a red team's F1): a checkpoint
+    now records its first training prompt (row and tokens) in the adapter's folder, and an eval whose data settings
+    or tokenizer render that row to other tokens says so, where they first differ; the same settings say nothing."""
+    import json
+
+    from lowmem_grpo import evaluate
+    from lowmem_grpo.data import PROMPT_RECORD, prompt_drift, prompt_set
+    from lowmem_grpo.model import load_tokenizer
+    from lowmem_grpo.train import Trainer
+
+    from conftest import QUIET
+
+    recipe, _ = _recipe(tiny_model_dir, tiny_data, tmp_path, train={"steps": 1})
+    Trainer(recipe, **QUIET).fit()
+    adapter = tmp_path / "run" / "checkpoints" / "step-000001" / "adapter"
+    tok = load_tokenizer(recipe.model)
+    assert prompt_drift(adapter, prompt_set(recipe.data, tok, "test")) is None   # as trained: nothing to say
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(evaluate, "eval_wave", stop)   # (after the check: no generation needed)
+    other, _ = _recipe(tiny_model_dir, tiny_data, tmp_path, data={"template": "({prompt})"})
+    lines: list = []
+    with pytest.raises(Stop):
+        evaluate.run_eval(other, name="r", adapter=str(tmp_path / "run"), out_dir=str(tmp_path / "ev"),
+                          log=lines.append)
+    [warning] = [line for line in lines if "rendered otherwise" in line]
+    assert "first differing at token 1" in warning and "here '(" in warning and str(adapter / PROMPT_RECORD) in warning
+    # a change of tokenization rule (this tokenizer adds a BOS; say training had none)
+    record = json.loads((adapter / PROMPT_RECORD).read_text())
+    assert record["prompt_ids"][0] == tok.bos_token_id
+    (adapter / PROMPT_RECORD).write_text(json.dumps({**record, "prompt_ids": record["prompt_ids"][1:]}))
+    warning = prompt_drift(adapter, prompt_set(recipe.data, tok, "test"))
+    assert warning and "first differing at token 0" in warning
+    # nothing to compare: no record (an adapter from elsewhere), or a row this data config cannot render
+    (adapter / PROMPT_RECORD).unlink()
+    assert prompt_drift(adapter, prompt_set(recipe.data, tok, "test")) is None

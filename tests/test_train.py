@@ -92,6 +92,21 @@ def test_export_merged_equals_base_plus_adapter(tiny_model_dir, tiny_data, tmp_p
     assert (a - b).abs().max() < 1e-5
     assert (a - plain).abs().max() > 1e-4  # the adapter was trained: the export is not the base
     assert report["max_logit_diff"] < 1e-5
+    # the first training prompt, as a row and its tokens, travels with the weights (eval checks its prompts by it)
+    import json
+
+    from lowmem_grpo.data import PROMPT_RECORD, prompt_set
+
+    first = prompt_set(r.data, with_adapter_tokenizer(tiny_model_dir), "train").examples[0]
+    for folder in ("adapter", "merged"):
+        record = json.loads((tmp_path / "out" / folder / PROMPT_RECORD).read_text())
+        assert record == {"row": first.row, "prompt_ids": first.prompt_ids}
+
+
+def with_adapter_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _cli(*args, cwd=None):
