@@ -421,6 +421,30 @@ def test_two_lowercase_letters_set_apart_from_a_number_are_a_product():
     assert as_number("2 xy") is None and as_number("2 ab") is None and as_number("5 cm") == as_number("5 oz") == 5
 
 
+def test_more_letters_without_a_vowel_set_apart_from_a_number_are_a_product():
+    """'2 xyz' passed for gold 2 (a unit word): letters no vowel makes a word are variables; a word ('3 abc', which
+    may count something) and a unit abbreviation without a vowel ('3 hrs', '4 lbs') are still units."""
+    cases = [(r"\boxed{2 xyz}", "2", 0.0), (r"\boxed{2}", "2 xyz", 0.0), (r"\boxed{2 xyz}", "2xyz", 1.0),
+             (r"\boxed{2xyz}", "2 x y z", 1.0), (r"\boxed{3 hrs}", "3", 1.0), (r"\boxed{4 lbs}", "4", 1.0),
+             (r"\boxed{60 mph}", "60", 1.0), (r"\boxed{3 abc}", "3", 1.0), (r"\boxed{5 cats}", "5", 1.0)]
+    assert not _wrong(cases)
+    assert as_number("2 xyz") is None and as_number("3 hrs") == 3
+
+
+BARE_FUNCTIONS = [
+    (r"\boxed{sin 30°}", r"\frac{1}{2}", 1.0), (r"\boxed{cos 60^\circ}", "0.5", 1.0), (r"\boxed{sin(30°)}", "0.5", 1.0),
+    (r"\boxed{sin x}", r"\sin x", 1.0), (r"\boxed{\cos(x)}", "cos(x)", 1.0), (r"\boxed{ln 1}", "0", 1.0),
+    (r"\boxed{sin^2 x + cos^2 x}", "1", 1.0), (r"\boxed{arctan 1}", r"\frac{\pi}{4}", 1.0),
+    (r"\boxed{sin 30}", r"\frac12", 0.0), (r"\boxed{sin x}", r"\cos x", 0.0), (r"\boxed{cosine}", "1", 0.0)]
+
+
+def test_a_function_name_without_its_backslash_is_that_function():
+    """'sin 30°' failed for 1/2 and 'sin x' for '\\sin x': without its backslash math-verify read the name as a
+    product of variables. Written bare, a function name is the function, on both sides; words that contain one
+    ('cosine') are left alone."""
+    assert not _wrong(BARE_FUNCTIONS)
+
+
 TRIG_DEGREES = [
     (r"\boxed{0.5}", r"\sin 30^\circ", 1.0), (r"\boxed{\frac{1}{2}}", r"\sin(30^{\circ})", 1.0),
     (r"\boxed{1/2}", r"\cos 60°", 1.0), (r"\boxed{1}", r"\tan 45^\circ", 1.0),

@@ -242,7 +242,8 @@ _UNIT_LETTERS = {"m", "g", "s", "h", "l", "L"}
 _GLUED_UNITS = {"cm", "mm", "km", "kg", "mg", "ml", "mL", "ft", "lb", "lbs", "oz", "yd", "yds", "mi", "hr", "hrs",
                 "min", "mins", "sec", "secs", "mph", "kph", "kmh", "st", "nd", "rd", "th"}
 # Two lowercase letters set apart from a number are a product of variables too ('2 xy', '3 ab': math-verify reads
-# 2*x*y), unless they are a unit abbreviation or a short English word that can follow a number in prose.
+# 2*x*y), unless they are a unit abbreviation or a short English word that can follow a number in prose; so are
+# more, when no vowel makes them a word ('2 xyz', 'abc' left a word: '3 abc' may count something).
 _TWO_LETTER_WORDS = {w for w in _GLUED_UNITS if len(w) == 2} | {
     "in", "sq", "cu", "nm", "ms", "ns", "dl", "cl", "dm", "yr", "pt", "qt", "ha", "hp", "am", "pm",
     "of", "is", "on", "at", "as", "so", "it", "we", "an", "be", "no", "up", "us", "my", "he", "me", "do", "go",
@@ -286,6 +287,8 @@ def _units_ok(tail: str, apart: bool) -> bool:
     elif len(first) == 1 and first not in _UNIT_LETTERS:    # '2 p': a variable; '2 m': metres
         return False
     elif len(first) == 2 and first.islower() and first not in _TWO_LETTER_WORDS:   # '2 xy': 2*x*y; '5 cm', '12 in'
+        return False
+    elif len(first) > 2 and first.islower() and not re.search("[aeiou]", first) and first not in _GLUED_UNITS:  # 2 xyz
         return False
     return not any(w.lower() in _NOT_UNITS and w not in _UNIT_LETTERS for w in words)
 
@@ -425,10 +428,16 @@ def _trig_degrees(s: str) -> str:
     return "".join(out) + s[done:]
 
 
+# A function name written without its backslash ('sin 30°', 'cos(x)', 'ln 2'): math-verify reads the letters as a
+# product of variables, so 'sin 30°' failed for 1/2 and 'sin x' for '\sin x'
+_BARE_FUNCTION = re.compile(r"(?<![\\A-Za-z])(arcsin|arccos|arctan|sinh|cosh|tanh|sin|cos|tan|cot|sec|csc|ln|log|exp)"
+                            r"(?![A-Za-z])")
+
+
 def _as_latex(s: str) -> str:
     # math-verify looks for LaTeX anchors; a bare answer is wrapped so that it is found. It reads 1.5e3 as
     # 1.5 * e * 3 (Euler's number): scientific notation goes as 1.5\times10^{3}.
-    s = _trig_degrees(s.replace("\\$", ""))
+    s = _trig_degrees(_BARE_FUNCTION.sub(r"\\\1", s.replace("\\$", "")))
     if "," not in s and _drops_a_value(s.strip().strip("$")):
         # '2ab', '3 \\text{ tens}', '\\frac{1}{2}t': a product or another value, which math-verify would read as the
         # number alone, dropping the words as units ('2t' and '2ab' were 2). In parentheses they stay.
