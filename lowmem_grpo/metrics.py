@@ -18,7 +18,7 @@ class MetricsWriter:
         self._file = open(self.path, "a")
 
     def write(self, row: dict) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        self._file.write(json_line(row))
         self._file.flush()
 
     def close(self) -> None:
@@ -44,12 +44,47 @@ def _row_step(line: str):
         return None
 
 
+def json_line(value) -> str:
+    """One line of strict JSON (_jsonable's form); allow_nan=False: a NaN that got through fails here, loudly."""
+    return json.dumps(_jsonable(value), allow_nan=False) + "\n"
+
+
 def _jsonable(v):
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
+    """v as strict JSON takes it, at any depth: NaN/inf as None (jq and JavaScript refuse them), numpy and torch arrays
+    as lists and their scalars as numbers, tuples and sets as lists, and anything else JSON cannot hold (a datetime,
+    an object) as its str(), so that a reward's log_extra values never stop a run (found by a red team)."""
+    if v is None or isinstance(v, (str, bool, int)):
+        return v
+    if isinstance(v, float):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k if isinstance(k, str) else str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (set, frozenset)):
+        try:
+            v = sorted(v)   # (a set's own order differs between processes)
+        except TypeError:
+            v = list(v)
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    for method in ("tolist", "item"):   # numpy and torch: an array as (nested) lists, a scalar as a number
+        try:
+            out = getattr(v, method)()
+        except Exception:   # no such method, or one that takes arguments or refuses (as .item() of an array)
+            continue
+        if out is None or isinstance(out, (str, bool, int, float, list)):
+            return _jsonable(out)
+    return str(v)
+
+
+SAMPLE_ENDS = 1000   # characters a metrics row's `sample` keeps at each end of the step's first completion
+
+
+def text_ends(text: str, keep: int = SAMPLE_ENDS) -> str:
+    """`text`, or its first and last `keep` characters around a mark of how many were cut: a metrics row's `sample`
+    was the whole completion, an environment's observations and all, in every row (found by a red team)."""
+    if len(text) <= 2 * keep + 100:   # (a cut must save more than its mark takes)
+        return text
+    return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
 
 
 def read_metrics(run_dir) -> list[dict]:

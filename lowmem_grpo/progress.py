@@ -6,6 +6,7 @@ auto) only the per-step summary lines are printed. With the bar on, log lines ar
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable, Optional
 
@@ -18,6 +19,22 @@ def use_bar(mode: str, stream=None) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # a closed or stream-less stderr
         return False
+
+
+@contextlib.contextmanager
+def library_bars(on: bool):
+    """transformers' own progress bars (its "Loading weights" bar) on or off for the block, then as they were: off a
+    terminal the log gets only the summary lines (found by a red team: that bar's redraws landed in logs)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not on:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not on:
+            hf_logging.enable_progress_bar()
 
 
 class Progress:

@@ -8,17 +8,18 @@
 
 JSONL (RUN/metrics.jsonl, RUN/samples.jsonl) always; TensorBoard (RUN/tensorboard) when installed or asked
 for (`output.tensorboard`); Weights & Biases when `output.wandb_project` is set. `open_sinks` picks them
-from the recipe; an explicitly requested sink that is not installed is a SinkError naming the field.
+from the recipe; an explicitly requested sink that is not installed, or one that cannot be opened, is a SinkError
+naming the field.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from .metrics import MetricsWriter, _jsonable, truncate_after
+from .metrics import MetricsWriter, _jsonable, json_line, truncate_after
 
 
 class SinkError(Exception):
@@ -67,7 +68,7 @@ class JsonlSink(Sink):
 
     def samples(self, step: int, records: list[dict]) -> None:
         with open(self.samples_path, "a") as f:
-            f.write(json.dumps({"step": step, "samples": [{k: _jsonable(v) for k, v in r.items()} for r in records]}) + "\n")
+            f.write(json_line({"step": step, "samples": records}))
 
     def close(self) -> None:
         self.metrics.close()
@@ -86,9 +87,11 @@ class TensorBoardSink(Sink):
     def __init__(self, run_dir: Path, resume_step: Optional[int]):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step: a resumed run drops the events of steps it is about to run again.
+        # purge_step: a resumed run drops the events of steps it is about to run again. A fresh run passes 0: torch
+        # writes the session start that purges only with one, and TensorBoard's server purges only at a start after
+        # the first (found by a red team: without it the server showed a re-run step twice)
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"),
-                                    purge_step=resume_step + 1 if resume_step is not None else None)
+                                    purge_step=0 if resume_step is None else resume_step + 1)
 
     def write(self, row: dict) -> None:
         step = int(row["step"])
@@ -110,16 +113,37 @@ class TensorBoardSink(Sink):
 
 
 class WandbSink(Sink):
-    def __init__(self, run_dir: Path, project: str, config: dict, resume_step: Optional[int]):
+    def __init__(self, run_dir: Path, project: str, config: dict, resume_step: Optional[int],
+                 log: Callable[[str], None]):
         import wandb
 
         self.wandb = wandb
-        # One W&B run per run directory, found again on resume through the id kept beside the metrics.
+        # One W&B run per run directory, found again on resume through the id kept beside the metrics (written once
+        # wandb.init has taken it); a restart (resume_step -1), whose metrics go, starts a new one.
         id_file = Path(run_dir) / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        known = id_file.read_text().strip() if id_file.exists() and resume_step != -1 else ""
+        run_id = known or wandb.util.generate_id()
+        kwargs = dict(project=project, id=run_id, dir=str(run_dir), config=config, name=Path(run_dir).name)
+        self.run = self._rewound(kwargs, resume_step, log) if known and resume_step is not None else None
+        if self.run is None:
+            self.run = wandb.init(**kwargs, resume="allow")
         id_file.write_text(run_id)
-        self.run = wandb.init(project=project, id=run_id, resume="allow", dir=str(run_dir), config=config,
-                              name=Path(run_dir).name)
+
+    def _rewound(self, kwargs: dict, step: int, log: Callable[[str], None]):
+        """The run rewound to the checkpoint's step (wandb.init's resume_from): W&B ignores a step at or below the last
+        it holds, so a plain resume kept the stopped run's values of the steps run again (found by a red team). None
+        where W&B cannot rewind (offline, an older wandb, a server without the feature): then resumed as it is."""
+        lost = (f"W&B may keep the values the stopped run logged after step {step} instead of their re-run "
+                "(metrics.jsonl and TensorBoard hold the re-run's)")
+        if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+            log(f"[lowmem-grpo] W&B offline mode (WANDB_MODE) cannot rewind run {kwargs['id']} to step {step}: {lost}")
+            return None
+        try:
+            return self.wandb.init(**kwargs, resume_from=f"{kwargs['id']}?_step={step}")
+        except Exception as exc:
+            log(f"[lowmem-grpo] W&B could not rewind run {kwargs['id']} to step {step} ({_one_line(exc)}), so it is "
+                f"resumed as it is: {lost}")
+            return None
 
     def write(self, row: dict) -> None:
         self.run.log(scalars(row), step=int(row["step"]))
@@ -127,7 +151,7 @@ class WandbSink(Sink):
     def samples(self, step: int, records: list[dict]) -> None:
         if records:
             cols = list(records[0])
-            table = self.wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in records])
+            table = self.wandb.Table(columns=cols, data=[[_jsonable(r.get(c)) for c in cols] for r in records])
             self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
@@ -178,20 +202,42 @@ def tensorboard_available() -> bool:
     return True
 
 
-def open_sinks(run_dir: Path, output, config: dict, resume_step: Optional[int]) -> Sinks:
-    """`output`: the recipe's OutputConfig; `config`: the recipe as a dict (for W&B)."""
-    sinks: list[Sink] = [JsonlSink(run_dir, resume_step)]
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def open_sinks(run_dir: Path, output, config: dict, resume_step: Optional[int],
+               log: Callable[[str], None] = print) -> Sinks:
+    """`output`: the recipe's OutputConfig; `config`: the recipe as a dict (for W&B). A sink that cannot be opened
+    (wandb.init without a login or a network, a TensorBoard folder that cannot be written) is a SinkError naming its
+    setting; the JSONL sink opens last, so that such a failure leaves no metrics.jsonl to refuse the next start."""
     have_tensorboard = output.tensorboard is not False and tensorboard_available()
     if output.tensorboard is True and not have_tensorboard:
         raise SinkError("output.tensorboard is true but tensorboard is not installed: pip install tensorboard "
                         "(or pip install 'lowmem-grpo[plots]'), or set output.tensorboard: auto or false")
-    if have_tensorboard and output.tensorboard in (True, "auto"):
-        sinks.append(TensorBoardSink(run_dir, resume_step))
     if output.wandb_project:
         try:
             import wandb  # noqa: F401
         except ImportError:
             raise SinkError(f"output.wandb_project is {output.wandb_project!r} but wandb is not installed: "
                             "pip install wandb (and wandb login), or set output.wandb_project to empty") from None
-        sinks.append(WandbSink(run_dir, output.wandb_project, config, resume_step))
-    return Sinks(sinks)
+    opened: list[Sink] = []
+    try:
+        if output.wandb_project:
+            try:
+                opened.append(WandbSink(run_dir, output.wandb_project, config, resume_step, log))
+            except Exception as exc:
+                raise SinkError(f"output.wandb_project={output.wandb_project!r}: wandb.init failed: {_one_line(exc)} "
+                                "(wandb login, or WANDB_MODE=offline, or set output.wandb_project to empty)") from None
+        if have_tensorboard and output.tensorboard in (True, "auto"):
+            try:
+                opened.append(TensorBoardSink(run_dir, resume_step))
+            except Exception as exc:
+                raise SinkError(f"output.tensorboard={output.tensorboard!r}: cannot open a TensorBoard writer in "
+                                f"{Path(run_dir) / 'tensorboard'}: {_one_line(exc)} (train into another output.dir, "
+                                "or set output.tensorboard: false)") from None
+        jsonl = JsonlSink(run_dir, resume_step)
+    except BaseException:
+        Sinks(opened).close()
+        raise
+    return Sinks([jsonl, *reversed(opened)])   # (in the order JSONL, TensorBoard, W&B)

@@ -53,10 +53,10 @@ from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_
 from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, completion_tokens, decode_waves,
                      device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload,
                      out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os)
-from .metrics import PhaseTimer, read_metrics, summary_line
+from .metrics import PhaseTimer, read_metrics, summary_line, text_ends
 from .model import (check_logit_head, eval_mode, load_policy, reference_mode, takes_shared_prompts, text_config,
                     trainable_parameters)
-from .progress import Progress
+from .progress import Progress, library_bars, use_bar
 from .recipe import Recipe, prompts_share_problem, recipe_to_yaml
 from .rewards import Rewards
 from .rewards.judging import judging_notes
@@ -182,8 +182,9 @@ class Trainer:
         if start_ckpt is not None and (problem := ckpt.adapter_mismatch(start_ckpt / "adapter", recipe.lora)):
             raise TrainingError(f"cannot resume from {start_ckpt}: {problem}. Was recipe.yaml edited? A resumed run "
                                 "keeps these: put them back, or start a new run.")
-        self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
-                                                 adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
+        with library_bars(self.world.main and use_bar(recipe.output.progress)):   # ("Loading weights")
+            self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
+                                                     adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
         if check_logit_head(self.model) is None:   # the kernel's log-probs are the model's own, or a refusal
             self.log("[lowmem-grpo] note: the model's forward returned no logits to check the chunked log-probs "
                      "against (rollout/logprob_abs_diff compares them with the engine's every step)")
@@ -301,20 +302,20 @@ class Trainer:
             self._restore_rng(ckpt.rng_states(saved))
             self.state = LoopState(**saved["extra"].get("loop", {}))
             self.log(f"[lowmem-grpo] resumed from {start_ckpt} at step {self.step}")
-        if self.world.main:   # fresh, or a resume's --set changes: the next plain --resume (and report) keep them
-            path, text = self.run_dir / "recipe.yaml", recipe_to_yaml(anchored(r))
-            if start_ckpt is not None and path.is_file() and path.read_text() != text:
-                self.log(f"[lowmem-grpo] {path} now holds this resume's settings")
-            ckpt.write_text_atomic(path, text)
         if not self.world.main:   # process 0 writes the run's metrics and samples (§21)
             self.metrics = Sinks([])
             return
         try:  # metrics.jsonl always; TensorBoard / W&B as the recipe asks (sinks.py)
             # a resume drops the rows after its checkpoint's step; a restart all of them (-1)
-            self.metrics = open_sinks(self.run_dir, r.output, r.model_dump(mode="json"),
+            self.metrics = open_sinks(self.run_dir, r.output, r.model_dump(mode="json"), log=self.log,
                                       resume_step=self.step if start_ckpt else -1 if self._restart else None)
-        except SinkError as exc:
+        except SinkError as exc:   # (before recipe.yaml: the same command can start again once it is fixed)
             raise TrainingError(str(exc)) from None
+        # fresh, or a resume's --set changes: the next plain --resume (and report) keep them
+        path, text = self.run_dir / "recipe.yaml", recipe_to_yaml(anchored(r))
+        if start_ckpt is not None and path.is_file() and path.read_text() != text:
+            self.log(f"[lowmem-grpo] {path} now holds this resume's settings")
+        ckpt.write_text_atomic(path, text)
 
     def _restore_rng(self, states: list) -> None:
         """Each process's RNG state as the checkpoint kept it; from a run of another process count, process
@@ -629,7 +630,7 @@ class Trainer:
                     "time/rollout_tokens_per_s": sum(model_tokens(c) for c in completions)
                     / max(clock.seconds["rollout"], 1e-9),
                     "memory/peak_mib": max(distributed.gather(peak_memory_mib(), self.world)),   # the fullest device
-                    "sample": texts[0] if texts else "",
+                    "sample": text_ends(texts[0]) if texts else "",   # (whole in the sample tables)
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         every = r.output.samples_every  # the table is built only for the steps that write it
         # each completion's own prompt: an environment's reset() may have replaced the dataset's (§20)

@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional
 
 from .data import ROW_SKIP_ADVICE
 from .recipe import Recipe, RecipeError, recipe_from_dict
-from .rewards import epochs_done
+from .rewards import ROW_REWARD_KEYS, epochs_done
 from .sinks import Sink, scalars
 from .sources import DataError
 from .user_code import importable_name
@@ -88,13 +88,14 @@ TRL_DEFAULTS: dict[str, Any] = {
     "shuffle_dataset": True, "report_to": "none", "trust_remote_code": False,
     "push_to_hub": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
     "disable_dropout": False, "generation_kwargs": None, "vllm_importance_sampling_cap": None,
+    "log_completions": False,
 }
 # TRL 1.16's GRPOConfig defaults for TRL's own settings that are not mapped above and that scripts read without
 # setting them (trl/scripts/grpo.py: training_args.model_init_kwargs): what an unset one of them reads as (checked
 # against the installed TRL as TRL_DEFAULTS is). remove_unused_columns is transformers', which TRL's config changes.
 TRL_UNSET_DEFAULTS: dict[str, Any] = {
     "model_init_kwargs": None, "remove_unused_columns": False,
-    "cast_lm_head_to_fp32": False, "num_generations_eval": None, "log_completions": False,
+    "cast_lm_head_to_fp32": False, "num_generations_eval": None,
     "num_completions_to_print": None, "sync_ref_model": False, "ref_model_sync_steps": 512,
     "ref_model_mixup_alpha": 0.6, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
     "vllm_tensor_parallel_size": 1, "vllm_enable_sleep_mode": False, "router_aux_loss_coef": None,
@@ -139,7 +140,7 @@ EARLIER_TRL: dict[str, Any] = {"max_prompt_length": None, "warmup_ratio": None}
 # fills in): accepted whatever their value.
 IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", "report_to", "disable_tqdm",
            "remove_unused_columns", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
-           "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "log_completions",
+           "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
            "num_completions_to_print", "log_level", "log_level_replica", "accelerator_config", "debug",
            "pad_to_multiple_of", "overwrite_output_dir", "do_train", "do_eval", "use_cpu",
            "ddp_find_unused_parameters", "ddp_timeout", "save_only_model", "save_safetensors", "bf16_full_eval",
@@ -177,7 +178,8 @@ FROM_TRL = {
     "optimizer.weight_decay": "weight_decay", "optimizer.max_grad_norm": "max_grad_norm",
     "train.micro_batch_size": "per_device_train_batch_size", "train.steps": "max_steps",
     "train.eval_every": "eval_steps", "output.save_every": "save_steps", "output.keep_last": "save_total_limit",
-    "output.log_every": "logging_steps", "data.chat_template_kwargs": "chat_template_kwargs",
+    "output.log_every": "logging_steps", "output.samples_every": "log_completions",
+    "data.chat_template_kwargs": "chat_template_kwargs",
     "data.max_prompt_tokens": "max_prompt_length", "lora.r": "peft_config.r", "lora.alpha": "peft_config.lora_alpha",
     "lora.dropout": "peft_config.lora_dropout", "lora.target_modules": "peft_config.target_modules",
 }
@@ -450,6 +452,8 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                    "save_every": {"steps": every(s["save_steps"]), "epoch": max(1, train_rows // prompts_per_step),
                                   "no": steps}[s["save_strategy"]],
                    "keep_last": s["save_total_limit"] or 1_000_000, "log_every": every(s["logging_steps"]),
+                   # TRL logs its completions table at each logging step with log_completions, else never
+                   "samples_every": every(s["logging_steps"]) if s["log_completions"] else 0,
                    "tensorboard": "auto" if "all" in report else "tensorboard" in report,
                    # transformers' WandbCallback logs to $WANDB_PROJECT, else the project "huggingface"
                    "wandb_project": (os.environ.get("WANDB_PROJECT") or "huggingface") if wandb else ""},
@@ -587,10 +591,6 @@ def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optiona
     return n
 
 
-# reward/<x> keys of a metrics row that are not a reward function's: a function is never labelled so
-_ROW_REWARD_KEYS = ("mean", "std", "skipped")
-
-
 def _callable_name(fn) -> str:
     """TRL's name for a reward function (trl.trainer.utils.get_callable_name): a partial's function's, a callable
     instance's class's, "<lambda>" for a lambda."""
@@ -601,12 +601,13 @@ def _callable_name(fn) -> str:
 
 def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]:
     """Each reward function as a recipe entry called TRL's way, labelled (reward/<label> in the metrics, TRL's
-    rewards/<label>/mean in log_history) by TRL's name for it. A function importable by its module and name is
-    named so; any other (defined in a script's __main__, a partial, a callable instance) through a module made for
-    this run, under TRL's name, or reward_<i> where that name is taken or is no identifier (a lambda's)."""
+    rewards/<label>/mean in log_history) by TRL's name for it (Rewards._label renames one the metrics row keeps for the
+    total, as mean, to mean_<i>). A function importable by its module and name is named so; any other (defined in a
+    script's __main__, a partial, a callable instance) through a module made for this run, under TRL's name, or
+    reward_<i> where that name is taken or is no identifier (a lambda's)."""
     funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     module = types.ModuleType(f"lowmem_grpo_trl_rewards_{id(funcs):x}")
-    specs, taken = [], set(_ROW_REWARD_KEYS)
+    specs, taken = [], set()
     for i, fn in enumerate(funcs):
         if isinstance(fn, str) or not callable(fn) or _is_model(fn):
             what = f"a {type(fn).__name__} model" if _is_model(fn) else repr(fn)   # not a model's whole repr
@@ -762,8 +763,13 @@ def _is_step_row(row: dict) -> bool:
 
 def _step_loss(row: dict) -> float:
     """A step row's loss; 0.0 for a step that trained on nothing (every completion left out, e.g. truncated with
-    mask_truncated_completions), whose row has no loss: TRL makes that step with loss 0."""
-    return 0.0 if row.get("loss") is None else row["loss"]
+    mask_truncated_completions), whose row has no loss: TRL makes that step with loss 0. A non-finite step's NaN loss
+    is NaN whether the row is live or read back from metrics.jsonl (which keeps it as null): it was 0.0 there, in
+    log_history and train_loss (found by a red team)."""
+    loss = row.get("loss")
+    if loss is None:
+        return math.nan if row.get("nonfinite") else 0.0
+    return float(loss)
 
 
 def _trl_values(row: dict, names: dict) -> dict:
@@ -773,7 +779,7 @@ def _trl_values(row: dict, names: dict) -> dict:
     values.update({trl: values[ours] for ours, trl in names.items() if ours in values})
     for key, value in list(values.items()):
         name = key[len("reward/"):]
-        if key.startswith("reward/") and name not in _ROW_REWARD_KEYS and "/" not in name:
+        if key.startswith("reward/") and name not in ROW_REWARD_KEYS and "/" not in name:
             values[f"rewards/{name}/mean"] = value
             if f"{key}/std" in values:
                 values[f"rewards/{name}/std"] = values[f"{key}/std"]
@@ -867,8 +873,9 @@ class _CallbackSink(Sink):
                                   train_batch_size=r.train.micro_batch_size)
         self.state.log_history = run_log.entries
         self.control = TrainerControl()
+        # transformers passes its dataloaders to every event too; this trainer has none (a callback may name them)
         self.objects = dict(model=trainer.model, processing_class=tokenizer, optimizer=trainer.optimizer,
-                            lr_scheduler=trainer.scheduler)
+                            lr_scheduler=trainer.scheduler, train_dataloader=None, eval_dataloader=None)
 
     def event(self, name: str, **kwargs) -> None:
         for callback in self.callbacks:
@@ -1127,6 +1134,7 @@ class GRPOTrainer:
             for row in read_metrics(self.output_dir) if first else []:   # log_history and window as they were
                 callbacks.run_log.add(row)
             trainer.metrics.sinks.append(callbacks)
+            callbacks._at(first)   # a resumed run's state at its checkpoint, as transformers loads it before this event
             callbacks.event("on_train_begin")
         summary = trainer.fit()
         self._model = trainer.model

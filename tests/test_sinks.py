@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import io
+import itertools
 import json
 import sys
 import types
@@ -12,8 +14,8 @@ import pytest
 
 from conftest import recipe_dict
 from lowmem_grpo import sinks
-from lowmem_grpo.metrics import read_metrics
-from lowmem_grpo.progress import Progress, use_bar
+from lowmem_grpo.metrics import json_line, read_metrics, text_ends
+from lowmem_grpo.progress import Progress, library_bars, use_bar
 from lowmem_grpo.recipe import recipe_from_dict
 from lowmem_grpo.train import Trainer, TrainingError
 
@@ -21,10 +23,12 @@ from lowmem_grpo.train import Trainer, TrainingError
 class FakeWandb(types.ModuleType):
     """Records what the glue hands to wandb."""
 
-    def __init__(self):
+    def __init__(self, refuse=lambda kwargs: None):
         super().__init__("wandb")
         self.inits, self.logs, self.finished = [], [], 0
-        self.util = types.SimpleNamespace(generate_id=lambda: "fake-id-1")
+        ids = itertools.count(1)
+        self.util = types.SimpleNamespace(generate_id=lambda: f"fake-id-{next(ids)}")
+        self.refuse = refuse   # kwargs -> an exception for init to raise, or None
         fake = self
 
         class Table:
@@ -42,6 +46,8 @@ class FakeWandb(types.ModuleType):
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
+        if (exc := self.refuse(kwargs)) is not None:
+            raise exc
         return self._Run()
 
 
@@ -55,6 +61,7 @@ def test_tensorboard_wandb_samples_and_bar(tiny_model_dir, tiny_data, tmp_path, 
                     output={"tensorboard": True, "wandb_project": "my-proj", "samples_every": 2, "progress": "bar",
                             "save_every": 2})
     lines = []
+    monkeypatch.setattr("lowmem_grpo.train.text_ends", lambda text: f"ends of {text}")   # (its own test: below)
     t = Trainer(recipe_from_dict(d), log=lines.append)
     assert t.metrics.names == ["JsonlSink", "TensorBoardSink", "WandbSink"]
     t.fit()
@@ -86,6 +93,9 @@ def test_tensorboard_wandb_samples_and_bar(tiny_model_dir, tiny_data, tmp_path, 
     assert set(rec) == {"prompt", "completion", "reward", "reward/math", "reward/digit_count"}
     assert rec["reward"] == pytest.approx(rec["reward/math"] + 0.5 * rec["reward/digit_count"])
     assert len(samples[0]["samples"]) == 8  # 2 prompts x G=4, under the 16-row cap
+    # each row's `sample`: the ends of the step's first completion (whole in the table)
+    assert [r["sample"] for r in step_rows if r["step"] in (2, 4)] == \
+        [f"ends of {s['samples'][0]['completion']}" for s in samples]
 
     # W&B: one init with the project, the recipe and a resumable id; every row logged at its step; tables.
     (init,) = fake.inits
@@ -108,7 +118,10 @@ def test_tensorboard_wandb_samples_and_bar(tiny_model_dir, tiny_data, tmp_path, 
 
 
 def test_resume_purges_tensorboard_and_samples_of_rerun_steps(tiny_model_dir, tiny_data, tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Read as `tensorboard --logdir` reads it (plugin_event_accumulator, whose purge differs from the legacy reader's:
+    a fresh run's writer must write a session start too, or the server shows a re-run step twice; a red team's)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
 
     run = tmp_path / "run"
     d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 3, "preflight": False},
@@ -121,10 +134,12 @@ def test_resume_purges_tensorboard_and_samples_of_rerun_steps(tiny_model_dir, ti
     d["train"]["steps"] = 4
     t = Trainer(recipe_from_dict(d), run_dir=run, resume=True, log=lambda *a: None)
     t.fit()
-    acc = EventAccumulator(str(run / "tensorboard")).Reload()
-    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]  # step 3 once: the first one was purged
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert [e.step for e in acc.Tensors("loss")] == [1, 2, 3, 4]  # step 3 once: the first one was purged
     loss = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
-    assert [e.value for e in acc.Scalars("loss")] == [float(np.float32(loss[s])) for s in (1, 2, 3, 4)]
+    assert [float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors("loss")] == \
+        [float(np.float32(loss[s])) for s in (1, 2, 3, 4)]
+    assert [e.step for e in acc.Tensors("samples/text_summary")] == [1, 2, 3, 4]
     assert [json.loads(x)["step"] for x in (run / "samples.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
@@ -143,11 +158,150 @@ def test_missing_sinks_are_clear_errors(tmp_path, monkeypatch):
     assert sinks.open_sinks(tmp_path, r.output, {}, None).names == ["JsonlSink"]
 
 
-def test_trainer_reports_a_missing_sink_as_a_training_error(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+def test_trainer_reports_a_missing_sink_as_a_training_error(tiny_model_dir, tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", output={"wandb_project": "p"})
     with pytest.raises(TrainingError, match="wandb is not installed"):
         Trainer(recipe_from_dict(d), log=lambda *a: None)
+    # off a terminal (output.progress auto), not transformers' "Loading weights" bar either (a red team's find)
+    assert "Loading weights" not in capsys.readouterr().err
+
+
+def test_a_sink_that_cannot_open_is_one_line_and_the_same_command_can_start_again(tiny_model_dir, tiny_data, tmp_path,
+                                                                                  monkeypatch):
+    """wandb.init raising (no login in a batch job) was a traceback, and left recipe.yaml, metrics.jsonl and
+    wandb_id.txt, so the same command was then refused (found by a red team)."""
+    class UsageError(Exception):
+        pass
+
+    fake = FakeWandb(refuse=lambda kw: UsageError("api_key not configured (no-tty).\ncall wandb.login(key=...)"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 1, "preflight": False},
+                    output={"wandb_project": "p", "tensorboard": True})
+    d["data"]["eval_path"] = ""
+    with pytest.raises(TrainingError) as err:
+        Trainer(recipe_from_dict(d), log=lambda *a: None)
+    assert str(err.value) == ("output.wandb_project='p': wandb.init failed: UsageError: api_key not configured (no-tty). "
+                              "call wandb.login(key=...) (wandb login, or WANDB_MODE=offline, or set "
+                              "output.wandb_project to empty)")
+    assert not {"recipe.yaml", "metrics.jsonl", "wandb_id.txt", "tensorboard"} & {p.name for p in run.iterdir()}
+    fake.refuse = lambda kw: None   # logged in: the same command starts
+    t = Trainer(recipe_from_dict(d), log=lambda *a: None)
+    t.fit()
+    t.close()
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1] and (run / "recipe.yaml").is_file()
+    assert (run / "wandb_id.txt").read_text() == fake.inits[-1]["id"]
+
+
+def test_a_tensorboard_writer_that_cannot_open_is_a_sink_error_naming_the_setting(tmp_path):
+    r = recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+                          "output": {"tensorboard": True}})
+    (tmp_path / "tensorboard").write_text("a file where the writer's folder goes")
+    with pytest.raises(sinks.SinkError, match=r"^output.tensorboard=True: cannot open a TensorBoard writer in .*"
+                                              r"tensorboard: \w+Error: .*, or set output.tensorboard: false\)$"):
+        sinks.open_sinks(tmp_path, r.output, {}, None)
+    assert not (tmp_path / "metrics.jsonl").exists()   # (the JSONL sink opens last)
+
+
+def _output(**output):
+    return recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+                             "output": {"tensorboard": False, "wandb_project": "p", **output}}).output
+
+
+def test_a_resume_rewinds_the_wandb_run_to_its_checkpoint(tmp_path, monkeypatch):
+    """W&B ignores a step at or below the last it holds: a resume (kill after step K+1's row, before its checkpoint)
+    rewinds the run to step K (resume_from), so that the re-run steps replace the stopped run's (a red team's find).
+    Where W&B cannot rewind (offline, an older wandb or server refusing resume_from): resumed as it is, said in one
+    line. A restart (-1: no checkpoint, the metrics go) is a new W&B run."""
+    fake, lines = FakeWandb(), []
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    sinks.open_sinks(tmp_path, _output(), {}, None, log=lines.append).close()   # a fresh run
+    assert fake.inits[-1]["resume"] == "allow" and "resume_from" not in fake.inits[-1]
+    run_id = (tmp_path / "wandb_id.txt").read_text()
+    s = sinks.open_sinks(tmp_path, _output(), {}, 2, log=lines.append)   # resumed from step 2's checkpoint
+    s.write({"step": 3, "loss": 0.5})
+    s.close()
+    assert fake.inits[-1]["resume_from"] == f"{run_id}?_step=2" and fake.inits[-1]["id"] == run_id
+    assert "resume" not in fake.inits[-1]   # (wandb refuses resume with resume_from)
+    assert fake.logs[-1] == (3, {"loss": 0.5}) and lines == []
+
+    fake.refuse = lambda kw: RuntimeError("failed to rewind run: run not found") if "resume_from" in kw else None
+    sinks.open_sinks(tmp_path, _output(), {}, 2, log=lines.append).close()
+    assert [k.get("resume") for k in fake.inits[-2:]] == [None, "allow"] and fake.inits[-1]["id"] == run_id
+    assert lines == [f"[lowmem-grpo] W&B could not rewind run {run_id} to step 2 (RuntimeError: failed to rewind run: "
+                     "run not found), so it is resumed as it is: W&B may keep the values the stopped run logged after "
+                     "step 2 instead of their re-run (metrics.jsonl and TensorBoard hold the re-run's)"]
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    lines.clear()
+    sinks.open_sinks(tmp_path, _output(), {}, 2, log=lines.append).close()
+    assert fake.inits[-1]["resume"] == "allow" and "resume_from" not in fake.inits[-1]
+    assert len(lines) == 1 and lines[0].startswith(f"[lowmem-grpo] W&B offline mode (WANDB_MODE) cannot rewind run "
+                                                   f"{run_id} to step 2: ")
+
+    sinks.open_sinks(tmp_path, _output(), {}, -1, log=lines.append).close()   # a restart: its metrics went
+    assert fake.inits[-1]["id"] != run_id and (tmp_path / "wandb_id.txt").read_text() == fake.inits[-1]["id"]
+
+
+def test_values_of_any_shape_are_written_as_strict_json(tmp_path):
+    """A reward's log_extra values (numpy arrays, lists with NaN, sets, datetimes, objects) killed the run where the
+    sample table was written (`.item()` of an array), on every resume again, or wrote NaN, which strict readers
+    refuse (found by a red team)."""
+    import torch
+
+    class Thing:
+        def __str__(self):
+            return "a thing"
+
+    when = datetime.datetime(2025, 1, 2, 3, 4, 5)
+    record = {"extra/arr": np.array([1.0, 2.0]), "extra/probs": [0.5, float("nan")], "extra/grid": np.array([[1, 2]]),
+              "extra/t": torch.tensor([0.25, float("inf")]), "extra/scalar": np.float32(0.5), "extra/n": np.int64(3),
+              "extra/t0": torch.tensor(2), "extra/flag": np.bool_(True), "extra/nested": {"a": (1, np.nan), 2: {3}},
+              "extra/set": {"b", "a"}, "extra/when": when, "extra/thing": Thing(), "reward": float("-inf")}
+
+    def strict(line):
+        return json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in {line}"))
+
+    sink = sinks.JsonlSink(tmp_path, None)
+    sink.samples(1, [record])
+    sink.write({"step": 1, "loss": float("nan"), "success_rate/per_prompt": [0.5, float("nan")], "lr": np.float64(1e-3)})
+    sink.close()
+    (got,) = strict((tmp_path / "samples.jsonl").read_text())["samples"]
+    assert got == {"extra/arr": [1.0, 2.0], "extra/probs": [0.5, None], "extra/grid": [[1, 2]], "extra/t": [0.25, None],
+                   "extra/scalar": 0.5, "extra/n": 3, "extra/t0": 2, "extra/flag": True,
+                   "extra/nested": {"a": [1, None], "2": [3]}, "extra/set": ["a", "b"], "extra/when": str(when),
+                   "extra/thing": "a thing", "reward": None}
+    (row,) = [strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row == {"step": 1, "loss": None, "success_rate/per_prompt": [0.5, None], "lr": 1e-3}
+    assert json_line([float("nan")]) == "[null]\n"
+
+
+def test_a_metrics_rows_sample_is_the_first_completions_ends():
+    """The row's `sample` was the whole first completion (an environment's observations too) in every row; the sample
+    tables keep whole completions (found by a red team)."""
+    text = "a" * 1500 + "b" * 3000 + "c" * 1500
+    cut = text_ends(text)
+    assert cut == "a" * 1000 + " [... 4000 characters cut ...] " + "c" * 1000
+    assert text_ends("short") == "short" and text_ends("x" * 2010) == "x" * 2010   # a cut must save something
+
+
+def test_transformers_bars_are_off_only_where_the_run_shows_none():
+    from transformers.utils import logging as hf_logging
+
+    def bar():
+        stream = io.StringIO()
+        for _ in hf_logging.tqdm(range(3), desc="Loading weights", file=stream):
+            pass
+        return stream.getvalue()
+
+    assert hf_logging.is_progress_bar_enabled() and "Loading weights" in bar()
+    with library_bars(False):
+        assert bar() == ""
+    with library_bars(True):
+        assert "Loading weights" in bar()
+    assert hf_logging.is_progress_bar_enabled()   # as it was
 
 
 class _Stream(io.StringIO):
@@ -174,3 +328,29 @@ def test_progress_bar_only_on_a_terminal():
             assert "5/5" in out and "reward 0.500" in out and "solved 0.25" in out
         else:
             assert out == ""  # a log file gets the summary lines only, no bar
+
+
+def test_reward_functions_named_like_the_totals_keys_get_labels_of_their_own(monkeypatch):
+    """A recipe's function called mean, std or skipped (environment, with an environment on) wrote its reward/<name>
+    over the total's: reward/mean 5.0 for a total of 0 (found by a red team). One rule (Rewards._label) for the
+    recipe's functions and the TRL API's."""
+    import torch
+
+    from lowmem_grpo import diagnostics as diag
+    from lowmem_grpo.recipe import RewardsConfig
+    from lowmem_grpo.rewards import Rewards
+
+    module = types.ModuleType("named_like_totals")
+    for name, score in (("mean", 5.0), ("std", 7.0), ("skipped", 3.0), ("environment", 2.0)):
+        setattr(module, name, (lambda v: lambda completions, prompts, rows, **kw: [v] * len(completions))(score))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    cfg = RewardsConfig(functions=[{"function": "math"}, *({"function": f"named_like_totals:{n}", "weight": 0.0}
+                                                           for n in ("mean", "std", "skipped", "environment"))])
+    rewards = Rewards(cfg, answer_field="answer")
+    assert rewards.names == ["math", "mean_1", "std_2", "skipped_3", "environment"]
+    assert Rewards(cfg, answer_field="answer", environment_weight=1.0).names == \
+        ["math", "mean_1", "std_2", "skipped_3", "environment_4", "environment"]
+    result = rewards([" 2", " 5"], ["1+1=", "1+1="], [{"answer": "2"}, {"answer": "2"}])
+    row = diag.rollout_stats(result, torch.tensor([2, 2]), torch.tensor([False, False]), 2, torch.zeros(1, 2))
+    assert (row["reward/mean"], row["reward/skipped"]) == (0.5, 0)   # the total's: math's only (the rest weigh 0)
+    assert (row["reward/mean_1"], row["reward/std_2"], row["reward/skipped_3"]) == (5.0, 7.0, 3.0)

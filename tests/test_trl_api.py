@@ -100,6 +100,10 @@ def test_a_script_that_sets_nothing_gets_trls_training():
     (dict(lr_scheduler_type="constant", warmup_steps=5), ("optimizer", "warmup_steps"), 0),
     (dict(lr_scheduler_type="constant", warmup_ratio=0.5), ("optimizer", "warmup_steps"), 0),
     (dict(lr_scheduler_type="constant_with_warmup", warmup_steps=5), ("optimizer", "warmup_steps"), 5),
+    # TRL's completions table: each logging step with log_completions, never without (its default; were ignored)
+    (dict(log_completions=True, logging_steps=5), ("output", "samples_every"), 5),
+    (dict(log_completions=True, logging_steps=10, steps_per_generation=2), ("output", "samples_every"), 5),
+    (dict(), ("output", "samples_every"), 0),
 ])
 def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     section, key = where
@@ -247,7 +251,11 @@ class ExactMatch:
 
 def test_reward_functions_are_labelled_by_trls_names_for_them():
     """TRL's get_callable_name: a partial by its function, a callable instance by its class (were reward_<i>); a
-    lambda's "<lambda>" and a name already taken stay reward_<i>, as do the names of the metrics row's own keys."""
+    lambda's "<lambda>" and a name already taken stay reward_<i>. A name of the metrics row's own keys is labelled
+    by the recipe's one rule (Rewards._label: mean_<i>)."""
+    from lowmem_grpo.recipe import RewardsConfig
+    from lowmem_grpo.rewards import Rewards
+
     def mean(completions, **kwargs):   # reward/mean is the row's total
         return [0.0] * len(completions)
 
@@ -255,8 +263,10 @@ def test_reward_functions_are_labelled_by_trls_names_for_them():
              digit_reward, functools.partial(digit_reward), mean]
     specs, _ = _reward_specs(funcs)
     assert [spec["function"].rsplit(":", 1)[1] for spec in specs] == \
-        ["length_reward", "ExactMatch", "reward_2", "digit_reward", "reward_4", "reward_5"]
+        ["length_reward", "ExactMatch", "reward_2", "digit_reward", "reward_4", "mean"]
     assert specs[3]["function"] == "test_trl_api:digit_reward"   # importable: named by its module
+    assert Rewards(RewardsConfig(functions=specs), answer_field="answer").names == \
+        ["length_reward", "ExactMatch", "reward_2", "digit_reward", "reward_4", "mean_5"]
 
 
 def test_trls_metric_names_stand_beside_ours_where_they_mean_the_same():
@@ -731,6 +741,27 @@ def test_a_step_that_trained_on_nothing_is_logged_with_loss_0_as_trl_logs_it(tin
     assert out.training_loss == 0.0 and trainer.state.log_history[-1]["train_loss"] == 0.0
 
 
+def test_a_non_finite_steps_loss_reads_alike_live_and_replayed_and_stays_out_of_train_loss(tiny_model_dir, tmp_path):
+    """A NaN loss (a non-finite step: its row says nonfinite) was absent from a live on_log but 0.0 in the log_history
+    replayed from metrics.jsonl (which keeps NaN as null), and train_loss averaged it in as 0 (a red team's find)."""
+    from lowmem_grpo.metrics import json_line
+    from lowmem_grpo.trl import _RunLog
+
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=[{"prompt": "1+1="}],
+                          args=_args(tmp_path, max_steps=2, logging_steps=1), log=lambda *a: None)
+    rows = [{"step": 1, "loss": 0.5, "reward/mean": 0.2, "lr": 1e-5, "nonfinite": False},
+            {"step": 2, "loss": float("nan"), "reward/mean": 0.2, "lr": 1e-5, "nonfinite": True},
+            {"step": 3, "reward/mean": 0.2, "lr": 1e-5}]   # trained on nothing: no loss, TRL's 0
+    stored = [json.loads(json_line(row)) for row in rows]   # as metrics.jsonl keeps them
+    live, replayed = _RunLog(trainer.recipe, trainer._epoch), _RunLog(trainer.recipe, trainer._epoch)
+    for row, back in zip(rows, stored):
+        live.add(row)
+        replayed.add(back)
+    assert live.entries == replayed.entries
+    assert [e.get("loss") for e in live.entries] == [0.5, None, 0.0]
+    assert trainer._train_summary(stored, 0, 3, 1.0)["train_loss"] == 0.25   # (0.5 + 0) / 2: the NaN left out
+
+
 def test_on_log_has_trls_names_for_what_this_trainer_logs_too(tiny_model_dir, tmp_path):
     """TRL's metric names beside ours, a reward's log_metric under its own name, rewards/<TRL's name>/mean, and no kl
     with beta 0 (was None)."""
@@ -761,6 +792,9 @@ def test_a_resumed_runs_callbacks_see_the_log_history_the_state_rebuilds(tiny_mo
     from transformers import TrainerCallback
 
     class Keep(TrainerCallback):
+        def on_train_begin(self, args, state, control, train_dataloader, eval_dataloader, **kw):
+            self.begin = (state.global_step, train_dataloader, eval_dataloader)
+
         def on_train_end(self, args, state, control, **kw):
             self.history = list(state.log_history)
 
@@ -774,6 +808,9 @@ def test_a_resumed_runs_callbacks_see_the_log_history_the_state_rebuilds(tiny_mo
     resumed.train(resume_from_checkpoint=True)
     assert [e["step"] for e in keep.history] == [2, 4, 4]   # step 4's window holds steps 3 and 4, then the summary
     assert keep.history == resumed.state.log_history
+    # as transformers: the checkpoint's global_step at on_train_begin, and its dataloaders (None here) named in every
+    # event (were 0, and missing: a TypeError for a callback naming them; found by a red team)
+    assert keep.begin == (3, None, None)
 
 
 def test_normalize_then_sum_normalises_within_groups_whatever_scale_rewards_says():

@@ -44,6 +44,11 @@ if TYPE_CHECKING:
     from ..recipe import RewardsConfig
 
 BUILTINS = {name: spec.function for name, spec in _SPECS.items()}   # name -> 'module:function'
+# reward/<x> keys of a metrics row that are the total's, not a function's (diagnostics.rollout_stats): no function is
+# labelled so (Rewards._label; found by a red team: a function called mean overwrote the total's reward/mean)
+ROW_REWARD_KEYS = ("mean", "std", "skipped")
+
+
 class RewardError(Exception):
     """A reward function that cannot be loaded, raised, or returned something unusable."""
 
@@ -288,8 +293,12 @@ class Rewards:
         return kwargs, "lowmem", found
 
     def _label(self, name: str, i: int) -> str:
+        """The function's name in the metrics (reward/<label>, per_function's key): its own, or <name>_<i> where that
+        is an earlier function's, the total's (ROW_REWARD_KEYS) or, with an environment on, its column's. The one rule
+        for the recipe's functions and the TRL API's."""
         short = name.rsplit(":", 1)[-1]
-        taken = [f[0] for f in getattr(self, "functions", [])]
+        taken = [*ROW_REWARD_KEYS, *(["environment"] if self.environment_weight is not None else []),
+                 *(f[0] for f in getattr(self, "functions", []))]
         return short if short not in taken else f"{short}_{i}"
 
     @property
