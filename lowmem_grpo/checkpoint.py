@@ -78,6 +78,14 @@ def rng_state() -> dict:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def seed_all(seed: int) -> None:
+    """torch's, Python's and numpy's streams (those rng_state keeps) from one seed: a reward or environment that
+    draws from random or numpy draws alike in two runs of a seed, and differently in each process (§21)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])

@@ -44,14 +44,22 @@ def _run(fn, errors: tuple = ()):
         sys.exit(2)
 
 
-def _launch(nproc: int, argv: list[str]) -> None:
+def _launch(nproc: int, argv: list[str], recipe_path, overrides, shares_steps: bool = False) -> None:
     """The command in argv on nproc processes: torchrun launches them, does the rendezvous, and stops the job
-    when one fails (distributed.launch)."""
+    when one fails (distributed.launch). The recipe is read here first: a bad one is said once, before any process
+    starts (each process said it, then torchrun its own lines; found by a red team), as are an nproc that cannot
+    share a step's prompts (`shares_steps`: train) and more processes than GPUs."""
     from . import distributed
+    from .recipe import prompts_share_problem
 
     if distributed.launched_size() > 1:
         raise click.UsageError("--nproc under torchrun: torchrun already started the processes; drop --nproc")
-    _run(lambda: distributed.launch(nproc, argv), errors=(distributed.DistributedError,))
+    r = _run(lambda: load_recipe(recipe_path, list(overrides)), errors=(RecipeError,))
+    if problem := (shares_steps and prompts_share_problem(r.train.prompts_per_step, nproc)) or \
+            distributed.gpus_problem(nproc):
+        raise click.BadParameter(problem, param_hint="--nproc")
+    timeout = distributed.shutdown_timeout_s(r.train.collective_timeout_s)
+    _run(lambda: distributed.launch(nproc, argv, timeout), errors=(distributed.DistributedError,))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -244,7 +252,8 @@ def train(recipe, resume_dir, overrides, nproc):
         raise click.BadParameter(f"{resume_dir} is not a run directory (no recipe.yaml in it)", param_hint="--resume")
     if nproc > 1:
         args = ([recipe] if recipe else []) + (["--resume", resume_dir] if resume_dir else [])
-        _launch(nproc, ["train", *args] + [f"--set={o}" for o in overrides])
+        _launch(nproc, ["train", *args] + [f"--set={o}" for o in overrides],
+                Path(resume_dir) / "recipe.yaml" if resume_dir else recipe, overrides, shares_steps=True)
         return
     from .evaluate import accuracy_text
     from .train import Trainer
@@ -257,7 +266,9 @@ def train(recipe, resume_dir, overrides, nproc):
                                   world=world)
                 out = trainer.fit()
         except KeyboardInterrupt:   # outside a step (loading, an eval), or a second Ctrl-C: click said "Aborted!"
-            click.echo(f"\n{interrupted_note(Path(resume_dir or r.output.dir))}", err=True)
+            if distributed.current().main or distributed.launched_size() <= 1:   # (once, not once per process)
+                click.echo(f"\n{interrupted_note(Path(resume_dir or r.output.dir), distributed.launched_size())}",
+                           err=True)
             sys.exit(130)   # as a shell reports a process that SIGINT ended
         if not world.main:
             return out
@@ -275,16 +286,18 @@ def train(recipe, resume_dir, overrides, nproc):
         sys.exit(128 + out["signal"])
 
 
-def interrupted_note(run_dir: Path) -> str:
+def interrupted_note(run_dir: Path, processes: int = 1) -> str:
     """What a Ctrl-C outside a training step kept, and how to go on: the checkpoints written stay (a step's work
-    since the last one is lost only to a second Ctrl-C), and a resume runs an eval the interruption cut."""
+    since the last one is lost only to a second Ctrl-C), and a resume runs an eval the interruption cut. The
+    resume keeps the run's number of processes (another restarts the sampling streams)."""
     from . import checkpoint as ckpt
 
     if not (run_dir / "recipe.yaml").is_file():
         return "[lowmem-grpo] interrupted (Ctrl-C) before the run wrote anything: run the same command again"
     last = ckpt.latest(run_dir)
     kept = f"the last checkpoint, {last}, is kept" if last is not None else "no checkpoint yet (it starts again)"
-    return f"[lowmem-grpo] interrupted (Ctrl-C); {kept}. Continue with: lowmem-grpo train --resume {run_dir}"
+    nproc = f" --nproc {processes}" if processes > 1 else ""
+    return f"[lowmem-grpo] interrupted (Ctrl-C); {kept}. Continue with: lowmem-grpo train{nproc} --resume {run_dir}"
 
 
 @main.command()
@@ -441,7 +454,7 @@ def eval_cmd(recipe, adapter, model_dir, split, ks, out_dir, overrides, nproc):
         args = [recipe, f"--split={split}", f"--k={ks}"] + [f"--set={o}" for o in overrides]
         args += [f"--{name}={value}" for name, value in (("adapter", adapter), ("model", model_dir), ("out", out_dir))
                  if value]
-        _launch(nproc, ["eval", *args])
+        _launch(nproc, ["eval", *args], recipe, overrides)
         return
 
     def go():

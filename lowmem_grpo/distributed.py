@@ -14,11 +14,15 @@ update; and a few per-token figures for the metrics. Never the base model's weig
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass, fields, is_dataclass, replace
 from datetime import timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,18 +64,27 @@ ON_SIGNAL = {"train": "on SIGINT (Ctrl-C) the processes finish their step and ch
                      "samples.part-R-of-N.jsonl beside a summary.part-R-of-N.json that says interrupted"}
 
 
-def launch(nproc: int, argv: list[str]) -> None:
-    """`torchrun --standalone --nproc_per_node nproc -m lowmem_grpo ARGV`, run by torchrun's own entry point in
-    this process (it becomes the job's agent). A process that fails, and the agent's own stop on a signal, come
-    out as one DistributedError naming the process and how it ended; torchrun has stopped the others by then.
-    torchrun's module-level entry (torch.distributed.run: parse_args, run) and its elastic errors, checked
-    against torch 2.13; tests/test_distributed.py runs every way out of here."""
+def shutdown_timeout_s(collective_timeout_s: float) -> int:
+    """How long torchrun waits, once it has passed a signal on, for the processes to end before it kills them:
+    they finish their step and checkpoint it first. torchrun's default, 30 s, killed a step that took longer,
+    unsaved (found by a red team); a step's phase lags the others by at most train.collective_timeout_s, and the
+    checkpoint's write comes after."""
+    return int(math.ceil(collective_timeout_s)) + 120
+
+
+def launch(nproc: int, argv: list[str], shutdown_timeout: int = 30) -> None:
+    """`torchrun --standalone --nproc_per_node nproc --shutdown_timeout S -m lowmem_grpo ARGV`, run by torchrun's
+    own entry point in this process (it becomes the job's agent). A process that fails, and the agent's own stop
+    on a signal, come out as one DistributedError naming the process and how it ended; torchrun has stopped the
+    others by then. torchrun's module-level entry (torch.distributed.run: parse_args, run) and its elastic errors,
+    checked against torch 2.13; tests/test_distributed.py runs every way out of here."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "lowmem_grpo", *argv]))
+        run(parse_args(["--standalone", f"--nproc_per_node={nproc}", f"--shutdown_timeout={shutdown_timeout}",
+                        "-m", "lowmem_grpo", *argv]))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
@@ -98,9 +111,36 @@ def join(timeout_s: float) -> World:
     if not dist.is_initialized():
         cuda = torch.cuda.is_available()
         if cuda:   # one GPU per process: before any CUDA tensor (NCCL and the model load on this device)
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if problem := gpus_problem(local + 1):
+                raise DistributedError(f"process {local} on this machine: {problem}")
+            torch.cuda.set_device(local)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        stop_when_orphaned()
     return current()
+
+
+def gpus_problem(nproc: int) -> Optional[str]:
+    """Why nproc processes cannot each have a GPU of this machine (CUDA only), or None."""
+    if not torch.cuda.is_available() or nproc <= torch.cuda.device_count():
+        return None
+    return (f"{nproc} processes need a GPU each, and {torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES): "
+            "lower --nproc (torchrun's --nproc_per_node)")
+
+
+def stop_when_orphaned(poll_s: float = 1.0) -> None:
+    """Ctrl-C this process (SIGINT: it finishes its step and checkpoints it, or writes its eval share) once its
+    parent, torchrun's agent, is gone: an agent killed with SIGKILL cannot stop its workers, which ran on as orphans
+    in their own sessions, holding the run folder and their GPUs (found by a red team). A daemon thread that
+    watches the parent's pid."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="lowmem-grpo-orphan-watch", daemon=True).start()
 
 
 def current() -> World:

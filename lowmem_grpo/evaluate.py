@@ -351,6 +351,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         except OSError as exc:
             raise EvalError(f"--out {out_dir}: cannot create the folder ({exc})") from None
         _check_out(Path(out_dir))
+        _remove_results(Path(out_dir), PART_FILES)   # an earlier interrupted eval's shares: not this eval's
     if adapter_dir is not None and not model_dir:
         if warning := check_adapter_base(adapter_dir, run_dir, recipe.model.name_or_path):
             log(warning)
@@ -397,6 +398,8 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         # Each process writes what it has: with several (torchrun passed the SIGINT to every one) nothing is
         # gathered, so each share goes to its own part files.
         part = f".part-{world.rank}-of-{world.size}" if world.size > 1 else ""
+        if part and world.main:   # an earlier eval's whole results would pass for this one's (found by a red team)
+            _remove_results(Path(out_dir), ("samples.jsonl", "summary.json"))
         share = f"{len(mine)} of the {len(examples)} prompts (process {world.rank})" if part else f"{len(examples)} prompts"
         _write_results(Path(out_dir), greedy_records + sample_records,
                        {**summary, **env_error_summary([errors.counts()] if errors else None), "interrupted": True,
@@ -424,6 +427,17 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     summary["out"] = str(out)
     log(wrote)
     return summary
+
+
+PART_FILES = ("samples.part-*-of-*.jsonl", "summary.part-*-of-*.json")
+
+
+def _remove_results(out: Path, patterns: Sequence[str]) -> None:
+    """Remove an earlier eval's files of these names (glob patterns) from `out`."""
+    for pattern in patterns:
+        for path in out.glob(pattern):
+            if path.is_file():
+                path.unlink()
 
 
 def _write_results(out: Path, records: list, summary: dict, part: str = "") -> None:

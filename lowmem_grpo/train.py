@@ -158,19 +158,19 @@ class Trainer:
         self.stopped_by: Optional[int] = None   # the signal that stopped the run, if one did
         self._lock = self._take_run_dir() if self.world.main else None
         if not resume and (held := ckpt.earlier_run(self.run_dir)):
-            raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `lowmem-grpo train "
-                                f"--resume {self.run_dir}`, or train into another folder (--set output.dir=...), or "
+            raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `"
+                                f"{self.resume_command}`, or train into another folder (--set output.dir=...), or "
                                 "delete that one")
         if not resume and (self.run_dir / "recipe.yaml").is_file():
             # a run writes its own recipe.yaml there: a user's recipe in that folder would be overwritten (found by
             # a red team: output.dir=. replaced the recipe being trained, comments and all)
             raise TrainingError(f"{self.run_dir} holds a recipe.yaml, which a run writes its own copy over: train into "
                                 "a folder of its own (--set output.dir=...); if it is an earlier run's that stopped "
-                                f"before its first step, continue it with `lowmem-grpo train --resume {self.run_dir}`, "
+                                f"before its first step, continue it with `{self.resume_command}`, "
                                 "or delete it")
         if resume:
             self._check_resume_changes()
-        torch.manual_seed(recipe.seed)
+        ckpt.seed_all(recipe.seed)
         start_ckpt = ckpt.latest(self.run_dir) if resume else None
         # A run stopped before its first checkpoint has nothing to continue from: it starts again (its metrics go)
         self._restart = resume and start_ckpt is None
@@ -193,7 +193,7 @@ class Trainer:
         # One policy: every process starts from process 0's adapter weights, then samples with its own stream.
         distributed.broadcast_parameters(trainable_parameters(self.model), self.world)
         if self.world.rank:
-            torch.manual_seed(distributed.sampling_seed(recipe.seed, self.world))
+            ckpt.seed_all(distributed.sampling_seed(recipe.seed, self.world))
         if self.device_type == "cpu":
             return_freed_memory_to_os()
         self.rewards = Rewards.from_recipe(recipe)
@@ -236,8 +236,8 @@ class Trainer:
             return ckpt.lock_run(self.run_dir)
         except ckpt.RunInUse as exc:
             raise TrainingError(f"{self.run_dir} is in use: another lowmem-grpo process (pid {exc}) is training there. "
-                                "Wait for it, or stop it (Ctrl-C checkpoints it) and continue with `lowmem-grpo train "
-                                f"--resume {self.run_dir}`; or train into another folder (--set output.dir=...)") from None
+                                "Wait for it, or stop it (Ctrl-C checkpoints it) and continue with `"
+                                f"{self.resume_command}`; or train into another folder (--set output.dir=...)") from None
         except OSError as exc:
             raise TrainingError(f"output.dir={str(self.run_dir)!r}: cannot make or write the run folder there "
                                 f"({exc.strerror or exc}); choose another (--set output.dir=...)") from None
@@ -326,8 +326,8 @@ class Trainer:
         self.log(f"[lowmem-grpo] the checkpoint was written by {len(states)} process(es), this run has "
                  f"{self.world.size}: the data order continues, the sampling streams start afresh")
         ckpt.set_rng_state(states[0])
-        if self.world.rank:
-            torch.manual_seed(distributed.sampling_seed(self.recipe.seed, self.world) + self.step)
+        if self.world.rank:   # (all three streams: Python's and numpy's were process 0's in every process, a red team)
+            ckpt.seed_all(distributed.sampling_seed(self.recipe.seed, self.world) + self.step)
 
     # -- the phases of a step ----------------------------------------------------------------------------
 
@@ -359,17 +359,18 @@ class Trainer:
         mine = distributed.shard(examples, self.world)
         with clock("rollout"):
             completions = self.generator(self.train_set)(mine, self.sampling)
-        self._log_env_error(completions)
         with clock("reward"):
             texts = completion_texts(self.tokenizer, completions)
             result = score(self.rewards, texts, completions, [mine[c.prompt_index] for c in completions], self.step, tokenizer=self.tokenizer)
         if self.world.size == 1:
-            return Rollouts(examples, completions, texts, result)
-        with clock("gather"):
-            parts = distributed.gather((completions, texts, result), self.world)
-        g = self.recipe.generation.num_generations
-        return Rollouts.cat([Rollouts(share, *part) for share, part in zip(distributed.shares(examples, self.world), parts)],
-                            g)
+            out = Rollouts(examples, completions, texts, result)
+        else:
+            with clock("gather"):
+                parts = distributed.gather((completions, texts, result), self.world)
+            out = Rollouts.cat([Rollouts(share, *part) for share, part in
+                                zip(distributed.shares(examples, self.world), parts)], self.recipe.generation.num_generations)
+        self._log_env_error(out.completions)   # the whole step's: one process's share alone stopped a run that one
+        return out                             # process would go on with (found by a red team)
 
     def _log_env_error(self, completions) -> None:
         """The run's first environment error, once (all of them are counted in env/errors). Until an episode has

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .data import ROW_SKIP_ADVICE
+from .distributed import launched_size
 from .recipe import Recipe, RecipeError, recipe_from_dict
 from .rewards import ROW_REWARD_KEYS, epochs_done
 from .sinks import Sink, scalars
@@ -269,17 +270,20 @@ def _given_settings(args) -> dict:
     raise TRLCompatError(f"args: expected a GRPOConfig (this module's or TRL's) or a dict, got {type(args).__name__}")
 
 
-def _generation_batch(s: dict) -> int:
-    """Completions in one generation batch of TRL's settings `s` (defaults filled in), as TRL's __post_init__
-    derives it when generation_batch_size is unset."""
-    micro = s["per_device_train_batch_size"]
+def _generation_batch(s: dict, processes: int = 1) -> int:
+    """Completions in one generation batch (all processes') of TRL's settings `s` (defaults filled in), as TRL's
+    __post_init__ derives it when generation_batch_size is unset: per_device_train_batch_size x processes x
+    steps_per_generation (found by a red team: under torchrun a step had one process's batch)."""
+    micro = s["per_device_train_batch_size"] * processes
     return s["generation_batch_size"] or micro * (s["steps_per_generation"] or s["gradient_accumulation_steps"])
 
 
 def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs: list[dict],
-                    eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0) -> dict:
+                    eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0,
+                    processes: int = 1) -> dict:
     """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
-    TRL's defaults standing in for the rest. Raises TRLCompatError naming each setting that cannot be carried over."""
+    TRL's defaults standing in for the rest, on `processes` processes (torchrun's, as accelerate's for TRL). Raises
+    TRLCompatError naming each setting that cannot be carried over."""
     unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED
                      and k not in NOT_HERE)
     if unknown:
@@ -307,18 +311,18 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     g = s["num_generations"]
     micro, accumulate = s["per_device_train_batch_size"], s["gradient_accumulation_steps"]
     steps_per_generation = s["steps_per_generation"]
-    completions = _generation_batch(s)
-    if completions % micro:
+    completions = _generation_batch(s, processes)
+    if completions % (micro * processes):
         problems.append(f"generation_batch_size ({completions}) must be a multiple of per_device_train_batch_size "
-                        f"({micro}), as in TRL")
+                        f"({micro})" + (f" x {processes} processes" if processes > 1 else "") + ", as in TRL")
     elif s["generation_batch_size"] and steps_per_generation is None:
-        # TRL's __post_init__: a generation batch is generation_batch_size / per_device_train_batch_size
-        # micro-batches, taken as optimizer steps of gradient_accumulation_steps micro-batches each
-        steps_per_generation = completions // micro
+        # TRL's __post_init__: a generation batch is generation_batch_size / (per_device_train_batch_size x
+        # processes) micro-batches a process, taken as optimizer steps of gradient_accumulation_steps each
+        steps_per_generation = completions // (micro * processes)
     # TRL makes an optimizer step every gradient_accumulation_steps micro-batches: a generation batch of
     # steps_per_generation micro-batches is that many / accumulate updates, here algorithm.minibatches
     minibatch_count = 1
-    if steps_per_generation not in (None, accumulate) and not completions % micro:
+    if steps_per_generation not in (None, accumulate) and not completions % (micro * processes):
         if steps_per_generation % accumulate:
             # (TRL's own GRPOConfig fills in both from either: name both)
             problems.append(f"steps_per_generation / generation_batch_size ({completions} completions, "
@@ -531,7 +535,8 @@ def _placeholder_rows(environment_factory, s: dict) -> list[dict]:
     if not s["max_steps"] or s["max_steps"] <= 0:
         raise TRLCompatError("train_dataset: without one (the environment's reset() gives the prompts), max_steps "
                              "must be set to a positive value, as in TRL")
-    return [{"prompt": EMPTY_PROMPT} for _ in range(max(1, _generation_batch(s) // s["num_generations"]))]
+    rows = _generation_batch(s, launched_size()) // s["num_generations"]
+    return [{"prompt": EMPTY_PROMPT} for _ in range(max(1, rows))]
 
 
 class _RowRules:
@@ -959,7 +964,7 @@ class GRPOTrainer:
             s = {**TRL_DEFAULTS, **settings}
             if not s["max_steps"] or s["max_steps"] < 0:
                 raise TRLCompatError("train_dataset: an IterableDataset needs max_steps (as in TRL)")
-            limit = s["max_steps"] * _generation_batch(s) // s["num_generations"]
+            limit = s["max_steps"] * _generation_batch(s, launched_size()) // s["num_generations"]
         rows = _RowRules(environment_factory)
         n = _write_rows(train_dataset, out / "data" / "train.jsonl", limit=limit, rules=rows)
         eval_path, eval_rows = "", 0
@@ -971,6 +976,7 @@ class GRPOTrainer:
         # TRL reads max_tool_calling_iterations only in its tool loop: with tools, environment.max_turns (below)
         iterations = settings.pop("max_tool_calling_iterations", None)
         d = recipe_from_trl(settings, model=str(model), train_path=str(out / "data" / "train.jsonl"),
+                            processes=launched_size(),
                             eval_path=eval_path, reward_specs=specs, lora=_lora_section(peft_config, str(model)),
                             train_rows=n, eval_rows=eval_rows)
         if tools or environment_factory is not None:   # TRL's tool calls, as an environment (lowmem_grpo/tool_calls.py)

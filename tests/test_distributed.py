@@ -145,6 +145,82 @@ def test_two_processes_make_the_one_process_update(tiny_model_dir, tiny_data, tm
         assert a["row"]["loss"] is not None and a["row"]["loss"] != 0, name
 
 
+def test_the_launcher_checks_the_recipe_once_and_gives_torchrun_time_to_checkpoint(tiny_model_dir, tiny_data, tmp_path,
+                                                                                    monkeypatch):
+    """`--nproc N` reads the recipe before any process starts: a bad one, or a step whose prompts N processes cannot
+    share, is one error, said once (each process said it, then torchrun its own lines). And torchrun waits for the
+    processes to finish their step and checkpoint it after a Ctrl-C: its default 30 s killed a longer step, unsaved."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo import cli
+    from torch.distributed import run as torchrun
+
+    launched = []
+    monkeypatch.setattr(distributed, "launch", lambda nproc, argv, timeout: launched.append((nproc, argv, timeout)))
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"prompts_per_step": 4,
+                                                                         "collective_timeout_s": 600.5})
+    recipe = str(write_recipe(tmp_path / "r.yaml", d))
+    runner = CliRunner()
+    out = runner.invoke(cli.main, ["train", "--nproc", "2", recipe])
+    assert out.exit_code == 0 and launched == [(2, ["train", recipe], 601 + 120)], out.output
+    out = runner.invoke(cli.main, ["train", "--nproc", "3", recipe])
+    assert out.exit_code == 2 and "train.prompts_per_step=4 does not divide among 3 processes" in out.output
+    out = runner.invoke(cli.main, ["train", "--nproc", "2", recipe, "--set", "train.nonsense=1"])
+    assert out.exit_code == 2 and out.output.count("train.nonsense") == 1 and len(launched) == 1, out.output
+    out = runner.invoke(cli.main, ["eval", recipe, "--nproc", "3"])   # eval shares prompts, not steps: any N
+    assert out.exit_code == 0 and launched[-1][0] == 3 and launched[-1][2] == 721
+    # the timeout reaches torchrun as its own flag
+    seen = []
+    monkeypatch.undo()   # (the real distributed.launch, on a torchrun that records what it is given)
+    monkeypatch.setattr(torchrun, "run", seen.append)
+    distributed.launch(2, ["train", recipe], 721)
+    assert seen[0].shutdown_timeout == 721 and seen[0].nproc_per_node == "2"
+
+
+def test_a_worker_whose_agent_is_killed_is_stopped_as_by_ctrl_c(tmp_path):
+    """torchrun's agent killed with SIGKILL cannot stop its workers, which ran on as orphans holding the run folder
+    (found by a red team): a worker that sees its parent gone Ctrl-Cs itself (it finishes its step, checkpoints it).
+    Here: a parent starts a child that watches it, and exits; the child gets SIGINT."""
+    mark = tmp_path / "interrupted"
+    child = ("import signal, sys, time\n"
+             "from lowmem_grpo import distributed\n"
+             "distributed.stop_when_orphaned(poll_s=0.05)\n"
+             "try:\n"
+             "    time.sleep(60)\n"
+             "except KeyboardInterrupt:\n"
+             f"    open({str(mark)!r}, 'w').write('SIGINT')\n")
+    parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(2)")
+    subprocess.run([sys.executable, "-c", parent], timeout=60, check=True)
+    end = time.monotonic() + 30
+    while not mark.exists():
+        assert time.monotonic() < end, "the orphaned child was not interrupted"
+        time.sleep(0.05)
+    assert mark.read_text() == "SIGINT"
+
+
+def test_a_resume_with_another_process_count_gives_each_process_its_own_streams():
+    """From a checkpoint of another process count, every process restores process 0's state and the others start
+    streams of their own: Python's and numpy's too (a reward or environment that draws from random or numpy drew
+    alike in every process; found by a red team)."""
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from lowmem_grpo.train import Trainer
+
+    ckpt.seed_all(0)
+    states = [ckpt.rng_state()]   # a one-process run's checkpoint
+    draws = []
+    for rank in (0, 1):
+        trainer = SimpleNamespace(world=World(rank, 2), recipe=SimpleNamespace(seed=3), step=5, log=lambda *a: None)
+        Trainer._restore_rng(trainer, states)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(1))))
+    assert all(a != b for a, b in zip(*draws))
+    Trainer._restore_rng(SimpleNamespace(world=World(0, 2), recipe=None, step=5, log=lambda *a: None), states)
+    assert random.random() == draws[0][0]   # process 0 continues the checkpoint's streams
+
+
 def test_prompts_per_step_that_does_not_divide_among_the_processes_is_an_error(tiny_model_dir, tiny_data, tmp_path):
     from lowmem_grpo.recipe import recipe_from_dict
     from lowmem_grpo.train import Trainer, TrainingError
@@ -356,6 +432,9 @@ def test_ctrl_c_under_eval_nproc_leaves_each_processs_share_in_part_files(tiny_m
                     generation={"max_new_tokens": 8})
     d["rewards"] = {"functions": [{"function": "user_rewards:marks_its_calls"}]}
     mark, out, log = tmp_path / "scored", tmp_path / "eval", tmp_path / "log.txt"
+    out.mkdir()   # an earlier eval's results there: not this one's (they passed for it; found by a red team)
+    for name in ("summary.json", "samples.jsonl", "summary.part-0-of-3.json", "samples.part-2-of-3.jsonl"):
+        (out / name).write_text("{}\n")
     proc = subprocess.Popen([sys.executable, "-m", "lowmem_grpo", "eval", str(write_recipe(tmp_path / "r.yaml", d)),
                              "--nproc", "2", "--k", "1000", "--out", str(out)],   # 20 x 1,000 samples each: minutes
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -368,7 +447,8 @@ def test_ctrl_c_under_eval_nproc_leaves_each_processs_share_in_part_files(tiny_m
     assert proc.wait(timeout=90) != 0
     text = log.read_text()
     assert "each process writes the completions it has to the eval folder" in text and "Traceback" not in text, text[-3000:]
-    assert not (out / "summary.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["samples.part-0-of-2.jsonl", "samples.part-1-of-2.jsonl",
+                                                      "summary.part-0-of-2.json", "summary.part-1-of-2.json"]
     for rank in (0, 1):
         summary = json.loads((out / f"summary.part-{rank}-of-2.json").read_text())
         lines = (out / f"samples.part-{rank}-of-2.jsonl").read_text().splitlines()

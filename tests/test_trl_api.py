@@ -847,3 +847,22 @@ def test_save_strategy_is_read_not_ignored():
     assert d["output"]["save_every"] == d["train"]["steps"] == 7
     with pytest.raises(TRLCompatError, match="save_strategy: 'best' is not here"):
         _recipe(save_strategy="best")
+
+
+def test_under_torchrun_a_generation_batch_is_every_processs_as_in_trl():
+    """TRL's generation batch is per_device_train_batch_size x processes x steps_per_generation: under torchrun a
+    step here had one process's batch (found by a red team), and per_device_train_batch_size=2 with G = 2 on two
+    processes was refused (1 prompt a step among 2)."""
+    def step(processes, **given):
+        d = recipe_from_trl({"num_generations": 2, **given}, model="m", train_path="t", reward_specs=SPEC,
+                            train_rows=64, processes=processes)
+        return d["train"]["prompts_per_step"], d["train"]["micro_batch_size"], d["algorithm"].get("minibatches", 1)
+
+    assert step(1, per_device_train_batch_size=4) == (2, 4, 1)
+    assert step(2, per_device_train_batch_size=4) == (4, 4, 1)
+    assert step(2, per_device_train_batch_size=2) == (2, 2, 1)
+    assert step(2, per_device_train_batch_size=2, steps_per_generation=2) == (4, 2, 2)
+    # generation_batch_size is the whole batch: 8 completions are 2 micro-batches of 2 in each of 2 processes
+    assert step(2, per_device_train_batch_size=2, generation_batch_size=8) == (4, 2, 2)
+    with pytest.raises(TRLCompatError, match=r"must be a multiple of per_device_train_batch_size \(2\) x 2 processes"):
+        step(2, per_device_train_batch_size=2, generation_batch_size=6)
