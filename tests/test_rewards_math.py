@@ -426,7 +426,9 @@ def test_more_letters_without_a_vowel_set_apart_from_a_number_are_a_product():
     may count something) and a unit abbreviation without a vowel ('3 hrs', '4 lbs') are still units."""
     cases = [(r"\boxed{2 xyz}", "2", 0.0), (r"\boxed{2}", "2 xyz", 0.0), (r"\boxed{2 xyz}", "2xyz", 1.0),
              (r"\boxed{2xyz}", "2 x y z", 1.0), (r"\boxed{3 hrs}", "3", 1.0), (r"\boxed{4 lbs}", "4", 1.0),
-             (r"\boxed{60 mph}", "60", 1.0), (r"\boxed{3 abc}", "3", 1.0), (r"\boxed{5 cats}", "5", 1.0)]
+             (r"\boxed{60 mph}", "60", 1.0), (r"\boxed{3 abc}", "3", 1.0), (r"\boxed{5 cats}", "5", 1.0),
+             (r"\boxed{10 yrs}", "10", 1.0), (r"\boxed{2 tsp}", "2", 1.0), (r"\boxed{3 wks}", "3", 1.0),
+             (r"\boxed{12 pts}", "12", 1.0)]
     assert not _wrong(cases)
     assert as_number("2 xyz") is None and as_number("3 hrs") == 3
 

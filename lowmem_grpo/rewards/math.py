@@ -240,7 +240,10 @@ _NOT_UNITS = {"pi", "e", "i", "j", "sqrt", "infty", "inf", "infinity", "x", "y",
 # set apart ('2 m', '3\\,s'), or an abbreviation that may be glued to it ('5cm', '2kg', '3rd').
 _UNIT_LETTERS = {"m", "g", "s", "h", "l", "L"}
 _GLUED_UNITS = {"cm", "mm", "km", "kg", "mg", "ml", "mL", "ft", "lb", "lbs", "oz", "yd", "yds", "mi", "hr", "hrs",
-                "min", "mins", "sec", "secs", "mph", "kph", "kmh", "st", "nd", "rd", "th"}
+                "min", "mins", "sec", "secs", "mph", "kph", "kmh", "st", "nd", "rd", "th",
+                # (abbreviations no vowel spells: without them here, '10 yrs' would read as 10*y*r*s)
+                "yrs", "wk", "wks", "pts", "qts", "tsp", "tbsp", "pcs", "pkg", "pkgs", "ppl", "mth", "mths", "ltr",
+                "ltrs", "sqft"}
 # Two lowercase letters set apart from a number are a product of variables too ('2 xy', '3 ab': math-verify reads
 # 2*x*y), unless they are a unit abbreviation or a short English word that can follow a number in prose; so are
 # more, when no vowel makes them a word ('2 xyz', 'abc' left a word: '3 abc' may count something).
