@@ -133,7 +133,8 @@ class PromptSet:
     """The usable rows of one source, rendered and tokenized when asked for. `limit`: only the first N
     rows. `rows`: these rows instead of reading `path` (which then only labels errors). `source`: an
     opened source (open_source, or a part of one) instead of reading `path`. `require_answer`: every row must
-    hold data.answer_field (False when no reward reads it, Rewards.reads_answer).
+    hold data.answer_field (False when no reward reads it, Rewards.reads_answer). `context_tokens`: the model's
+    context (model.context_tokens); a prompt that fills it, leaving no room for a completion, is a bad row.
 
     `examples[i]` is the i-th usable row's Example. Rows found bad in the start-up check are not in the
     set; a row found bad later is an error (on_bad_row=error) or, with skip, counted in `skipped` (every
@@ -145,8 +146,10 @@ class PromptSet:
       once (a replacement would score one prompt twice)."""
 
     def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: Optional[int] = None,
-                 rows: Optional[list] = None, source=None, require_answer: bool = True, held_out: bool = False):
+                 rows: Optional[list] = None, source=None, require_answer: bool = True, held_out: bool = False,
+                 context_tokens: Optional[int] = None):
         self.path, self.cfg, self.tokenizer = path, cfg, tokenizer
+        self.context_tokens = context_tokens
         self.require_answer = require_answer   # False: no reward reads data.answer_field, so rows may lack it
         self.held_out = held_out   # True: a row found bad after start-up leaves the set (never replaced)
         if source is None:
@@ -305,6 +308,10 @@ class PromptSet:
                             "characters: check that model.name_or_path holds the model's tokenizer files)")
         if len(ids) > cfg.max_prompt_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, over data.max_prompt_tokens={cfg.max_prompt_tokens}")
+        # vLLM refuses such a prompt mid-run, transformers decodes past the model's positions (found by a red team)
+        if self.context_tokens is not None and len(ids) >= self.context_tokens:
+            raise DataError(f"prompt is {len(ids)} tokens, which fills the model's context ({self.context_tokens} "
+                            "tokens, its max_position_embeddings): no room is left for a completion")
         return Example(row, text, ids, chat)
 
 
@@ -604,11 +611,11 @@ def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
 
 
 def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_answer: bool = True,
-                for_eval: bool = False) -> dict:
+                for_eval: bool = False, context_tokens: Optional[int] = None) -> dict:
     """{split: PromptSet or None} for each asked split: 'train', the training set; 'test', the held-out set
     (None when the recipe has none): `data.eval_path`, else the `data.eval_fraction` split of
-    `data.train_path`, whose source is opened once for both. `require_answer`: as PromptSet's (pass
-    Rewards.reads_answer). Errors name the field.
+    `data.train_path`, whose source is opened once for both. `require_answer`, `context_tokens`: as PromptSet's
+    (pass Rewards.reads_answer, model.context_tokens). Errors name the field.
 
     The 'test' set is always a held-out PromptSet (held_out=True: a bad row met late is dropped and counted in
     `skipped`, never replaced, so eval scores no prompt twice); `for_eval` makes the 'train' set one too (an
@@ -627,21 +634,23 @@ def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_ans
     for w in which:
         if w == "test" and cfg.eval_path:
             out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer, require_answer=require_answer,
-                                              held_out=True), "data.eval_path")
+                                              held_out=True, context_tokens=context_tokens), "data.eval_path")
         elif w not in sources:
             out[w] = None
         else:
             label = cfg.train_path + (f" ({'held-out' if w == 'test' else 'training'} part, data.eval_fraction="
                                       f"{cfg.eval_fraction})" if split else "")
             out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w], require_answer=require_answer,
-                                              held_out=for_eval or w == "test"), "data.train_path")
+                                              held_out=for_eval or w == "test", context_tokens=context_tokens),
+                            "data.train_path")
     return out
 
 
 def prompt_set(cfg: DataConfig, tokenizer, which: str, require_answer: bool = True,
-               for_eval: bool = False) -> "PromptSet | None":
+               for_eval: bool = False, context_tokens: Optional[int] = None) -> "PromptSet | None":
     """One split of prompt_sets."""
-    return prompt_sets(cfg, tokenizer, (which,), require_answer=require_answer, for_eval=for_eval)[which]
+    return prompt_sets(cfg, tokenizer, (which,), require_answer=require_answer, for_eval=for_eval,
+                       context_tokens=context_tokens)[which]
 
 
 def _named(fn, field: str):

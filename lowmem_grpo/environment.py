@@ -35,7 +35,9 @@ every model turn.
 Whatever an environment does wrong (its constructor, reset or step raises, or returns the wrong types) ends
 that completion's episode and is counted (env/errors), never a crashed run: `checked_reset` and
 `checked_step` say what is wrong in a sentence that names the method and what was allowed. An EnvError that
-reset or step raises is the exception: the environment says the run cannot go on, and the run stops.
+reset or step raises is the exception: the environment says the run cannot go on, and the run stops. So does a
+training step whose every episode ended in an error while none of the run has yet ended without one
+(train.py's _check_env_errors: an environment that always fails).
 
 Built-ins: `python` (PythonTool): code between <python> and </python> runs in the sandbox
 (rewards/sandbox.py), its output comes back as the observation.
@@ -45,12 +47,11 @@ from __future__ import annotations
 
 import inspect
 import json
-import types
-import typing
 from math import isfinite
 from typing import Any, Optional
 
 from .user_code import import_named, short_repr
+from .user_code import kwargs_type_problems as check_kwarg_types
 
 # Built-in environments by short name -> 'module:Class'.
 BUILTINS: dict[str, str] = {"python": "lowmem_grpo.environment:PythonTool"}
@@ -186,47 +187,10 @@ def kwargs_problem(name: str, cls: type, kwargs: dict) -> Optional[str]:
     return None
 
 
-# Annotations whose values a recipe can hold and validate can check; anything else (unannotated, Any, a class,
-# a Literal, a Union of other things) is left to the constructor. bool is no int or float here (YAML's `yes`).
-_SIMPLE = {int: "int", float: "float", str: "str", bool: "bool", list: "list", dict: "dict", type(None): "null"}
-
-
-def _accepts(kind: type, value) -> bool:
-    if kind is float:   # a whole number in YAML is an int
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is list:
-        return isinstance(value, (list, tuple))
-    return isinstance(value, kind)
-
-
-def _simple_kinds(annotation) -> Optional[tuple]:
-    """The simple types an annotation allows (Optional/Union of them, list[...]/dict[...] as list/dict), or None
-    when it is anything else (left unchecked)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union or origin is types.UnionType:
-        kinds = [_simple_kinds(a) for a in typing.get_args(annotation)]
-        return None if any(k is None for k in kinds) else tuple(k for ks in kinds for k in ks)
-    kind = origin if origin in (list, dict) else annotation
-    return (kind,) if kind in _SIMPLE else None
-
-
 def kwargs_type_problems(name: str, cls: type, kwargs: dict) -> list[tuple[str, str]]:
-    """(recipe key, message) for each kwarg whose value is not of its parameter's simple annotated type
-    (int, float, str, bool, list, dict, Optional of those); other annotations are not checked."""
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:   # a name the annotations use cannot be resolved, or no __init__ to read: nothing to check
-        return []
-    problems = []
-    for key, value in kwargs.items():
-        kinds = _simple_kinds(hints[key]) if key in hints else None
-        if kinds is not None and not any(_accepts(kind, value) for kind in kinds):
-            allowed = " or ".join(dict.fromkeys(_SIMPLE[k] for k in kinds))
-            problems.append((f"environment.kwargs.{key}", f"environment {name!r} takes {key} as {allowed}, got "
-                                                          f"{short_repr(value)} ({type(value).__name__})"))
-    return problems
+    """(recipe key, message) for each kwarg whose value is not of its constructor parameter's simple annotated type
+    (user_code.kwargs_type_problems: the rule reward functions' kwargs follow too)."""
+    return check_kwarg_types(f"environment {name!r}", cls, kwargs, "environment.kwargs")
 
 
 def environment_problems(cfg) -> list[tuple[str, str]]:

@@ -339,6 +339,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     samples with its own stream, and process 0 writes the whole."""
     from . import distributed
     from .data import DataError, prompt_drift, prompt_set
+    from .model import context_tokens
     from .rewards import Rewards
 
     world = world or distributed.World()
@@ -357,7 +358,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
             log(warning)
     rewards, g = Rewards.from_recipe(recipe), recipe.generation   # (before the model: a bad reward fails fast)
     model, tok = _load(recipe, adapter_dir, model_dir)
-    pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer)
+    pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer, context_tokens=context_tokens(model))
     if pset is None:
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")

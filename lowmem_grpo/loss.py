@@ -18,11 +18,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Union, get_args
 
 import torch
 
+from .recipe import AlgorithmConfig
+
 Bound = Union[float, torch.Tensor]
+
+
+def _allowed(field: str) -> tuple[str, ...]:
+    """The values algorithm.<field> may take: its Literal in the recipe schema, the one list of them (a value added
+    there reaches these checks too; tests/test_loss.py checks each has its branch here)."""
+    return get_args(AlgorithmConfig.model_fields[field].annotation)
+
+
+KL_TARGETS = _allowed("kl_target")
+CLIPS = _allowed("clip")
+LEVELS = _allowed("importance_sampling_level")
+SAMPLER_CORRECTIONS = _allowed("sampler_correction")
+AGGREGATIONS = _allowed("aggregation")
 
 # -- KL estimators (Schulman 2020, "Approximating KL divergence"), samples from the sampling policy ------
 # Each estimates KL(pi_theta || pi_other) from the sampled tokens' log-probs; `other` is the reference
@@ -55,7 +70,7 @@ def kl_terms(logp, logp_ref, logp_old, *, target: str, beta: float, beta_mirror:
     beta_mirror * KL to the policy that sampled the batch. A term that is off (its target not chosen, or its
     beta 0) is None; penalty is None when both are. ref_weight (with its gradient) multiplies the reference
     term in the penalty (§4.4: the importance ratio); kl_ref stays the plain estimate."""
-    if target not in ("ref", "mirror", "both", "none"):
+    if target not in KL_TARGETS:
         raise ValueError(f"unknown kl target {target!r}")
     est = KL_ESTIMATORS[estimator]
     kl_ref = est(logp, logp_ref) if target in ("ref", "both") and beta > 0 else None
@@ -107,8 +122,6 @@ def clip_bounds(clip: str, logp_old: torch.Tensor, eps_low: float, eps_high: flo
     raise ValueError(f"unknown clip {clip!r}")
 
 
-CLIPS = ("ratio", "target", "cispo", "sapo", "vespo")
-LEVELS = ("token", "sequence")
 VESPO_SHAPE = (2.0, 3.0, 3.0, 2.0)   # (k_pos, lambda_pos, k_neg, lambda_neg): the paper's and TRL's defaults
 # Bounds in log space: a token's log-ratio within +-20, the sequence's log w within [log 1e-8, 20], as the VESPO
 # paper's code (and TRL) bound them, so that exp never overflows and a vanishing w stays a number.
@@ -152,6 +165,8 @@ def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: f
                               *sapo_temperatures)
     if clip == "target":
         return target_clip_surrogate(logp, logp_old, advantages)
+    if clip != "ratio":   # a value the schema allows and this function does not know yet
+        raise ValueError(f"clip {clip!r} has no surrogate in loss.surrogate")
     if level == "token" and delta is None:  # today's path, op for op
         return ratio_clip_surrogate(logp, logp_old, advantages, eps_low, eps_high)
     ratio = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index))
@@ -335,9 +350,6 @@ def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_lo
 
 # -- Sampler-mismatch correction (docs/algorithm.md §15) ----------------------------------------------------
 
-SAMPLER_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
 def sampler_correction_weights(logp_at_rollout: torch.Tensor, logp_sampler: torch.Tensor,
                                seq_index: Optional[torch.Tensor], mode: str, low: float,
                                high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,6 +372,8 @@ def sampler_correction_weights(logp_at_rollout: torch.Tensor, logp_sampler: torc
         ratio = torch.exp(log_ratio)
         if mode.endswith("_truncate"):
             return torch.clamp(ratio, max=high), torch.zeros_like(ratio, dtype=torch.bool)
+        if not mode.endswith("_mask"):   # a value the schema allows and this function does not know yet
+            raise ValueError(f"sampler correction {mode!r} has no weights in loss.sampler_correction_weights")
         masked = (ratio < low) | (ratio > high)
         return torch.where(masked, torch.zeros_like(ratio), ratio), masked
 

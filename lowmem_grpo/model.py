@@ -345,6 +345,13 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def context_tokens(model) -> Optional[int]:
+    """The most tokens (prompt + completion) the model takes: its config's max_position_embeddings (what vLLM's
+    max_model_len derives from), or None where the config does not say."""
+    most = getattr(text_config(getattr(model, "config", None)), "max_position_embeddings", None)
+    return most if isinstance(most, int) and not isinstance(most, bool) and most > 0 else None
+
+
 def logit_transform(config) -> tuple[float, Optional[float]]:
     """(scale, softcap): what the model's forward does to the LM head's output before anyone samples from it,
     logits = softcap * tanh(scale * head(h) / softcap) (Gemma 2-4 soft-cap; Cohere and Granite scale). The

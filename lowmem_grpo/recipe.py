@@ -175,7 +175,7 @@ class RewardSpec(_Section):
         default_factory=dict, description="The reward's options: a built-in's are checked against its schema (the reward "
         "options table); a user function gets them as keyword arguments, each one a parameter it accepts.")
     convention: Literal["auto", "lowmem", "trl"] = Field(
-        "auto", description="How a user function is called. lowmem: f(completions, *, prompts, rows, **kwargs), text, "
+        "auto", description="How a user function is called. lowmem: f(completions, *, prompts, rows, each kwarg), text, "
         "None = skip the completion. trl: as TRL's GRPOTrainer calls reward functions (keywords: prompts, completions, "
         "completion_ids, trainer_state, each dataset column by name; chat rows as message lists; None = does not apply). "
         "auto: lowmem when the function has a parameter named rows, else trl when it takes completions by keyword "
@@ -224,6 +224,20 @@ class GenerationConfig(_Section):
     kv_cache_memory_bytes: int = Field(
         1 << 30, ge=1 << 20, description="engine=vllm: bytes of KV cache, allocated once at start-up (vLLM would "
         "otherwise take most of the GPU, or of the machine on CPU); too small only makes vLLM preempt and recompute.")
+
+    @model_validator(mode="after")
+    def _engine_limits(self) -> "GenerationConfig":
+        # vLLM raises a temperature in (0, 0.01) to 0.01 (its warning hidden): it would sample and report
+        # log-probs at another temperature than the trainer's (found by a red team)
+        if self.engine == "vllm" and self.temperature < VLLM_MIN_TEMPERATURE:
+            raise FieldProblems([("temperature", f"is {self.temperature:g}, below {VLLM_MIN_TEMPERATURE:g}, the lowest "
+                                                 "vLLM samples at (it raises a lower one to that, while the trainer's "
+                                                 f"log-probs would use {self.temperature:g}); set temperature >= "
+                                                 f"{VLLM_MIN_TEMPERATURE:g}, or use engine: hf")])
+        return self
+
+
+VLLM_MIN_TEMPERATURE = 0.01   # vllm/sampling_params.py's _MAX_TEMP (0.32)
 
 
 class EnvironmentConfig(_Section):

@@ -24,7 +24,11 @@ SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>"}
 
 
 def build_tokenizer():
-    """Character-level fast tokenizer with pad/bos/eos, as a transformers tokenizer."""
+    """Character-level fast tokenizer with pad/bos/eos, as a transformers tokenizer. It covers CHARS alone (the
+    addition task's digits and `+-*=() `): other text, letters and newlines included, is <unk> here and, loaded
+    back from a saved folder, no tokens at all. An environment experiment needs a tokenizer that covers its
+    observations' text, or the model never sees them (rollout/turns.py warns once): build_tool_tokenizer (printable
+    ASCII and newline) for the tiny model."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -307,7 +311,7 @@ def final_answer(text: str) -> str:
     return text.strip()
 
 
-def tool_answer_reward(completions: list[str], *, prompts: list[str], rows: list[dict], **kwargs) -> list[float]:
+def tool_answer_reward(completions: list[str], *, prompts: list[str], rows: list[dict]) -> list[float]:
     """1.0 when final_answer(completion) is exactly the row's answer, else 0.0 (as 'lowmem_grpo.tiny:tool_answer_reward')."""
     return [float(final_answer(c) == str(r["answer"])) for c, r in zip(completions, rows)]
 

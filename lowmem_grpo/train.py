@@ -54,8 +54,8 @@ from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, comp
                      device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload,
                      out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os)
 from .metrics import PhaseTimer, read_metrics, summary_line, text_ends
-from .model import (check_logit_head, eval_mode, load_policy, reference_mode, takes_shared_prompts, text_config,
-                    trainable_parameters)
+from .model import (check_logit_head, context_tokens, eval_mode, load_policy, reference_mode, takes_shared_prompts,
+                    text_config, trainable_parameters)
 from .progress import Progress, library_bars, use_bar
 from .recipe import Recipe, prompts_share_problem, recipe_to_yaml
 from .rewards import Rewards
@@ -199,13 +199,14 @@ class Trainer:
         self.rewards = Rewards.from_recipe(recipe)
         self.env = EnvironmentFactory(recipe.environment) if recipe.environment.name else None   # §20
         self._env_error_logged = False
-        self._env_started = False   # an episode has started: its environment was made and reset (_log_env_error)
+        self._env_worked = False   # an episode has ended without an environment error (_check_env_errors)
         self._no_reward_logged = False   # a step whose every completion had no reward: said once (_log_no_reward)
         for note in self.env.notes if self.env else []:
             self.log(f"[lowmem-grpo] {note}")
         # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set). Rows
         # need data.answer_field only when a reward reads it.
-        sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer)
+        sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer,
+                           context_tokens=context_tokens(self.model))   # (a prompt that fills it: a bad row)
         self.train_set, self.eval_set = sets["train"], sets["test"]
         self.rewards.train_rows = len(self.train_set)   # TRL-shaped rewards' trainer_state.epoch
         for note in self.rewards.notes + judging_notes(recipe):  # e.g. the code sandbox's active protections
@@ -369,19 +370,24 @@ class Trainer:
                 parts = distributed.gather((completions, texts, result), self.world)
             out = Rollouts.cat([Rollouts(share, *part) for share, part in
                                 zip(distributed.shares(examples, self.world), parts)], self.recipe.generation.num_generations)
-        self._log_env_error(out.completions)   # the whole step's: one process's share alone stopped a run that one
-        return out                             # process would go on with (found by a red team)
+        self._check_env_errors(out.completions)   # the whole step's: one process's share alone stopped a run that
+        return out                                # one process would go on with (found by a red team)
 
-    def _log_env_error(self, completions) -> None:
-        """The run's first environment error, once (all of them are counted in env/errors). Until an episode has
-        started, a step in which none could (the environment's constructor or reset() failed every time) stops the
-        run: it gave every step no reward, to the end, without a word past the first."""
+    def _check_env_errors(self, completions) -> None:
+        """Stops the run (a TrainingError) at a step whose every episode ended in an environment error while no
+        episode of the run has yet ended without one: an environment that always fails (its constructor, reset()
+        or step()) gave every step no reward, to the end, without a word past the first (found by audits). Else
+        logs the run's first environment error, once (all of them are counted in env/errors)."""
         bad = next((c.env.error for c in completions if c.env is not None and c.env.error), None)
-        started = [c.env is None or c.env.turns > 0 or not c.env.error for c in completions]
-        if not self._env_started and not any(started):
-            raise TrainingError(f"environment {self.recipe.environment.name!r} could not start any episode of step "
-                                f"{self.step + 1}: {bad}")
-        self._env_started = True
+        worked = any(c.env is None or not c.env.error for c in completions)
+        if not self._env_worked and not worked and completions:
+            name, step = self.recipe.environment.name, self.step + 1
+            if not any(c.env.turns > 0 for c in completions):
+                raise TrainingError(f"environment {name!r} could not start any episode of step {step}: {bad}")
+            raise TrainingError(f"environment {name!r}: every episode of step {step} ended in an environment error, "
+                                "and no episode has ended without one yet: fix the environment (model text it cannot "
+                                f"use calls for an observation saying so, not an error); the first: {bad}")
+        self._env_worked = self._env_worked or worked
         if bad and not self._env_error_logged:
             self._env_error_logged = True
             self.log(f"[lowmem-grpo] environment {self.recipe.environment.name!r}: {bad} (that completion's episode "
@@ -1032,8 +1038,9 @@ def no_reward_note(recipe: Recipe, completions, total: torch.Tensor, step: int) 
         limits = (f" ({cut} of {len(ran)} episodes were cut by a limit: environment.max_turns, "
                   "environment.max_total_tokens or a turn's generation.max_new_tokens)" if cut else "")
         what = f"the environment {recipe.environment.name!r} gave no reward{limits}, and {functions}"
-        fix = ("give a reward in step() on every turn, not only when done (or raise those limits), or list a "
-               "reward function under rewards.functions")
+        fix = ("give the environment a final_reward() (read once when an episode ends, whatever ended it), or "
+               "a reward in step() on every turn, not only when done (or raise those limits), or list a reward "
+               "function under rewards.functions")
     else:
         what, fix = functions, "check that the reward functions can score these completions (None is a skip)"
     return (f"[lowmem-grpo] step {step}: every completion was skipped for want of any reward: {what}; the step "

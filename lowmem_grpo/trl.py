@@ -196,7 +196,7 @@ class GRPOConfig:
 
     def __init__(self, output_dir: Optional[str] = None, **settings):
         # output_dir may come first by position, as in TRL's own GRPOConfig(f"{model_name}-GRPO")
-        self._given = {**({"output_dir": output_dir} if output_dir is not None else {}), **settings}
+        self._given = _json_settings({**({"output_dir": output_dir} if output_dir is not None else {}), **settings})
         for name, value in {**TRL_DEFAULTS, **self._given}.items():
             setattr(self, name, value)
 
@@ -255,9 +255,9 @@ def _given_settings(args) -> dict:
     if args is None:
         return {}
     if isinstance(args, GRPOConfig):
-        return {k: _plain(v) for k, v in args.given().items()}
+        return _json_settings({k: _plain(v) for k, v in args.given().items()})
     if isinstance(args, dict):
-        return {k: _plain(v) for k, v in args.items()}
+        return _json_settings({k: _plain(v) for k, v in args.items()})
     if dataclasses.is_dataclass(args):
         out = {}
         for f in dataclasses.fields(args):
@@ -268,6 +268,60 @@ def _given_settings(args) -> dict:
                 out[f.name] = _plain(value)
         return out
     raise TRLCompatError(f"args: expected a GRPOConfig (this module's or TRL's) or a dict, got {type(args).__name__}")
+
+
+# TRL's GRPOConfig reads a str that starts with "{" as JSON in these (transformers' _VALID_DICT_FIELDS), as CLI-style
+# scripts (TrlParser) pass them
+JSON_SETTINGS = ("generation_kwargs", "chat_template_kwargs", "model_init_kwargs")
+
+
+def _json_settings(settings: dict) -> dict:
+    """`settings` with a JSON text in a JSON_SETTINGS setting read as TRL's GRPOConfig reads it (json.loads, then
+    transformers' _convert_str_dict: "true"/"false" and digits as values); any other str stays, to be refused."""
+    out = dict(settings)
+    for name in JSON_SETTINGS:
+        value = out.get(name)
+        if isinstance(value, str) and value.startswith("{"):
+            try:
+                out[name] = _str_values(json.loads(value))
+            except json.JSONDecodeError as exc:
+                raise TRLCompatError(f"GRPOConfig: {name} is not valid JSON ({exc.msg} at character {exc.pos}): "
+                                     f"{value!r:.60}") from None
+    return out
+
+
+def _str_values(value):
+    """transformers' _convert_str_dict (training_args.py): in a mapping, recursively, a str "true"/"false" (any
+    case) becomes a bool, one of digits an int, one of digits with one '.' a float."""
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, dict):
+            v = _str_values(v)
+        elif isinstance(v, str) and v.lower() in ("true", "false"):
+            v = v.lower() == "true"
+        elif isinstance(v, str) and v.isdigit():
+            v = int(v)
+        elif isinstance(v, str) and v.replace(".", "", 1).isdigit():
+            v = float(v)
+        out[key] = v
+    return out
+
+
+def _top_k(value):
+    """TRL's top_k as the recipe's: -1 is vLLM's "off" (TRL passes it to vLLM as it is), 0 the recipe's."""
+    return 0 if value is None or (value == -1 and not isinstance(value, bool)) else value
+
+
+def _argument(key: str, settings: dict) -> str:
+    """The script's argument that a recipe key was made from (FROM_TRL), generation_kwargs['top_k'] where that one
+    set it (over top_k)."""
+    name = key.removeprefix("generation.")
+    kwargs = settings.get("generation_kwargs")
+    if name != key and isinstance(kwargs, dict) and kwargs.get(name) is not None:
+        return f"generation_kwargs[{name!r}]"
+    return FROM_TRL.get(key, "reward_weights" if key.endswith(".weight") else key)
 
 
 def _generation_batch(s: dict, processes: int = 1) -> int:
@@ -284,6 +338,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
     TRL's defaults standing in for the rest, on `processes` processes (torchrun's, as accelerate's for TRL). Raises
     TRLCompatError naming each setting that cannot be carried over."""
+    settings = _json_settings(settings)
     unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED
                      and k not in NOT_HERE)
     if unknown:
@@ -438,9 +493,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         # log-probs' here (one temperature, docs/algorithm.md §11)
         "generation": {"engine": "vllm" if s["use_vllm"] else "hf", "num_generations": g,
                        "max_new_tokens": s["max_completion_length"], "temperature": s["temperature"],
-                       "top_p": s["top_p"], "top_k": s["top_k"] or 0, "min_p": s["min_p"] or 0.0,
+                       "top_p": s["top_p"], "top_k": _top_k(s["top_k"]), "min_p": s["min_p"] or 0.0,
                        "repetition_penalty": s["repetition_penalty"],
-                       **{k: v for k, v in sampling.items() if v is not None}},
+                       **{k: _top_k(v) if k == "top_k" else v for k, v in sampling.items() if v is not None}},
         "algorithm": algorithm,
         "optimizer": {"name": OPTIMIZERS[s["optim"]], "lr": s["learning_rate"],
                       "schedule": SCHEDULES[s["lr_scheduler_type"]],
@@ -994,8 +1049,7 @@ class GRPOTrainer:
         try:
             self.recipe: Recipe = recipe_from_dict(d)
         except RecipeError as exc:   # named by the script's argument first, then by the recipe key it became
-            lines = [f"  {FROM_TRL.get(k, 'reward_weights' if k.endswith('.weight') else k)} ({k}): {m}"
-                     for k, m in exc.problems]
+            lines = [f"  {_argument(k, settings)} ({k}): {m}" for k, m in exc.problems]
             raise TRLCompatError("these arguments cannot be run here:\n" + "\n".join(lines)) from None
         self.args, self.log, self.output_dir, self._processing_class = args, log, out, processing_class
         self.train_dataset, self.eval_dataset, self.train_rows = train_dataset, eval_dataset, n

@@ -127,6 +127,23 @@ def test_a_huge_prompt_is_refused_without_tokenizing_it(tmp_path, kind):
         _open(f, tok, **cfg)
 
 
+def test_a_prompt_that_fills_the_models_context_is_a_bad_row(tmp_path, tok):
+    """Found by a red team: a prompt of the model's context or longer leaves no room for a completion (vLLM refused
+    it mid-run with a traceback). With context_tokens it is that row's error, or a counted skip, in every split."""
+    rows = [{"prompt": "1" * n + "+1=", "answer": "2"} for n in (1, 9, 10, 2)]   # BOS + n + 3 tokens: 5, 13, 14, 6
+    f = tmp_path / "d.jsonl"
+    tiny.write_jsonl(rows, f)
+    with pytest.raises(DataError, match=r"d.jsonl: row 3: prompt is 14 tokens, which fills the model's context "
+                                        r"\(14 tokens, its max_position_embeddings\): no room is left for a completion"):
+        PromptSet(str(f), DataConfig(train_path=str(f)), tok, context_tokens=14)
+    ps = PromptSet(str(f), DataConfig(train_path=str(f), on_bad_row="skip"), tok, context_tokens=14)
+    assert [len(e.prompt_ids) for e in ps.examples] == [5, 13, 6] and len(ps.skipped) == 1
+    assert ps.skipped[0].startswith("row 3: prompt is 14 tokens, which fills the model's context")
+    assert len(PromptSet(str(f), DataConfig(train_path=str(f)), tok, context_tokens=15)) == 4   # 14 < 15: room for one
+    sets = prompt_sets(DataConfig(train_path=str(f), eval_path=str(f), on_bad_row="skip"), tok, context_tokens=14)
+    assert [len(s) for s in sets.values()] == [3, 3] and all(len(s.skipped) == 1 for s in sets.values())
+
+
 # ----------------------------------------------------------------------------------------------------
 # F3: a held-out set (what eval scores) drops a row found bad after start-up; a training set replaces it
 

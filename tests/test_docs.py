@@ -120,3 +120,59 @@ def test_every_recipe_key_in_the_readmes_trl_table_exists():
     named = set(re.findall(r"`((?:model|lora|data|rewards|generation|algorithm|optimizer|train|output)\.[\w\[\].]+)", section))
     named = {n.rstrip("._") for n in named}
     assert len(named) > 30 and not named - keys, sorted(named - keys)
+
+
+def table_values(text: str, key_pattern: str) -> dict[str, str]:
+    """{key: the value cells of its rows} of a markdown table whose first column names keys (a row whose first cell
+    is empty continues the row above it)."""
+    values: dict[str, str] = {}
+    keys: list[str] = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 2 or set(cells[0]) <= {"-"} and cells[0]:
+            continue
+        keys = re.findall(key_pattern, cells[0]) or (keys if not cells[0] else [])
+        for key in keys:
+            values[key] = values.get(key, "") + " " + cells[1]
+    return values
+
+
+def test_every_algorithm_value_is_in_both_option_tables():
+    """Found by an audit: the values the recipe schema allows (loss.py reads its Literals too) were written out by
+    hand in the README's algorithm table and docs/algorithm.md's "Options at a glance", and nothing tied them
+    together. Every value of every Literal option of `algorithm.` is named in its key's rows of both."""
+    from typing import Literal, get_args, get_origin
+
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = table_values(readme.split("## Algorithm options", 1)[1].split("\n#", 1)[0], r"`([\w*]+)`")
+    glance = ALGORITHM.read_text(encoding="utf-8").split("### Options at a glance", 1)[1].split("\n#", 1)[0]
+    glance = {k.removeprefix("algorithm."): v for k, v in table_values(glance, r"`(algorithm\.\w+)`").items()}
+    options = {name: get_args(f.annotation) for name, f in AlgorithmConfig.model_fields.items()
+               if get_origin(f.annotation) is Literal}
+    assert {"clip", "aggregation", "sampler_correction", "importance_sampling_level"} <= set(options)
+    missing = [f"{where}: algorithm.{name}: `{value}`" for where, table in (("README.md", readme), ("docs", glance))
+               for name, values in options.items() for value in values if f"`{value}`" not in table.get(name, "")]
+    assert not missing, missing
+
+
+def test_the_variant_checklist_names_what_exists():
+    """docs/algorithm.md's "Adding an algorithm variant" (found missing by an audit) stays true: every file, script
+    and function or constant it names in backticks exists (a rename breaks it here, not for the next reader)."""
+    text = ALGORITHM.read_text(encoding="utf-8").split("### Adding an algorithm variant", 1)[1].split("\n## ", 1)[0]
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "lowmem_grpo").rglob("*.py"))
+    names = re.findall(r"`([^`\s]+)`", text)
+    assert len(names) > 15, names
+    missing = []
+    for name in names:
+        path = name.split("::")[0]
+        if "/" in path or path.endswith(".py"):
+            ok = (ROOT / path).is_file()
+        elif name.isidentifier():
+            ok = bool(re.search(rf"^\s*(?:def|class) {name}\b|^{name} = ", code, re.MULTILINE))
+        else:   # a recipe key or a command line: checked elsewhere
+            continue
+        if not ok:
+            missing.append(name)
+    assert not missing, missing

@@ -271,6 +271,36 @@ def test_special_token_text_in_an_observation_stays_text():
     assert [t for t, e in zip(out[0].token_ids, out[0].env_mask) if e] == ids(" 3+4 ")
 
 
+def test_an_observation_the_tokenizer_drops_is_warned_about_once(tiny_model_dir, monkeypatch):
+    """Found by an audit: the tiny tokenizer, loaded from its folder, encodes "higher" to no tokens; the episodes
+    ran with env/tokens 0 and the model never saw the feedback, without a word. Now a warning says so, once; an
+    observation that has tokens, or is blank, says nothing."""
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    from lowmem_grpo.rollout import turns
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok("higher", add_special_tokens=False)["input_ids"] == []   # (what the warning is about)
+
+    def run(observation):
+        run_episodes(FakeEngine("12"), tok, examples(1), SamplingParams(n=1, max_new_tokens=8),
+                     factory("toy_envs:NeverDone", observation=observation), LIMITS)
+
+    monkeypatch.setattr(turns, "_unseen_warned", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run("3+4")
+        run("\n")
+    with pytest.warns(UserWarning, match=r"the environment's observation 'higher' encodes to no tokens with this "
+                                         r"tokenizer, so the model never sees it: .*build_tool_tokenizer\)"):
+        run("higher")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run("lower")                      # said once
+
+
 def test_a_huge_observation_is_cut_before_it_is_tokenized():
     """A megabyte observation (a careless environment dumping a file) costs the tokenizer only what
     observation_max_tokens can use: the text is cut first, and the tokens kept are the same."""
@@ -1044,8 +1074,9 @@ def test_a_step_with_no_reward_at_all_is_explained_once(tiny_model_dir, tiny_dat
     assert said == ["[lowmem-grpo] step 1: every completion was skipped for want of any reward: the environment "
                     "'toy_envs:TwoTurns' gave no reward (4 of 4 episodes were cut by a limit: environment.max_turns, "
                     "environment.max_total_tokens or a turn's generation.max_new_tokens), and rewards.functions is "
-                    "empty; the step learned nothing. To learn, give a reward in step() on every turn, not only when "
-                    "done (or raise those limits), or list a reward function under rewards.functions. (Said once: "
+                    "empty; the step learned nothing. To learn, give the environment a final_reward() (read once when "
+                    "an episode ends, whatever ended it), or a reward in step() on every turn, not only when done (or "
+                    "raise those limits), or list a reward function under rewards.functions. (Said once: "
                     "reward/skipped counts such completions each step.)"], lines
 
 
@@ -1100,10 +1131,30 @@ def test_the_recipe_reference_names_the_python_tools_call_format():
     assert "call_format: tags (default) or tool_call" in row
 
 
-def test_an_environment_that_cannot_start_an_episode_stops_the_run(tiny_model_dir, tiny_data, tmp_path):
-    """Found by an audit: an environment whose constructor always raised gave every step no reward, to the end,
-    with one line after the first step. A first step in which no episode could start now stops the run with the
-    error; an environment whose step() fails is counted (env/errors), and the run goes on."""
+def test_the_readmes_environment_example_runs_with_its_final_reward(tmp_path, monkeypatch):
+    """Found by an audit: the README's example left out final_reward() (the fix for episodes a limit cuts) and the
+    optional Environment base class. Copied as it stands, it validates and runs, and its final_reward is read."""
+    from pathlib import Path
+
+    from lowmem_grpo.environment import Environment, checked_final_reward, checked_reset
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Environments and multi-turn rollouts", 1)[1].split("\n## ", 1)[0]
+    (tmp_path / "readme_envs.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert environment_problems(EnvironmentConfig(name="readme_envs:Guess", kwargs={"max_number": 10})) == []
+    env = factory("readme_envs:Guess", max_number=10).make()
+    assert isinstance(env, Environment) and checked_reset(env, {"prompt": "p"}) is None
+    assert checked_step(env, "50</guess>") == ("higher", None, False) and checked_final_reward(env) == 0.0
+    for hook in ("startup", "longest_step_s", "parallel_steps", "ends_at_cut_turn", "for_rewards"):
+        assert f"`{hook}`" in section, hook   # the other optional hooks are named, for the docstring to explain
+
+
+def test_an_environment_that_always_fails_stops_the_run(tiny_model_dir, tiny_data, tmp_path):
+    """Found by audits: an environment whose constructor always raised, or whose step() always returned 2 values,
+    gave every step no reward, to the end, exit 0, with one line after the first step. A step whose every episode
+    ended in an environment error, before any episode of the run ended without one, now stops the run with the
+    error; an environment whose step() fails only at times is counted (env/errors), and the run goes on."""
     from lowmem_grpo.train import Trainer, TrainingError
 
     d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": []},
@@ -1114,9 +1165,18 @@ def test_an_environment_that_cannot_start_an_episode_stops_the_run(tiny_model_di
     with pytest.raises(TrainingError, match=r"environment 'toy_envs:Faulty' could not start any episode of step 1: "
                                             r".*cannot start"):
         trainer.fit()
-    d["environment"]["kwargs"] = {"how": "raise", "at": 1}   # started, then step() failed: counted, the run goes on
+    d["environment"]["kwargs"] = {"how": "short", "at": 1}   # started, then step() failed every time
     d["output"] = {"dir": str(tmp_path / "run2")}
-    assert Trainer(recipe_from_dict(d), **QUIET).fit()["step"] == 3
+    with pytest.raises(TrainingError, match=r"^environment 'toy_envs:Faulty': every episode of step 1 ended in an "
+                                            r"environment error, and no episode has ended without one yet: fix the "
+                                            r"environment \(.*\); the first: "
+                                            r"step\(\) returned tuple \('1', 1.0\); allowed: a tuple"):
+        Trainer(recipe_from_dict(d), **QUIET).fit()
+    d["environment"] = {**d["environment"], "name": "toy_envs:EveryOtherFails", "kwargs": {}}
+    d["output"] = {"dir": str(tmp_path / "run3")}
+    lines = []
+    assert Trainer(recipe_from_dict(d), log=lines.append).fit()["step"] == 3
+    assert sum("a flaky step" in line for line in lines) == 1, lines   # the first error, said once
 
 
 # -- a red team on tool calls and environments (each found failing) ----------------------------------------------

@@ -243,3 +243,60 @@ def test_the_engine_says_how_many_tokens_its_model_takes(tiny_model_dir):
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), compute_dtype="float32")
     model = load_base_model(cfg, quantized=False)
     assert HFEngine(model, load_tokenizer(cfg)).context_tokens() == model.config.max_position_embeddings > 0
+
+
+def test_min_p_comes_before_top_k_and_top_p_as_in_vllm():
+    """Found by a red team: min-p applied after top-p (transformers' order) keeps other tokens than vLLM, which
+    applies it right after temperature, so the engines sampled different distributions with the same recipe. Here
+    p = [.5, .2, .15, .15], min_p .35, top_p .6: min-p first keeps {0, 1} (renormalised .714, .286), and top-p then
+    keeps {0}; top-p first would keep {0, 1} and min-p (threshold .25) both of them."""
+    from functools import partial
+
+    from lowmem_grpo.rollout.hf import _warpers
+
+    params_of = partial(SamplingParams, n=1, max_new_tokens=1)
+    scores = torch.tensor([[0.5, 0.2, 0.15, 0.15]]).log()
+    for params, kept in ((params_of(min_p=0.35, top_p=0.6), [0]),
+                         (params_of(min_p=0.35, top_k=3), [0, 1]),          # top-k after min-p: nothing more
+                         (params_of(min_p=0.2, top_k=2, top_p=0.8), [0, 1])):
+        out = scores.clone()
+        for warper in _warpers(params):
+            out = warper(torch.zeros(1, 1, dtype=torch.long), out)
+        assert torch.isfinite(out[0]).nonzero().flatten().tolist() == kept, params
+    # temperature comes first: at T = 2 the min-p cut .35 x max sees flatter probabilities and keeps more
+    out = scores.clone()
+    for warper in _warpers(params_of(temperature=2.0, min_p=0.35)):
+        out = warper(torch.zeros(1, 1, dtype=torch.long), out)
+    flat = torch.softmax(scores / 2, -1)[0]
+    assert torch.isfinite(out[0]).tolist() == (flat >= 0.35 * flat.max()).tolist() == [True] * 4
+
+
+def _byte_level_tokenizer():
+    """A byte-level BPE tokenizer with no merges (GPT-2/Qwen/Llama-3 style, one token per byte): a character takes
+    one to four tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                             merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=t)
+
+
+@pytest.mark.parametrize("stop", ["</answer>", "答案：", "。。。。", "🙂🙂🙂"])
+def test_a_stop_string_of_more_tokens_than_characters_ends_the_row_where_it_is_completed(stop):
+    """Found by a red team: the stop-string window was 2 x characters + 4 tokens, too few for "🙂🙂🙂" in a
+    byte-level tokenizer (3 characters, 12 tokens), which then never ended its row (vLLM's detokenizer matches
+    it). Fed the tokens one generate step at a time, the row ends at the token that completes the string."""
+    from lowmem_grpo.rollout.hf import _StopStrings
+
+    tok = _byte_level_tokenizer()
+    head = tok("abc", add_special_tokens=False)["input_ids"]
+    ids = head + tok(stop, add_special_tokens=False)["input_ids"] + head
+    assert tok.decode(ids) == "abc" + stop + "abc"
+    prompt = [7, 8]
+    crit = _StopStrings(tok, ("zz", stop), prompt_width=len(prompt))
+    ends = [k for k in range(1, len(ids) + 1) if crit(torch.tensor([prompt + ids[:k]]), None)[0]]
+    done = len(tok("abc" + stop, add_special_tokens=False)["input_ids"])
+    assert ends[0] == done and crit.ended == {0: (done, stop)}

@@ -7,13 +7,12 @@ import torch
 
 from conftest import central_differences
 from lowmem_grpo.advantages import group_advantages
-from lowmem_grpo.loss import aggregate, aggregation_weights, grpo_token_loss
+from lowmem_grpo.loss import AGGREGATIONS, aggregate, aggregation_weights, grpo_token_loss
 
 
 def hand_objective(lp, lp_old, lp_ref, adv, lengths, beta, eps_low, eps_high, mode, max_len):
     """-J(theta), written as docs/algorithm.md §1 writes it: sums over completions i and tokens t, in Python floats."""
-    total, k, n_seq = 0.0, 0, len(lengths)
-    token_terms = []
+    k, token_terms = 0, []
     for i, L in enumerate(lengths):
         seq = []
         for _ in range(L):
@@ -24,15 +23,25 @@ def hand_objective(lp, lp_old, lp_ref, adv, lengths, beta, eps_low, eps_high, mo
             seq.append(-(surrogate - beta * kl))
             k += 1
         token_terms.append(seq)
+    return hand_aggregate(token_terms, mode, max_len)
+
+
+def hand_aggregate(token_terms: list, mode: str, max_len: int) -> float:
+    """docs/algorithm.md §5's aggregations of per-token terms [[...] per completion], as written there. An unknown
+    mode raises: a value added to algorithm.aggregation needs its formula here (found by an audit: it was read as
+    sum)."""
+    n_seq, n_tok = len(token_terms), sum(len(s) for s in token_terms)
     if mode == "sequence_mean":
-        total = sum(sum(s) / len(s) for s in token_terms) / n_seq
-    elif mode == "token_mean":
-        total = sum(sum(s) for s in token_terms) / sum(lengths)
-    elif mode == "constant":
-        total = sum(sum(s) for s in token_terms) / (n_seq * max_len)
-    else:
-        total = sum(sum(s) for s in token_terms)
-    return total
+        return sum(sum(s) / len(s) for s in token_terms) / n_seq
+    if mode == "token_mean":
+        return sum(sum(s) for s in token_terms) / n_tok
+    if mode == "constant":
+        return sum(sum(s) for s in token_terms) / (n_seq * max_len)
+    if mode == "sequence_sum":
+        return sum(sum(s) for s in token_terms) / n_seq
+    if mode == "sum":
+        return sum(sum(s) for s in token_terms)
+    raise ValueError(f"no hand formula for aggregation {mode!r}")
 
 
 def hand_advantages(rewards):
@@ -59,7 +68,7 @@ def _inputs(seed, mu, spread):
 
 @pytest.mark.parametrize("mu", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.1])
-@pytest.mark.parametrize("mode", ["sequence_mean", "token_mean", "constant", "sum"])
+@pytest.mark.parametrize("mode", AGGREGATIONS)   # every value the recipe allows
 def test_loss_equals_hand_formula(mu, beta, mode):
     lengths, lp, lp_old, lp_ref, rewards = _inputs(seed=11 * mu + int(10 * beta), mu=mu, spread=0.4)
     adv_seq = group_advantages(rewards, "mean_std").view(-1)
@@ -97,7 +106,7 @@ def test_mu1_gradient_is_advantage_plus_kl_term():
     assert torch.allclose(grad, expected, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["sequence_mean", "token_mean", "constant", "sum"])
+@pytest.mark.parametrize("mode", AGGREGATIONS)
 def test_micro_batches_sum_to_the_one_batch_loss(mode):
     lengths, lp, lp_old, lp_ref, rewards = _inputs(seed=21, mu=2, spread=0.3)
     adv = group_advantages(rewards).view(-1)
@@ -120,7 +129,8 @@ def test_micro_batches_sum_to_the_one_batch_loss(mode):
     assert torch.allclose(g_acc, g_full, atol=1e-12)
 
 
-# -- The GRPO family (docs/algorithm.md §4, §6): every clip x KL target x estimator against a hand evaluation -
+# -- The GRPO family (docs/algorithm.md §4, §6): clips ratio and target x every KL target x estimator against a hand
+# evaluation (cispo, sapo, vespo: each its own hand test, tests/test_loss_options.py) -------------------------------
 
 def hand_kl(est, lp, other):
     d = other - lp
@@ -130,7 +140,10 @@ def hand_kl(est, lp, other):
 def hand_family_objective(lp, lp_old, lp_ref, adv, lengths, clip, kl_target, est, beta, beta_mirror, mode, max_len,
                           hits=None):
     """-J with the clips of docs/algorithm.md §6 written as stated there, in Python floats. `hits` gets each token's
-    (branch, sign of A)."""
+    (branch, sign of A). A clip, KL target or mode it has no formula for raises (found by an audit: an unknown clip
+    was read as target)."""
+    if clip not in ("ratio", "target") or kl_target not in ("ref", "mirror", "both", "none"):
+        raise ValueError(f"no hand formula for clip {clip!r} with kl_target {kl_target!r}")
     terms, k = [], 0
     for i, L in enumerate(lengths):
         seq = []
@@ -140,7 +153,7 @@ def hand_family_objective(lp, lp_old, lp_ref, adv, lengths, clip, kl_target, est
             if clip == "ratio":  # min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
                 s = min(r * a, min(max(r, 1 - 0.2), 1 + 0.28) * a)
                 branch = "high" if a > 0 and r > 1.28 else "low" if a < 0 and r < 0.8 else "inside"
-            else:  # the gain stops once pi reaches its target: sqrt(pi_old) for A > 0, pi_old^2 for A < 0
+            else:  # target: the gain stops once pi reaches its target: sqrt(pi_old) for A > 0, pi_old^2 for A < 0
                 if a > 0:
                     s = a * min(pi, math.sqrt(pi_old)) / pi_old
                     branch = "high" if pi > math.sqrt(pi_old) else "inside"
@@ -159,13 +172,7 @@ def hand_family_objective(lp, lp_old, lp_ref, adv, lengths, clip, kl_target, est
             seq.append(-(s - penalty))
             k += 1
         terms.append(seq)
-    if mode == "sequence_mean":
-        return sum(sum(s) / len(s) for s in terms) / len(lengths)
-    if mode == "token_mean":
-        return sum(sum(s) for s in terms) / sum(lengths)
-    if mode == "constant":
-        return sum(sum(s) for s in terms) / (len(lengths) * max_len)
-    return sum(sum(s) for s in terms)
+    return hand_aggregate(terms, mode, max_len)
 
 
 def _family_inputs(seed, spread):
@@ -184,7 +191,7 @@ def _family_inputs(seed, spread):
 @pytest.mark.parametrize("kl_target", ["ref", "mirror", "both", "none"])
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_family_loss_equals_hand_formula(clip, kl_target, est):
-    mode = ["sequence_mean", "token_mean", "constant", "sum"][(len(kl_target) + len(est) + len(clip)) % 4]
+    mode = AGGREGATIONS[(len(kl_target) + len(est) + len(clip)) % len(AGGREGATIONS)]
     lengths, lp, lp_old, lp_ref, rewards = _family_inputs(seed=len(kl_target) * 7 + len(clip), spread=0.5 if clip == "ratio" else 1.6)
     adv_seq = group_advantages(rewards, "mean_std").view(-1)
     seq_of_tok = torch.repeat_interleave(torch.arange(12), lengths)
@@ -211,6 +218,18 @@ def test_family_loss_equals_hand_formula(clip, kl_target, est):
         dn[k] -= h
         fd = (hand_family_objective(up, *args) - hand_family_objective(dn, *args)) / (2 * h)
         assert abs(grad[k].item() - fd) < 1e-7, (k, grad[k].item(), fd)
+
+
+@pytest.mark.parametrize("clip, kl_target, mode", [("cispo", "ref", "sum"), ("ratio", "forward", "sum"),
+                                                   ("ratio", "ref", "median")])
+def test_the_hand_formulas_refuse_what_they_do_not_write(clip, kl_target, mode):
+    """Found by an audit: an unknown clip was read as target and an unknown aggregation as sum, so a new value
+    parametrized in would be checked against the wrong formula."""
+    lengths, lp, lp_old, lp_ref, rewards = _family_inputs(seed=1, spread=0.5)
+    adv = group_advantages(rewards, "mean_std").view(-1).tolist()
+    with pytest.raises(ValueError, match="no hand formula"):
+        hand_family_objective(lp.tolist(), lp_old.tolist(), lp_ref.tolist(), adv, lengths.tolist(), clip, kl_target,
+                              "k3", 0.1, 0.1, mode, 7)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -254,3 +273,64 @@ def test_ratio_weighted_reference_kl_equals_hand_formula(level):
     assert torch.allclose(tl.kl_ref.detach(), torch.exp(d) - d - 1)
     off = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64), beta=beta, level=level, seq_index=seq)
     assert torch.allclose(off.loss.detach(), beta * (torch.exp(d) - d - 1))
+
+
+# -- One list of allowed values: the recipe schema's Literals (loss.py reads them) ------------------------------
+
+def test_every_value_the_recipe_allows_has_its_own_branch_in_loss():
+    """Each clip, importance-sampling level, KL target and sampler correction the schema allows runs code of its
+    own in loss.py: a value with no branch would fail, or run as another value, at the first update."""
+    from typing import get_args
+
+    from lowmem_grpo import loss
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    assert set(loss.KL_ESTIMATORS) == set(get_args(AlgorithmConfig.model_fields["kl_estimator"].annotation))
+    lengths, lp, lp_old, lp_ref, rewards = _family_inputs(seed=3, spread=0.5)
+    seq = torch.repeat_interleave(torch.arange(12), lengths)
+    adv = group_advantages(rewards, "mean_std").view(-1)[seq]
+    losses = {}
+    for clip in loss.CLIPS:
+        for level in loss.LEVELS:
+            try:
+                loss.check_surrogate_options(clip, level, seq, None)
+            except ValueError:   # a combination §13-§14 do not define
+                continue
+            losses[clip, level] = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=0.0, clip=clip, level=level,
+                                                  seq_index=seq).loss.tolist()
+    assert {c for c, _ in losses} == set(loss.CLIPS) and {v for _, v in losses} == set(loss.LEVELS)
+    assert len({tuple(x) for x in losses.values()}) == len(losses)   # no two the same
+    penalties = [loss.kl_terms(lp, lp_ref, lp_old, target=t, beta=0.1, beta_mirror=0.2)[0] for t in loss.KL_TARGETS]
+    assert len({None if p is None else tuple(p.tolist()) for p in penalties}) == len(loss.KL_TARGETS)
+    weights = [loss.sampler_correction_weights(lp.detach(), lp_old, seq, m, 0.7, 1.3)[0] for m in loss.SAMPLER_CORRECTIONS]
+    assert len({tuple(w.tolist()) for w in weights}) == len(loss.SAMPLER_CORRECTIONS)
+
+
+def test_a_value_added_to_the_schema_reaches_loss_and_is_refused_there_until_written():
+    """Found by an audit: loss.py held its own copies of the schema's Literals, so a clip added to the recipe passed
+    validate and failed at the first update with a bare "unknown clip". loss.py reads the schema now, and a value
+    with no branch yet is named as such, not run as the ratio clip or a mask."""
+    import subprocess
+    import sys
+
+    code = """
+from typing import Literal, get_args
+from lowmem_grpo.recipe import AlgorithmConfig
+for name, new in (("clip", "newclip"), ("sampler_correction", "token_new")):
+    field = AlgorithmConfig.model_fields[name]
+    field.annotation = Literal[get_args(field.annotation) + (new,)]
+import torch
+from lowmem_grpo import loss
+assert "newclip" in loss.CLIPS and "token_new" in loss.SAMPLER_CORRECTIONS
+x = torch.zeros(3, dtype=torch.float64)
+for call in (lambda: loss.surrogate("newclip", x, x, x + 1, 0.2, 0.2),
+             lambda: loss.sampler_correction_weights(x, x, None, "token_new", 0.5, 2.0)):
+    try:
+        call()
+    except ValueError as exc:
+        print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["clip 'newclip' has no surrogate in loss.surrogate",
+                                       "sampler correction 'token_new' has no weights in loss.sampler_correction_weights"]

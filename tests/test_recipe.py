@@ -318,3 +318,14 @@ def test_validate_refuses_a_held_out_split_train_cannot_make(tmp_path):
                                    "distinct prompt(s), too few") in res.output, res.output
     data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2", "answer": "3"}\n')
     assert _validate(f).exit_code == 0
+
+
+def test_a_temperature_vllm_would_raise_is_refused_with_engine_vllm():
+    """vLLM samples at 0.01 at the lowest (it raises a lower temperature silently), so the trainer's log-probs would
+    be at another temperature than the samples' (found by a red team): refused with engine vllm, by its key."""
+    p = problems({**MIN, "generation": {"engine": "vllm", "temperature": 0.005}})
+    assert set(p) == {"generation.temperature"}, p
+    assert "0.005" in p["generation.temperature"] and "0.01" in p["generation.temperature"]
+    assert "\n" not in p["generation.temperature"]
+    assert recipe_from_dict({**MIN, "generation": {"engine": "vllm", "temperature": 0.01}}).generation.temperature == 0.01
+    assert recipe_from_dict({**MIN, "generation": {"engine": "hf", "temperature": 0.005}}).generation.temperature == 0.005

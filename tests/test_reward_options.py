@@ -4,10 +4,12 @@ user function's kwargs must fit its signature; the README's reward options table
 
 import inspect
 import marshal
+import os
 import subprocess
 import sys
 from importlib import util
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -15,7 +17,7 @@ from click.testing import CliRunner
 
 from lowmem_grpo.cli import main
 from lowmem_grpo.recipe import RecipeError, recipe_from_dict
-from lowmem_grpo.rewards import RewardError, Rewards, resolve
+from lowmem_grpo.rewards import RewardError, Rewards, calling_convention, resolve
 from lowmem_grpo.rewards import code as code_module
 from lowmem_grpo.rewards.options import BUILTINS, option_names
 from lowmem_grpo.rewards.sandbox import SandboxLimits, SandboxResult, run_python
@@ -280,8 +282,72 @@ def test_user_function_must_take_what_every_call_passes():
         load({"function": "user_rewards:digit_count", "kwargs": {"rows": []}})
 
 
+def typed_reward(completions, *, prompts, rows, tolerance: int = 5, scale: Optional[float] = None):
+    return [float(tolerance)] * len(completions)
+
+
+def trl_typed_reward(completions, tolerance: int = 5, **kwargs):
+    return [float(tolerance)] * len(completions)
+
+
+def test_validate_checks_reward_kwargs_against_simple_annotations(tmp_path):
+    """Found by an audit: `tolerance: abc` for an int parameter passed validate, while environment kwargs were
+    checked. One rule for both (user_code.kwargs_type_problems), in either calling convention; YAML's 3 for a
+    float is fine."""
+    fn = "test_reward_options:typed_reward"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe({"function": fn, "kwargs": {"tolerance": "abc", "scale": 3}})))
+    res = CliRunner().invoke(main, ["validate", str(path)])
+    assert res.exit_code == 2, res.output
+    assert f"rewards.functions.0.kwargs.tolerance: reward '{fn}' takes tolerance as int, got 'abc' (str)" in res.output
+    assert "kwargs.scale" not in res.output and "Traceback" not in res.output
+    assert load({"function": fn, "kwargs": {"tolerance": 2, "scale": 3}})(["a"], ["p"], [{}]).total.tolist() == [2.0]
+    assert calling_convention("t", trl_typed_reward, kwargs={"tolerance": 1.5}) == \
+        ("trl", [("kwargs.tolerance", "reward 't' takes tolerance as int, got 1.5 (float)")])
+
+
+def test_an_unfound_module_says_where_python_looked(tmp_path, monkeypatch):
+    """Found by an audit: "cannot import module 'my_rewards'" did not say where Python looked or how to fix it. A
+    module that imports a missing one gets no such hint: the module itself was found."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError) as info:
+        load({"function": "absent_rewards_module:f"})
+    assert (f"No module named 'absent_rewards_module' (searched the Python path and the current folder {os.getcwd()}: "
+            "run from the folder that holds absent_rewards_module.py, or add that folder to PYTHONPATH)") \
+        in str(info.value)
+    (tmp_path / "needs_a_missing_one.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError) as info:
+        load({"function": "needs_a_missing_one:f"})
+    assert "No module named 'no_such_dependency_xyz'" in str(info.value) and "searched" not in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # README
+
+def reward_templates() -> dict[str, str]:
+    """Where the lowmem convention's template signature is shown -> its code (a def whose body is `...`)."""
+    from lowmem_grpo import rewards
+    from lowmem_grpo.rewards import conventions
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("Your own: `rewards.functions:", 1)[1]
+    found = {"README.md": readme.split("```python\n", 1)[1].split("```", 1)[0]}
+    for where, doc in (("rewards/__init__.py", rewards.__doc__), ("rewards/conventions.py", conventions.__doc__)):
+        found[where] = next(line.strip() for line in doc.splitlines() if line.strip().startswith("def ")) + ": ..."
+    return found
+
+
+@pytest.mark.parametrize("where", ["README.md", "rewards/__init__.py", "rewards/conventions.py"])
+def test_the_reward_templates_refuse_a_misspelt_kwarg(where):
+    """Found by an audit: the templates ended in **kwargs, which took a misspelt `tolerence: 3` silently (the run
+    used the default). Copied as they stand, a misspelt kwarg is an error naming it."""
+    namespace: dict = {}
+    exec(reward_templates()[where], namespace)
+    fn = next(v for k, v in namespace.items() if callable(v) and not k.startswith("__"))
+    assert calling_convention("mine:f", fn, kwargs={"tolerence": 3}) == \
+        ("lowmem", [("kwargs.tolerence", "reward 'mine:f' has no parameter 'tolerence' and no **kwargs (its keyword "
+                                         "parameters: completions, prompts, rows, tolerance)")])
+
 
 def test_readme_reward_options_table_is_current():
     spec = util.spec_from_file_location("gen", ROOT / "scripts" / "gen_recipe_reference.py")

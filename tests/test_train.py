@@ -315,3 +315,31 @@ def test_a_prompt_and_completion_past_the_models_context_are_noted(tiny_model_di
         Trainer(recipe_from_dict(d), log=lines.append).close()
         noted = [line for line in lines if "past the model's max_position_embeddings=64" in line]
         assert bool(noted) == said, lines
+
+
+def test_a_prompt_that_fills_the_models_context_is_a_bad_row_in_training_and_eval(tiny_model_dir, tmp_path):
+    """Found by a red team: a prompt of max_position_embeddings (64) tokens or more was only noted, then vLLM
+    refused it mid-run with a 70-line traceback (transformers decoded past the model's positions). The trainer and
+    `eval` give the model's context to the data: that row's error naming it, or a counted skip."""
+    from lowmem_grpo import tiny
+    from lowmem_grpo.data import DataError
+    from lowmem_grpo.evaluate import run_eval
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
+    rows.insert(2, {"prompt": "1" * 60 + "+1=", "answer": "2"})   # BOS + 63 characters: 64 tokens
+    tiny.write_jsonl(rows, tmp_path / "d.jsonl")
+    data = (tmp_path / "d.jsonl", tmp_path / "d.jsonl")
+    d = recipe_dict(tiny_model_dir, data, tmp_path / "run", train={"preflight": False, "eval_max_prompts": 8})
+    with pytest.raises(DataError, match=r"row 3: prompt is 64 tokens, which fills the model's context \(64 tokens"):
+        Trainer(recipe_from_dict(d), **QUIET)
+    d = recipe_dict(tiny_model_dir, data, tmp_path / "run2", train={"preflight": False, "eval_max_prompts": 8})
+    d["data"]["on_bad_row"] = "skip"
+    trainer = Trainer(recipe_from_dict(d), **QUIET)
+    try:
+        assert (len(trainer.train_set), len(trainer.eval_set)) == (5, 5)
+        assert trainer.train_set.skipped[0].startswith("row 3: prompt is 64 tokens, which fills the model's context")
+    finally:
+        trainer.close()
+    summary = run_eval(recipe_from_dict(d), name="r", out_dir=str(tmp_path / "ev"), log=lambda *a: None)
+    assert (summary["prompts"], summary["rows_skipped"]) == (5, 1), summary
+    assert summary["rows_skipped_first"][0].startswith("row 3: prompt is 64 tokens")

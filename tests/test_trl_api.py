@@ -472,6 +472,55 @@ def test_a_value_the_recipe_refuses_is_named_by_the_scripts_argument(tiny_model_
                     train_dataset=[{"prompt": "1+1="}])
     with pytest.raises(TRLCompatError, match="num_iterations must be a whole number"):
         _recipe(num_iterations=0)
+    # a value that came from generation_kwargs is named so, not by the top-level argument it overrides
+    with pytest.raises(TRLCompatError) as exc:
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=[{"prompt": "1+1="}],
+                    args=_args(tmp_path, top_p=0.9, generation_kwargs={"top_k": -2, "top_p": 2.0}))
+    assert sorted(str(exc.value).splitlines()[1:]) == [
+        "  generation_kwargs['top_k'] (generation.top_k): Input should be greater than or equal to 0 (got -2); "
+        "allowed: >= 0",
+        "  generation_kwargs['top_p'] (generation.top_p): Input should be less than or equal to 1 (got 2.0); "
+        "allowed: <= 1.0"]
+    with pytest.raises(TRLCompatError, match=r"\n  top_k \(generation\.top_k\): Input should be greater"):
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=[{"prompt": "1+1="}],
+                    args=_args(tmp_path, top_k=-2, generation_kwargs={"top_p": 0.5}))
+
+
+def test_trls_top_k_minus_one_is_off_as_in_vllm():
+    """Found by a red team: TRL passes top_k=-1 to vLLM, whose "off" it is; the recipe's off is 0 (was refused as
+    below 0). Other negative values stay refused (vLLM refuses them too)."""
+    for settings in (dict(top_k=-1, use_vllm=True), dict(top_k=-1), dict(top_k=5, generation_kwargs={"top_k": -1})):
+        d = _recipe(**settings)
+        assert d["generation"]["top_k"] == 0, settings
+        assert recipe_from_dict(d).generation.top_k == 0
+    assert _recipe(top_k=7)["generation"]["top_k"] == 7 and _recipe(generation_kwargs={"top_k": 3})["generation"]["top_k"] == 3
+
+
+def test_json_text_in_trls_dict_settings_is_read_as_trls_config_reads_it():
+    """Found by a red team: TRL's GRPOConfig (transformers' _VALID_DICT_FIELDS) reads generation_kwargs,
+    chat_template_kwargs and model_init_kwargs given as JSON text (how TrlParser / CLI-style scripts pass them);
+    here they were refused. Text that is not JSON stays refused, by name."""
+    from lowmem_grpo.recipe import RecipeError
+
+    args = GRPOConfig("out", generation_kwargs='{"top_k": 20, "min_p": "0.05"}',
+                      chat_template_kwargs='{"enable_thinking": "false"}', model_init_kwargs='{"revision": "main"}')
+    assert args.generation_kwargs == {"top_k": 20, "min_p": 0.05}           # as TRL's: the config holds the dict
+    assert args.chat_template_kwargs == {"enable_thinking": False}
+    d = recipe_from_trl(_given_settings(args), model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+    assert (d["generation"]["top_k"], d["generation"]["min_p"]) == (20, 0.05)
+    assert recipe_from_dict(d).data.chat_template_kwargs == {"enable_thinking": False}
+    assert _recipe(generation_kwargs='{"top_p": 0.5}')["generation"]["top_p"] == 0.5   # a dict of settings, too
+    trl = pytest.importorskip("trl")
+    theirs = trl.GRPOConfig(output_dir="x", use_cpu=True, bf16=False, report_to="none",
+                            generation_kwargs='{"top_k": 20, "min_p": "0.05"}',
+                            chat_template_kwargs='{"enable_thinking": "false"}')
+    assert (theirs.generation_kwargs, theirs.chat_template_kwargs) == (args.generation_kwargs, args.chat_template_kwargs)
+    with pytest.raises(TRLCompatError, match=r"GRPOConfig: generation_kwargs is not valid JSON \(Expecting"):
+        GRPOConfig("out", generation_kwargs='{"top_k": 20')
+    with pytest.raises(TRLCompatError, match="generation_kwargs must be a dict"):
+        _recipe(generation_kwargs="top_k=20")
+    with pytest.raises(RecipeError, match="chat_template_kwargs: Input should be a valid dictionary"):
+        recipe_from_dict(_recipe(chat_template_kwargs="enable_thinking=false"))
 
 
 # -- second audit: what TRL-shaped scripts from the docs and tutorials do around train() ------------------------

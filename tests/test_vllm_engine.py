@@ -245,6 +245,68 @@ def test_min_p_reaches_vllm(dense):
     assert [c.token_ids for c in out] == [g for g in greedy for _ in range(2)]
 
 
+def test_min_p_with_top_p_samples_the_transformers_engines_distribution(dense):
+    """Found by a red team: with top_p < 1 and min_p > 0 the transformers engine applied min-p last (transformers'
+    order), vLLM right after temperature, so the two kept different tokens and reported different log-probs. Both
+    now sample, and report, the distribution written out here in vLLM's order (min-p, then top-p)."""
+    from lowmem_grpo.rollout.hf import HFEngine
+
+    model, tok, engine = dense
+    prompt = _prompts(tok)[0]
+    model.eval()
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double(), -1)
+    model.train()
+
+    def top_p_cut(q: torch.Tensor, top_p: float) -> torch.Tensor:   # transformers' and vLLM's: the tail of mass
+        s, order = q.sort()                                              # <= 1 - top_p goes, the top token stays
+        drop = s.cumsum(0) <= 1 - top_p
+        drop[-1] = False
+        return q.clone().index_fill_(0, order[drop], 0) / q[order[~drop]].sum()
+
+    def min_p_cut(q: torch.Tensor, min_p: float) -> torch.Tensor:
+        q = torch.where(q >= min_p * q.max(), q, 0)
+        return q / q.sum()
+
+    found = next(((top_p, min_p) for top_p in (x / 50 for x in range(5, 50)) for min_p in (x / 50 for x in range(1, 40))
+                  if not torch.equal(top_p_cut(min_p_cut(p, min_p), top_p) > 0, min_p_cut(top_p_cut(p, top_p), min_p) > 0)
+                  and int((top_p_cut(min_p_cut(p, min_p), top_p) > 0).sum()) > 1), None)
+    assert found is not None, p   # settings where the two orders keep different tokens
+    top_p, min_p = found
+    expected = top_p_cut(min_p_cut(p, min_p), top_p)
+    params = SamplingParams(n=200, max_new_tokens=1, top_p=top_p, min_p=min_p)
+    for name, eng in (("vllm", engine), ("hf", HFEngine(model, tok))):
+        torch.manual_seed(0)
+        out = eng.generate([prompt], params)
+        assert {c.token_ids[0] for c in out} <= set(expected.nonzero().flatten().tolist()), name
+        worst = max(abs(c.logprobs[0] - expected[c.token_ids[0]].log().item()) for c in out)
+        assert worst < 1e-4, (name, worst)
+
+
+def test_vllm_raises_a_temperature_below_the_floor_the_recipe_enforces(V_):
+    """Why a recipe refuses generation.temperature < 0.01 with engine vllm (recipe.GenerationConfig): vLLM samples
+    at 0.01 instead, with only a log warning. When a vLLM version stops doing so, the refusal can go."""
+    from lowmem_grpo.recipe import VLLM_MIN_TEMPERATURE
+
+    assert V_.vllm.SamplingParams(temperature=VLLM_MIN_TEMPERATURE / 2).temperature == VLLM_MIN_TEMPERATURE
+    assert V_.vllm.SamplingParams(temperature=VLLM_MIN_TEMPERATURE).temperature == VLLM_MIN_TEMPERATURE
+
+
+def test_a_prompt_past_vllms_context_is_an_engine_error(dense):
+    """Found by a red team: vLLM's VLLMValidationError for a prompt of its max_model_len or longer reached the user
+    as a 70-line traceback. It is an EngineError of one line (the data path refuses such rows before: this is the
+    backstop), and the engine still generates after it."""
+    from lowmem_grpo.rollout.base import EngineError
+
+    _, tok, engine = dense
+    n = engine.context_tokens()
+    for length in (n, n + 5):
+        with pytest.raises(EngineError, match=rf"generation.engine=vllm refused a request: .*{n}") as err:
+            engine.generate([[tok.bos_token_id] + [5] * (length - 1)], SamplingParams(n=1, max_new_tokens=4, greedy=True))
+        assert "\n" not in str(err.value)
+    assert len(vllm_greedy(engine, _prompts(tok), max_new_tokens=4)) == 4
+
+
 def test_repetition_penalty_is_the_transformers_engines(dense):
     """generation.repetition_penalty means the same in both engines: vLLM's greedy tokens equal the transformers
     engine's (whose penalty skips the batch's left padding), and differ from unpenalised greedy."""

@@ -117,6 +117,26 @@ class Faulty:
         return {}
 
 
+class EveryOtherFails:
+    """Of every two instances made, the second's step() raises and the first's ends its episode (reward 1.0): a step
+    of an even number of episodes has both kinds."""
+
+    made = 0
+    stop = ()
+
+    def __init__(self):
+        EveryOtherFails.made += 1
+        self.fails = EveryOtherFails.made % 2 == 0
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        if self.fails:
+            raise ValueError("a flaky step")
+        return None, 1.0, True
+
+
 class RowThief:
     """Changes the row it is reset on (drops the answer, rewrites the prompt), as a careless environment might;
     records the rows it was given in `seen` (class-level)."""

@@ -4,15 +4,16 @@ A reward function is called in one of two conventions, lowmem-grpo's own or TRL'
 so that reward code written for TRL runs unchanged; rewards/conventions.py says which and how (the rule
 of `rewards.functions[].convention`). lowmem-grpo's:
 
-    def reward(completions: list[str], *, prompts: list[str], rows: list[dict], **kwargs) -> list[float | None]
+    def reward(completions: list[str], *, prompts: list[str], rows: list[dict], tolerance: int = 5) -> list[float | None]
 
 `completions[i]` (text) was sampled for `prompts[i]` (the prompt text the model saw), whose dataset row is
 `rows[i]`; None means "cannot be scored": the completion is skipped. A TRL-shaped function's None means
 "does not apply": the weighted sum leaves it out. A function of either convention may be `async def`: the
 coroutines of one batch are awaited together, concurrently, on an event loop.
 
-Either way `kwargs` are the recipe's `rewards.functions[].kwargs`: each must be a parameter of the function
-(or it takes **kwargs).
+Either way `kwargs` are the recipe's `rewards.functions[].kwargs` (`tolerance` above): each must be a parameter of
+the function, or it takes **kwargs (which lowmem-grpo's convention does not need; without it a mistyped key is an
+error).
 
 Built-ins are named by a short name (options.BUILTINS: `math`, `code`, `countdown`, ...); their kwargs follow
 a typed schema each (rewards/options.py) and they are called lowmem-grpo's way. The reference answer's row

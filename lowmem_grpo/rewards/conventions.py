@@ -6,7 +6,7 @@ so that reward code written for TRL runs unchanged.
 
 lowmem-grpo's:
 
-    def reward(completions: list[str], *, prompts: list[str], rows: list[dict], **kwargs) -> list[float | None]
+    def reward(completions: list[str], *, prompts: list[str], rows: list[dict], tolerance: int = 5) -> list[float | None]
 
 `completions[i]` (text) was sampled for `prompts[i]` (the prompt text the model saw), whose dataset row (with
 its answer, tests, ...) is `rows[i]`. It returns one score per completion; None means "cannot be scored"
@@ -47,6 +47,8 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
+from ..user_code import kwargs_type_problems
+
 _PASSED = ("prompts", "rows")   # keyword arguments every lowmem-grpo-convention reward receives from the trainer
 TRL_PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",
               "environments")  # (+ columns)
@@ -55,7 +57,7 @@ WITH_ENVIRONMENT = {"environments": "the episodes' environment instances, one pe
 # What TRL's GRPOTrainer (1.16) passes to reward functions as well, and this trainer does not (yet): name -> what it is
 TRL_NOT_PASSED: dict[str, str] = {}
 CONVENTIONS = ("auto", "lowmem", "trl")
-_LOWMEM_NEEDS = "a parameter named `rows`: f(completions, *, prompts, rows, **kwargs)"
+_LOWMEM_NEEDS = "a parameter named `rows`: f(completions, *, prompts, rows, each recipe kwarg)"
 _TRL_NEEDS = ("`completions` accepted by keyword, every other required parameter too (prompts, completion_ids, "
               "trainer_state or a dataset column): f(completions, **kwargs)")
 
@@ -75,8 +77,9 @@ def _keywords(params) -> tuple[list[str], bool]:
     return names, any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def _kwarg_problems(name: str, params, kwargs: dict, passed: tuple) -> list[tuple[str, str]]:
-    """(key, message) for each recipe kwarg the function cannot take, or that the trainer passes itself."""
+def _kwarg_problems(name: str, fn: Callable, params, kwargs: dict, passed: tuple) -> list[tuple[str, str]]:
+    """(key, message) for each recipe kwarg the function cannot take, that the trainer passes itself, or whose
+    value is not of its parameter's annotated type (the environment kwargs' rule: user_code.kwargs_type_problems)."""
     accepted, takes_any = _keywords(params) if params is not None else ([], True)
     problems = []
     for key in kwargs:
@@ -85,7 +88,8 @@ def _kwarg_problems(name: str, params, kwargs: dict, passed: tuple) -> list[tupl
         elif not takes_any and key not in accepted:
             problems.append((f"kwargs.{key}", f"reward {name!r} has no parameter {key!r} and no **kwargs "
                                               f"(its keyword parameters: {', '.join(accepted) or 'none'})"))
-    return problems
+    fits = {k: v for k, v in kwargs.items() if k not in passed}
+    return problems + kwargs_type_problems(f"reward {name!r}", fn, fits, "kwargs")
 
 
 def signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str, str]]:
@@ -94,7 +98,7 @@ def signature_problems(name: str, fn: Callable, kwargs: dict) -> list[tuple[str,
     params = _parameters(fn)
     if params is None:
         return []
-    problems = _kwarg_problems(name, params, kwargs, _PASSED)
+    problems = _kwarg_problems(name, fn, params, kwargs, _PASSED)
     accepted, takes_any = _keywords(params)
     missing = [k for k in _PASSED if not takes_any and k not in accepted]
     if missing:
@@ -147,7 +151,7 @@ def trl_signature_problems(name: str, fn: Callable, kwargs: dict, environment: b
     if why:
         return [("function", f"reward {name!r}{_signature(fn)} cannot be called TRL's way (convention: trl), which "
                              f"needs {_TRL_NEEDS}: {'; '.join(why)}")]
-    return _not_passed_problems(name, params, environment) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
+    return _not_passed_problems(name, params, environment) + _kwarg_problems(name, fn, params, kwargs, TRL_PASSED)
 
 
 def _signature(fn: Callable) -> str:
@@ -176,7 +180,8 @@ def calling_convention(name: str, fn: Callable, convention: str = "auto", kwargs
         return "lowmem", [("function", f"reward {name!r}{_signature(fn)} fits neither calling convention: "
                                        f"lowmem-grpo's needs {_LOWMEM_NEEDS}; TRL's needs {_TRL_NEEDS}; but "
                                        f"{'; '.join(why)}")]
-    return "trl", _not_passed_problems(name, params, environment) + _kwarg_problems(name, params, kwargs, TRL_PASSED)
+    return "trl", _not_passed_problems(name, params, environment) + _kwarg_problems(name, fn, params, kwargs,
+                                                                                   TRL_PASSED)
 
 
 def _required_columns(fn: Callable) -> list[str]:

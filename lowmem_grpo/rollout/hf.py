@@ -1,10 +1,10 @@
 """Rollouts through transformers `generate` on the trainer's own model (adapters on, eval mode).
 
 Sampling also reports the sampler's log-prob of every token it drew (Completion.logprobs), as the vLLM engine
-does: the distribution it was drawn from after the repetition penalty, temperature, top-k, top-p and min-p,
-which the trainer compares
+does: the distribution it was drawn from after the repetition penalty, temperature, min-p, top-k and top-p
+(vLLM's order), which the trainer compares
 with its own log-probs (docs/algorithm.md §15). transformers applies a caller's logits processors before
-its own warpers, so the warpers are passed here, in transformers' order, followed by the recorder, and
+its own warpers, so the warpers are passed here, in vLLM's order, followed by the recorder, and
 generate's own are switched off (temperature 1, top_k 0, top_p 1, min_p None, whatever the model's generation
 config says): the same draws, one more log_softmax a token. So is every other logits processor a model's
 generation_config.json may ask for (_NEUTRAL: Qwen2.5-Instruct's repetition_penalty 1.05-1.1, for one),
@@ -29,7 +29,7 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
                           MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from ..model import eval_mode, stop_token_ids
+from ..model import context_tokens as model_context, eval_mode, stop_token_ids
 from .base import Completion, SamplingParams, wave_plan
 
 
@@ -85,12 +85,17 @@ def first_stop(text: str, stop: tuple) -> Optional[str]:
 
 class _StopStrings(StoppingCriteria):
     """Ends a row once its new tokens' text holds a stop string. Each step decodes only the row's last
-    `window` new tokens: every token decodes to at least one character, so a stop string that the latest
-    token completes lies inside them, and one completed earlier would have ended the row then."""
+    `window` new tokens: every token decodes to at least one byte, so a stop string that the latest token
+    completes lies inside them, and one completed earlier would have ended the row then."""
 
     def __init__(self, tokenizer, stop: tuple, prompt_width: int):
         self.tokenizer, self.stop, self.width = tokenizer, stop, prompt_width
-        self.window = 2 * max(len(s) for s in stop) + 4
+        # In tokens: a byte-level BPE token may be one byte of a character (an emoji is up to 4 tokens; a
+        # window of characters missed it: found by a red team), and the model may split a string otherwise than
+        # the tokenizer would, so its UTF-8 bytes bound it, with the tokenizer's own count and a margin.
+        longest = max(max(len(s.encode("utf-8", "surrogatepass")),
+                          len(tokenizer(s, add_special_tokens=False)["input_ids"])) for s in stop)
+        self.window = 2 * longest + 4
         self.ended: dict[int, tuple[int, str]] = {}   # row -> (its new tokens up to the stop's end, the stop string)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
@@ -132,16 +137,18 @@ def _processors(params: SamplingParams, pad_counts: list[int]) -> list:
 
 
 def _warpers(params: SamplingParams) -> list:
-    """transformers' sampling warpers for these params, in the order generate builds them."""
+    """transformers' sampling warpers for these params, in vLLM's order: temperature, min-p, top-k, top-p.
+    (generate would apply min-p last; with top-p too the two orders keep different tokens, so the engines would
+    sample different distributions: found by a red team.)"""
     out = []
     if params.temperature != 1.0:
         out.append(TemperatureLogitsWarper(params.temperature))
+    if params.min_p > 0:
+        out.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
     if params.top_k:
         out.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
     if params.top_p < 1.0:
         out.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
-    if params.min_p > 0:
-        out.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
     return out
 
 
@@ -152,8 +159,7 @@ class HFEngine:
 
     def context_tokens(self) -> Optional[int]:
         """The model's positions (max_position_embeddings), or None where its config does not say."""
-        most = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        return most if isinstance(most, int) and most > 0 else None
+        return model_context(self.model)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """One generate call when len(prompts) x n fits max_batch_sequences (or there is no cap); else the calls

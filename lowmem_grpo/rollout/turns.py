@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
@@ -47,13 +48,14 @@ from typing import Callable, Optional
 from ..data import chars_within
 from ..environment import (EnvError, EnvOutputError, Rendered, checked_counters, checked_final_reward, checked_reset,
                            checked_step, for_rewards)
-from ..user_code import HungCalls
+from ..user_code import HungCalls, short_repr
 from .base import Completion, EnvRecord, SamplingParams
 
 STEP_WORKERS = 8   # threads running a round's parallel_steps calls (the Python tool's each wait on a subprocess)
 MAX_HUNG_CALLS = 64   # environment calls past step_timeout_s whose threads still run: past this, the run stops
 _CUT_MARK = "..."   # where an observation's middle was cut (left out where the tokenizer cannot spell it)
 _MARK = "\x00\x01observation\x01\x00"   # stands for the observation in the template (no template holds it)
+_unseen_warned = False   # an observation that encoded to no tokens was warned about (_warn_if_unseen)
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
         else:
             # cut to what `most` tokens could cover at either end before tokenizing: a megabyte costs no seconds
             ids = _observation_ids(tokenizer, limits.observation_template, cut_to_ends(observation, most))
+            _warn_if_unseen(tokenizer, limits.observation_template, observation, ids)
             ids = _cut_middle(tokenizer, ids, most)
     except Exception as exc:  # the tokenizer refused it: that episode's error, not the run's
         ep.end(error=f"the observation cannot be tokenized: {type(exc).__name__}: {exc}")
@@ -220,6 +223,21 @@ def _observe(ep: _Episode, observation: Optional[str], tokenizer, limits: TurnLi
     ep.exchanges.append(getattr(observation, "messages", ()))
     if ep.logprobs is not None:
         ep.logprobs = ep.logprobs + [math.nan] * len(ids)
+
+
+def _warn_if_unseen(tokenizer, template: str, observation: str, ids: list) -> None:
+    """Warns once per process when a non-blank observation adds no tokens to its template's: the tokenizer drops
+    its text, and the model never sees the environment's feedback (found by an audit: the tiny tokenizer, loaded
+    from its folder, drops "higher"; 3 turns of env/tokens 0, without a word)."""
+    global _unseen_warned
+    if _unseen_warned or not observation.strip():
+        return
+    if len(ids) > len(tokenizer(template.format(observation=""), add_special_tokens=False)["input_ids"]):
+        return
+    _unseen_warned = True
+    warnings.warn(f"[lowmem-grpo] the environment's observation {short_repr(observation)} encodes to no tokens with "
+                  "this tokenizer, so the model never sees it: use a tokenizer that covers the environment's text "
+                  "(for the tiny model: lowmem_grpo.tiny.build_tool_tokenizer). Said once.", stacklevel=2)
 
 
 def cut_to_ends(text: str, tokens: int) -> str:

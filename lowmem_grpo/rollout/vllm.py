@@ -85,6 +85,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import vllm  # noqa: E402  (ImportError here is turned into EngineError by make_engine)
+from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase  # noqa: E402
 from vllm.model_executor.layers.quantization import register_quantization_config  # noqa: E402
 from vllm.model_executor.layers.quantization.base_config import (  # noqa: E402
@@ -720,7 +721,11 @@ class VLLMEngine:
                 if self.llm.reset_prefix_cache() is False:
                     raise EngineError("vLLM could not reset its prefix cache (requests still running?): the "
                                       "next generate would reuse KV computed with other weights")
-                outputs = self.llm.generate(requests, sps, use_tqdm=False)
+                try:
+                    outputs = self.llm.generate(requests, sps, use_tqdm=False)
+                except VLLMValidationError as exc:   # e.g. a prompt past the context: one line, not a traceback
+                    said = " ".join(str(exc).split())
+                    raise EngineError(f"generation.engine=vllm refused a request: {said}") from None
             finally:
                 self._sleep()
         return to_completions(outputs, self.eos)
