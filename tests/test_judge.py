@@ -397,7 +397,7 @@ def test_a_test_that_swallows_its_timeout_is_cut_off_by_the_reporter():
     run = run_tests(solution, ["assert add(1, 1) == 2", "assert add(2, 2) == 4", "assert add(3, 3) == 6"],
                     timeout=0.5, total_timeout=30)
     assert run.passed == [True, False, False] and run.details[1:] == ["_TestTimeout", "not_run"]
-    assert time.monotonic() - start < 10     # the reporter gave up at 0.5 + 0.5 s, not at the 30 s wall clock
+    assert time.monotonic() - start < 10     # the reporter gave up at 0.5 + 0.2 s, not at the 30 s wall clock
 
 
 def test_counter_and_subclasses_that_compare_like_their_base_still_pass():
@@ -438,7 +438,8 @@ def test_a_test_judged_outside_after_one_judged_inside_counts_as_forgeable():
     same test before any inside one stays unforgeable."""
     solution = ("import sys, re\nseen = {}\ndef f(x):\n    fr = sys._getframe()\n"
                 "    while fr is not None and 'cmd' not in fr.f_locals:\n        fr = fr.f_back\n"
-                "    m = re.search(r'== (\\d+)', fr.f_locals['cmd']['src'])\n    if m:\n        seen[x] = int(m.group(1))\n"
+                "    m = [c for c in fr.f_locals['cmd']['code'].co_consts if type(c) is int and c != x]\n"
+                "    if m:\n        seen[x] = m[-1]\n"
                 "    return seen.get(x, 0)\n")
     inside, outside = "r = f(12345)\nassert r == 67890", "assert f(12345) == 67890"
     run = run_tests(solution, [inside, outside], timeout=2.0)

@@ -17,7 +17,7 @@ from lowmem_grpo.rewards import Rewards, code_io
 from lowmem_grpo.rewards.code_io import (code_io_binary_reward, code_io_reward, get_calls, get_cases, outputs_match,
                                          run_calls)
 from lowmem_grpo.rewards.options import option_problems
-from lowmem_grpo.rewards.sandbox import SandboxLimits, SandboxResult
+from lowmem_grpo.rewards.sandbox import SandboxLimits, SandboxResult, sandbox_info
 
 ADD = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7\n", "0\n"]}
@@ -175,6 +175,15 @@ def test_an_input_without_its_final_newline_gets_one():
     rows = [{"tests": {"inputs": ["abc"], "outputs": ["cba\n"]}}]
     program = "```python\nimport sys\ns = sys.stdin.readline()[:-1]\nprint(s[::-1])\n```"
     assert code_io_reward([program], rows=rows) == [1.0]
+
+
+def test_a_lone_surrogate_in_an_expected_output_is_scored_not_raised():
+    """Found by a red team: an expected output holding a lone surrogate (JSON "\\ud800") raised UnicodeEncodeError
+    out of the reward, before any sandbox ran, while `validate` counted the row as fine. It is encoded as the
+    inputs are (surrogatepass): no program prints that case, the row's other cases still score."""
+    rows = [{"tests": json.dumps({"inputs": ["1 2\n", "2 2\n"], "outputs": ["\ud800\n", "4\n"]})}]
+    assert code_io.count_cases(rows).cases == 2
+    assert code_io_reward([ADD], rows=rows) == [0.5]
 
 
 def test_numbers_printed_with_more_digits_fit_under_the_output_cap():
@@ -336,6 +345,24 @@ def test_a_process_left_running_cannot_work_on_a_later_case_past_its_limit():
     assert code_io.run_cases(program, cases, timeout=1.0) == [True, True, True, False]
 
 
+def test_a_case_cannot_read_the_relays_counters_and_what_it_leaves_is_still_killed():
+    """Found by a red team: /proc/<pid>/stat is world-readable, the relaying program's too, and its counters of reaped
+    children (cminflt, cutime) grew by what each case's fork did: a case read the previous case's input there, to the
+    page. The sandbox's /proc shows a process only what it may ptrace now (hidepid=2), which hides the non-dumpable
+    relay from its cases, and the cases from the relay: it kills what a case left with kill(-1) in the run's own PID
+    namespace (without it, a sleeping daemon it could not see made it give up every later case)."""
+    program = ("import os, time\nn = int(input())\n"
+               "if n == 1 and os.fork() == 0:\n    os.setpgid(0, 0)\n    time.sleep(30)\n    os._exit(0)\n"
+               "bytearray(n * 4096)\n"
+               "try:\n    open('/proc/%d/stat' % os.getppid()).read()\n    print(n, 'seen')\n"
+               "except OSError:\n    print(n, 'hidden')\n")
+    hidden = "private_proc" in sandbox_info()["protections"]   # (the host's /proc in weak mode: still readable)
+    cases = [(f"{n}\n", f"{n} {'hidden' if hidden else 'seen'}\n") for n in (1, 1000, 2)]
+    assert code_io.run_cases(program, cases, timeout=2.0) == [True] * 3
+    if not hidden:
+        pytest.skip("no private /proc in this machine's sandbox: the relay's counters stay readable (docs/sandbox.md)")
+
+
 def test_files_a_case_writes_do_not_reach_the_next():
     """A fresh sandbox per case starts with an empty /tmp, /dev/shm and working directory; so does each case run
     in one program (else a case could leave work, or a state, for the next)."""
@@ -417,15 +444,34 @@ PAIR_CASES = [("5\n", "2 3\n"), ("10\n", "5 5\n"), ("1", "0 1\n")]
 
 
 @pytest.mark.parametrize("status, stdout, accepted", [
-    (0, "", True), (0, "\n  \n", True), (0, "ok\n", True), (0, "OK, 3 numbers\n", True), (0, "Accepted.", True),
-    (0, "yes", True), (0, "1", True), (0, "1.0 points", True), (0, "1e0", True),
+    (0, "", True), (0, "\n  \n", True), (0, "ok\n", True), (0, " Accepted.\r\n", True),
+    (0, "yes", True), (0, "1", True), (0, "1e0", True),
     (0, "0", False), (0, "0.5", False), (0, "0.9999", False), (0, "2", False), (0, "-1", False),
     (0, "0.99999999999999999", False), (0, "1.00000000000000001", False), (0, "1.000", True), (0, "10e-1", True),
     (0, "wrong answer", False), (0, "WA", False), (0, "no", False), (0, "okay", False), (0, "nan", False),
     (1, "", False), (1, "ok", False), (3, "1", False), (None, "", False),
+    # Found by a red team: the verdict is the whole stdout, not its first word, which a checker's diagnostic
+    # may take from the program's output; and no token raises (Decimal's exponents end near 1e18).
+    (0, "ok is wrong, expected 1 2\n", False), (0, "1 is wrong\n", False), (0, "OK, 3 numbers\n", False),
+    (0, "1.0 points", False), (0, "ok\nwrong answer\n", False), (0, "ok\u00a0wrong", False),
+    (0, "0e9999999999999999999999999", False), (0, "0.0e-9999999999999999999999", False),
+    (0, "1e9999999999999999999999999", False), (0, "1" + "0" * 5000 + "e-5000", True),
 ])
 def test_a_checker_accepts_by_exit_0_with_silence_a_word_or_a_score_of_1(status, stdout, accepted):
     assert code_io.checker_accepts(status, stdout) is accepted
+
+
+def test_a_checker_whose_diagnostic_starts_with_the_output_does_not_hand_over_the_verdict():
+    """Found by a red team: an ordinary checker that prints `<the program's tokens> is wrong, expected ...` and exits
+    0 accepted a program printing `ok` (its first word), and a program printing 0e9999999999999999999999999 made
+    the reward call raise decimal.InvalidOperation."""
+    checker = ("import sys\nexp = open(sys.argv[2]).read().split()\ngot = open(sys.argv[3]).read().split()\n"
+               "if sorted(got) != sorted(exp):\n    print(' '.join(got), 'is wrong, expected', ' '.join(exp))\n")
+    row = {"tests": [{"input": "2\n", "output": "1 2\n"}], "checker": checker}
+    printed = ("2 1", "9 9", "ok", "1", "0e9999999999999999999999999")
+    scores = code_io_reward([f"```python\nprint({p!r})\n```" for p in printed], rows=[row] * 5,
+                            checker_field="checker", timeout=2)
+    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("value, usable, has_checker", [
@@ -667,6 +713,19 @@ def test_stopping_the_reporter_does_not_hide_a_slow_call(seconds, passed):
                f"        time.sleep({seconds} + 0.2)\n        os.kill(parent, signal.SIGCONT)\n        os._exit(0)\n"
                f"    os.kill(parent, signal.SIGSTOP)\n    time.sleep({seconds})\n    return 2 * n")
     calls = code_io.Calls("slow", (([1], 2),), unwrap=False)
+    assert code_io.run_calls(program, calls, timeout=1.0) == [passed]
+
+
+@pytest.mark.parametrize("size, seconds, passed", [(1, 0.3, True), (1, 1.4, False), (400_000, 0.3, True),
+                                                  (400_000, 1.4, False)])
+def test_a_call_that_ignores_its_alarm_is_cut_off_near_its_limit(size, seconds, passed):
+    """Found by a red team: a call that ignores SIGALRM answers to the reporter's deadline only, which allowed 0.5 s
+    and 1 us per byte of the test's source (for compiling it off the clock): with 3 MB of arguments a 3.5 s call
+    passed under a 1 s limit. The reporter compiles the test before the clock starts now, and allows 0.2 s and
+    what loading the compiled test takes: a call 0.4 s past its limit fails, with few arguments or many."""
+    program = ("import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+               "def f(xs, seconds):\n    time.sleep(seconds)\n    return len(xs)")
+    calls = code_io.Calls("f", (([list(range(size)), seconds], size),), unwrap=False)
     assert code_io.run_calls(program, calls, timeout=1.0) == [passed]
 
 

@@ -635,7 +635,8 @@ def leak(parts=('environ', 'cmdline')):
             assert token not in res.stdout
             assert score(snoop, [f"assert {token!r} in leak()"], namespaces=namespaces) == 0.0
             pids = run_python("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))", 10)
-            assert pids.stdout.strip() == "[1, 2]"          # the namespace's init and the program: nothing else
+            # the program alone: nothing of the host, nor the namespace's init, which it may not trace (hidepid)
+            assert pids.stdout.strip() == ("[2]" if "hidepid" in pids.protections else "[1, 2]")
     finally:
         other.kill()
         other.wait()
@@ -796,8 +797,8 @@ def test_status_lines_are_the_sandboxs_only():
 # ---------------------------------------------------------------------------------------------
 # A machine without full isolation: the code reward refuses unless told
 
-NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "ipcns", "private_proc", "private_tmp", "minimal_root", "hidden_paths", "userns",
-                    "oom_first")   # (only the minimal root's read-only /proc makes it hold)
+NAMESPACE_LAYERS = ("netns", "pidns", "mountns", "ipcns", "private_proc", "hidepid", "private_tmp", "minimal_root",
+                    "hidden_paths", "userns", "oom_first")   # (only the minimal root's read-only /proc makes it hold)
 
 
 def test_code_reward_refuses_a_weak_sandbox_unless_accepted(monkeypatch):
@@ -858,6 +859,33 @@ def test_switching_a_layer_off_counts_as_weak():
     assert missing_protections() == {}
     line = sandbox_summary()
     assert "minimal_root" in line and "MISSING" not in line
+
+
+@pytest.mark.parametrize("autogroup, cgroup, weighted, why", [
+    ("1\n", "0::/\n", (), None),                                               # the root cgroup (v2)
+    ("1\n", "4:memory:/x\n1:cpu,cpuacct:/\n0::/\n", (), None),                  # v1's cpu controller at its root
+    ("1\n", "0::/user.slice/user-1000.slice/session-2.scope\n", (), None),      # no cpu controller on the way
+    ("1\n", "1:cpu,cpuacct:/docker/abc\n0::/\n", (), "cpu cgroup /docker/abc"),   # docker on cgroup v1
+    ("1\n", "0::/user.slice/user-1000.slice/session-2.scope\n", ("/user.slice",), "cpu cgroup /user.slice/"),
+    ("1\n", "0::/kubepods/pod1/c2\n", ("/kubepods/pod1/c2",), "cpu cgroup /kubepods"),
+    ("1\n", "0::/\n", ("/",), "container's cpu cgroup"),                           # a cgroup namespace's root
+    ("0\n", "0::/\n", (), "sched_autogroup_enabled is '0'"),                       # noautogroup, or the sysctl
+    (None, "0::/\n", (), "no autogroup"),                                         # CONFIG_SCHED_AUTOGROUP off
+])
+def test_the_fair_cpu_probe_says_where_autogroup_does_not_apply(autogroup, cgroup, weighted, why):
+    """Found by a red team: that a program with many processes cannot starve the one judged beside it rests on the
+    kernel's autogroup (one session per run, an equal share per session), which applies only with
+    kernel.sched_autogroup_enabled = 1 and in the root cpu cgroup. The probe says where it does not."""
+    got = sandbox_module.fair_cpu_missing(autogroup, cgroup, lambda path: path in weighted)
+    assert got is None if why is None else why in got
+
+
+def test_the_start_up_line_says_when_the_cpu_is_not_shared_fairly(monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_fair_cpu", [None])
+    assert "fair CPU" not in sandbox_summary()
+    monkeypatch.setattr(sandbox_module, "_fair_cpu", ["kernel.sched_autogroup_enabled is '0'"])
+    line = sandbox_summary()
+    assert "no fair CPU share between runs (kernel.sched_autogroup_enabled is '0')" in line and "workers: 1" in line
 
 
 def test_probe_reports_layers():

@@ -41,12 +41,13 @@ it reads anything:
    the *solver*, then reads the job (a random nonce, the solution, the tests' sources) from stdin; it
    alone holds the pipe to the trainer and writes "<nonce> <i> value <data>|pass|fail <why>";
 2. the solver points stdin/stdout/stderr at /dev/null, keeps only its two pipes to the reporter, runs
-   the solution, then each test when the reporter asks for it, with a fresh random key per test, under
-   a SIGALRM limit (`timeout`); it replies "<key> value <data>|pass|fail <why>";
+   the solution, then each test when the reporter asks for it (compiled by the reporter), with a fresh
+   random key per test, under a SIGALRM limit (`timeout`); it replies "<key> value <data>|pass|fail <why>";
 3. the reporter attributes a reply to test i only if it carries test i's key and it reads it before test i's
-   deadline (`timeout` + 0.5 s, from before the solver gets the step, so a solver that stops the reporter
-   gains no time; past it the solver is killed and the remaining tests fail), and exits
-   when the tests are done (threads the solution left running do not hold it up).
+   deadline, which holds where the solution ignores its alarm: `timeout` + 0.2 s, plus 20 ns per byte of
+   the compiled test sent and 100 ns per byte of the reply (encoded off the clock), from before the solver
+   gets the step, so a solver that stops the reporter gains no time; past it the solver is killed and the
+   remaining tests fail. It exits when the tests are done (threads the solution left running do not hold it up).
 
 So printing "PASS", exiting early, closing stdout, printing forever, catching the timeout, writing fake
 report lines to every descriptor, or finding the nonce score nothing: the nonce and the trainer's pipe
@@ -78,8 +79,13 @@ VALUE_CAP = 4 << 20      # bytes of one test's encoded value (~12 a small int: a
 VALUES_CAP = 64 << 20    # bytes of all of a run's values: the trainer holds a few copies, per completion in flight
 _MAX_DEPTH = 100         # nesting of a returned value
 _MAX_SAME_HASH = 16      # elements of one decoded set (keys of one dict) that may share a hash
-_GRACE_S = 0.5           # past a test's own limit, the reporter stops waiting for the solver
-_COMPILE_S_PER_BYTE = 1e-6   # and waits this much more per byte of the test's source, compiled off its clock
+# A solution may ignore its SIGALRM: then the reporter's deadline is its limit, so it allows only scheduling's
+# slack past `timeout`, plus what grows with data the solver must move, never with the time a test takes to
+# compile (found by a red team: 1 us per byte of source let a call with 3 MB of arguments take 3.5 s of a 1 s limit).
+_GRACE_S = 0.2           # past a step's own limit, the reporter stops waiting for the solver
+_LOAD_S_PER_BYTE = 2e-8  # per byte of a compiled test sent (hex): ~3 ns to read and load it (6 MB: 20 ms)
+_REPLY_S_PER_BYTE = 1e-7   # per byte of a reply: a returned value is encoded off its clock (~50 ns a byte)
+_COMPILE_S_PER_BYTE = 1e-6   # the run's wall clock only: the reporter compiles each test before its clock starts
                              # (a literal of 400,000 pairs, 5.6 MB, compiled in 1.1 s: a 5x margin for load)
 
 _PY_TAGS = {"python", "py", "python3", "py3"}
@@ -139,7 +145,8 @@ import _signal as signal, marshal, os, select, sys, time
 
 CAP = %(cap)d
 GRACE = %(grace)r
-COMPILE_S_PER_BYTE = %(compile)r
+LOAD_S_PER_BYTE = %(load)r
+REPLY_S_PER_BYTE = %(reply)r
 MAX_DEPTH = %(depth)d
 # No json here, and the builtin _signal (json costs ~6 ms a run, the signal package ~3 ms): the job and
 # the commands come as marshal (plain data from the trainer and the reporter), and values go out as ASCII
@@ -269,12 +276,11 @@ def solver(cmd_r, rep_w):
         cmd = marshal.loads(bytes.fromhex(line.decode()))
         value = cmd["kind"] == "value"
         try:
-            # compiled and encoded off the clock: a test's own literals (400,000 argument pairs took 1.1 s to
-            # compile) and the returned value's encoding are not the solution's time
-            code = compile(cmd["src"], "<test %%d>" %% cmd["i"], "eval" if value else "exec")
+            # the test comes compiled (by the reporter, before its clock started), and the returned value is
+            # encoded off the clock: neither is the solution's time
             try:
                 signal.setitimer(signal.ITIMER_REAL, limit)
-                result = eval(code, namespace) if value else exec(code, namespace)
+                result = eval(cmd["code"], namespace) if value else exec(cmd["code"], namespace)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             payload = encode(result) if value else ""
@@ -302,8 +308,11 @@ def reporter(child, cmd_w, rep_r, private):
     pending = bytearray()
     skipping = [False]
 
-    def send(obj, deadline):
-        data = memoryview((marshal.dumps(obj).hex() + "\n").encode())
+    def message(obj):
+        return (marshal.dumps(obj).hex() + "\n").encode()
+
+    def send(data, deadline):
+        data = memoryview(data)
         while data:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([], [cmd_w], [], left)[1]:
@@ -316,9 +325,11 @@ def reporter(child, cmd_w, rep_r, private):
                 return False
         return True
 
-    def receive(key, deadline):
-        # the first line that carries `key`; "timeout" or "gone" when none comes
+    def receive(key, deadline, per_byte=0.0):
+        # the first line that carries `key`, read by `deadline` plus `per_byte` a byte of it; "timeout" or "gone"
+        # when none comes
         prefix = key.encode() + b" "
+        last = deadline + (CAP + 256) * per_byte
         while True:
             nl = pending.find(b"\n")
             while nl >= 0:
@@ -330,7 +341,7 @@ def reporter(child, cmd_w, rep_r, private):
                     # The deadline again: the solver may stop this process (SIGSTOP, its parent, same uid) while it
                     # waits, work past its limit, and have a process it left resume it once the reply is in the
                     # pipe. A reply is in time only if it is read in time.
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > deadline + len(line) * per_byte:
                         return "timeout"
                     return line[len(prefix):].decode("utf-8", "replace")
                 nl = pending.find(b"\n")
@@ -340,7 +351,7 @@ def reporter(child, cmd_w, rep_r, private):
                 skipping[0] = True
                 if ours:
                     return "fail value_too_large"
-            left = deadline - time.monotonic()
+            left = last - time.monotonic()
             if left <= 0 or not select.select([rep_r], [], [], left)[0]:
                 return "timeout"
             chunk = os.read(rep_r, 1 << 16)
@@ -354,8 +365,8 @@ def reporter(child, cmd_w, rep_r, private):
     # one deadline, taken before the solver can run the solution: taken after send(), a solver that stopped this
     # process first would have its time from whenever it let it go on
     deadline = time.monotonic() + limit + GRACE
-    sent = send({"key": key, "solution": job["solution"], "timeout": limit, "prelude": job["prelude"],
-                 "defines": job["defines"]}, deadline)
+    sent = send(message({"key": key, "solution": job["solution"], "timeout": limit, "prelude": job["prelude"],
+                         "defines": job["defines"]}), deadline)
     got = receive(key, deadline) if sent else "gone"
     verdict, _, payload = got.partition(" ")
     if verdict != "ok":
@@ -364,9 +375,19 @@ def reporter(child, cmd_w, rep_r, private):
     tests = job["tests"]
     for i, test in enumerate(tests):
         key = os.urandom(8).hex()
-        deadline = time.monotonic() + limit + GRACE + len(test["src"]) * COMPILE_S_PER_BYTE
-        sent = send({"key": key, "i": i, "kind": test["kind"], "src": test["src"]}, deadline)
-        got = receive(key, deadline) if sent else "gone"
+        # Compiled here, before the clock starts: the solver only loads it (a literal of 400,000 argument pairs
+        # took 1.1 s to compile, 0.04 s to load), so its deadline needs no allowance for compiling, which a
+        # solution that ignores its alarm took for its own time.
+        try:
+            code = compile(test["src"], "<test %%d>" %% i, "eval" if test["kind"] == "value" else "exec")
+            data = message({"key": key, "i": i, "kind": test["kind"], "code": code})
+        except Exception as exc:   # (SyntaxError, MemoryError, RecursionError: what the solver would have replied)
+            report(i, "fail", clean(type(exc).__name__))
+            continue
+        deadline = time.monotonic() + limit + GRACE + len(data) * LOAD_S_PER_BYTE
+        sent = send(data, deadline)
+        code = data = None
+        got = receive(key, deadline, REPLY_S_PER_BYTE) if sent else "gone"
         verdict, _, payload = got.partition(" ")
         if got in ("timeout", "gone"):
             report(i, "fail", "_TestTimeout" if got == "timeout" else "solver_died")
@@ -413,7 +434,7 @@ def main():
 
 
 main()
-""" % {"cap": VALUE_CAP, "grace": _GRACE_S, "compile": _COMPILE_S_PER_BYTE, "depth": _MAX_DEPTH,
+""" % {"cap": VALUE_CAP, "grace": _GRACE_S, "load": _LOAD_S_PER_BYTE, "reply": _REPLY_S_PER_BYTE, "depth": _MAX_DEPTH,
        "common": HARNESS_COMMON}
 
 
@@ -764,10 +785,11 @@ def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEO
     report which tests passed.
 
     timeout: seconds allowed for the solution's top level and for each test (SIGALRM inside the program;
-        the reporter gives up on the solver 0.5 s later, plus 1 us per byte of the test, compiled off the clock).
-    total_timeout: wall-clock limit of the whole program, default timeout * (len(tests) + 1) + 2 s, plus the
-        compiling allowance (the sum of the per-step limits, plus interpreter start-up); past it the program is killed
-        and the tests that did not report count as failed.
+        a solution that ignores it is cut off by the reporter 0.2 s later, plus 20 ns per byte of the compiled
+        test and 100 ns per byte of its reply: the module docstring).
+    total_timeout: wall-clock limit of the whole program, default timeout * (len(tests) + 1) + 2 s, plus 1 us per
+        byte of the tests, which the reporter compiles off their clocks (the sum of the per-step limits, plus
+        interpreter start-up); past it the program is killed and the tests that did not report count as failed.
     limits: the sandbox's limits (memory_mb, max_procs, namespaces, ...); default SandboxLimits().
     prelude: source run before the solution, whose names the solution sees as it sees the builtins (which
         win over them); none of them is the solution's own.

@@ -52,11 +52,14 @@ Problems with more than one right answer come with a checker (a special judge): 
 whose field holds one (Python source) has each output that is not the expected one token for token judged by
 it, in a sandbox of its own where no model-written code runs (`run_checks`): it gets `input.txt`,
 `correct_output.txt` and `solution_output.txt` in its directory, their names as sys.argv[1:] in that order, and
-the input on stdin. It accepts by exiting 0 with nothing on stdout, with a first word of ok / accepted / ac /
-yes / correct / pass / passed / true, or with a score of exactly 1 (a first token that is a number; any other
-number, another first word, or another exit status is a wrong answer). A row whose checker is not a Python
-program (C++ testlib source, say) is skipped, not scored: its alternative answers could not be told from wrong
-ones. The checker sees the program's output only as data, as a contest's does.
+the input on stdin. It accepts by exiting 0 with nothing on stdout (testlib's convention: the exit status is the
+verdict), or with a stdout that is, but for surrounding whitespace, wholly one of ok / accepted / ac / yes /
+correct / pass / passed / true or a score of exactly 1 (open-r1/codeforces' generated checkers print 1 or 0);
+anything else on stdout, or another exit status, is a wrong answer. So a checker must never print the program's
+output as its verdict: one that echoes it ("<output> is wrong") is judged wrong, but one that prints it alone
+gives the program the verdict. A row whose checker is not a Python program (C++ testlib source, say) is skipped,
+not scored: its alternative answers could not be told from wrong ones. The checker sees the program's output only
+as data, as a contest's does.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ from typing import Iterable, Optional
 
 from .code import (DEFAULT_TEST_TIMEOUT_S, DEFAULT_WORKERS, HARNESS_COMMON, Judging, field_value, private_run,
                    run_tests, sandbox_check, score_in_sandbox)
-from .sandbox import SandboxError, SandboxLimits, run_python
+from .sandbox import SandboxError, SandboxLimits, run_python, sandbox_info
 
 DEFAULT_FLOAT_TOLERANCE = 1e-6
 _IO_KEYS = (("inputs", "outputs"), ("input", "output"), ("stdin", "stdout"))
@@ -400,7 +403,9 @@ def _after_future_imports(first: str, code: str) -> str:
 
 def _output_cap(expected: str, float_tolerance: float) -> int:
     """The most a right program may print for this expected output: twice it, plus 4 KiB."""
-    cap = 2 * len(expected.encode()) + 4096
+    # surrogatepass, as the inputs and the checker's files are: a dataset's lone surrogate raised here, before
+    # any sandbox ran (found by a red team)
+    cap = 2 * len(expected.encode("utf-8", "surrogatepass")) + 4096
     if float_tolerance > 0:   # "0.5" may rightly be printed "0.500000000000": room for the digits of
         # each number (an upper bound: its '.', 'e' and 'E' counted, without splitting a large output)
         cap += _FLOAT_SLACK * (expected.count(".") + expected.count("e") + expected.count("E"))
@@ -435,16 +440,21 @@ def checker_job(stdin: str, expected: str, got: str) -> bytes:
 
 
 def checker_accepts(exit_status: Optional[int], stdout: str) -> bool:
-    """A checker's verdict (module docstring): exit 0 and silence, a word of acceptance, or a score of 1."""
+    """A checker's verdict (module docstring): exit 0 and silence, or a stdout that is wholly a word of acceptance
+    or a score of 1 (as open-r1's scorer takes `stdout.strip() == "1"`). Only the whole of it: a checker that
+    printed a diagnostic starting with the contestant's output ("ok is wrong, expected 1 2") gave the program the
+    verdict when its first word counted (found by a red team). Never raises, whatever the checker printed."""
     if exit_status != 0:
         return False
-    words = stdout.split(maxsplit=1)
-    if not words:
+    line = stdout.strip(_WHITESPACE)
+    if not line:
         return True
-    first = words[0]
-    if _NUMBER.fullmatch(first):   # exactly: float() rounds "0.99999999999999999" (a lesser score) to 1.0
-        return Decimal(first) == 1
-    return first.strip(".!:;,").lower() in _ACCEPT_WORDS
+    if _NUMBER.fullmatch(line):   # exactly: float() rounds "0.99999999999999999" (a lesser score) to 1.0
+        try:
+            return Decimal(line) == 1
+        except (ArithmeticError, ValueError):   # "0e9999999999999999999": past Decimal's exponents, not a score of 1
+            return False
+    return line.strip(".!:;,").lower() in _ACCEPT_WORDS
 
 
 # What a Python checker splits on: str.split()'s whitespace (Unicode's: U+00A0, U+3000, \x1c-\x1f, ...), and
@@ -595,12 +605,19 @@ def execute(code):
     return status
 
 
-def descendants_killed(me, limit):
+def descendants_killed(me, limit, own_pidns):
     # SIGKILL every process a case left (a daemon in a process group of its own escapes the group kill, and would work on
     # for later cases past its own time limit): orphans come to this process (a child subreaper), so once it has
     # no child left, nothing of the case is. False if that takes past `limit` seconds.
     end = time.monotonic() + limit
     while time.monotonic() < end:
+        if own_pidns:
+            # In the run's own PID namespace, every process but init and this one is a case's: kill(-1) reaches
+            # them all, also those the sandbox's /proc (hidepid) does not show this process (non-dumpable ones).
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
@@ -813,6 +830,7 @@ def main():
     job = marshal.loads(frame())
     nonce = job["nonce"]
     me = os.getpid()
+    own_pidns = job["pidns"] and me == 2   # (the program is init's first child there)
 
     def report(line):
         data = memoryview((nonce + " " + line + "\n").encode())
@@ -825,7 +843,7 @@ def main():
         # Nothing of this case may run on, or stay on disk, into the next (each case is its own run in the
         # reference, run_cases_separately): a daemon started in case 0 worked on case 3's answer past case 3's
         # limit. If that cannot be made sure, the later cases are not run (they fail).
-        if not descendants_killed(me, 2.0):
+        if not descendants_killed(me, 2.0, own_pidns):
             break
         report("%%d %%s %%s" %% (i, verdict, out.hex()))
         if not reset(dirs):
@@ -854,8 +872,9 @@ def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limi
     "over" (past its cap)."""
     nonce = secrets.token_hex(16)
     inside = [_relay_cap(cap) for cap in caps]
+    pidns = "pidns" in sandbox_info(limits.namespaces, limits.drop_privileges, limits.minimal_root)["protections"]
     head = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": inside,
-                          "sizes": [len(data) for data in inputs]})
+                          "sizes": [len(data) for data in inputs], "pidns": pidns})
     job = b"".join([len(head).to_bytes(8, "little"), head, *inputs])   # each input streamed to its case (run_case)
     room = sum(2 * cap + 64 for cap in inside) + 4096   # hex doubles each output
     result = run_python(_IO_HARNESS, len(inputs) * (float(timeout) + _IO_GRACE_S) + 2.0, stdin=job,

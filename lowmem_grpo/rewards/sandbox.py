@@ -23,7 +23,8 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
     interpreter, its sys.path, the directories of the libraries and data files it maps; `_root_layout`
     finds them once per interpreter), the host's symlinks on the way to them, a minimal /dev (null, zero,
     full, random, urandom: read-only binds, so that their host inodes' times stay unchanged), a fresh
-    read-only /proc (other processes and their environments become invisible),
+    read-only /proc mounted hidepid=2 (other processes and their environments become invisible, and so does any
+    process the program may not ptrace: a non-dumpable one, init),
     size-capped tmpfs /tmp and /dev/shm, a two-line /etc/passwd; the program is copied to /tmp/sandbox;
     then it pivot_roots into it, detaches the host's tree (nothing else of the host is reachable) and
     chroots into the tree's directory (a chrooted process may not create a user namespace).
@@ -293,6 +294,20 @@ def sys_mount(src, dst, fstype, flags, data, what):
         raise OSError("%s: %s" % (what, errno_text()))
 
 
+def mount_proc(dst):
+    # hidepid=2: a process sees only the processes it may ptrace. A non-dumpable one (code_io's relay) stays out of
+    # sight, and with it its counters of reaped children's faults and CPU time, its context switches and its
+    # run time, which each stdin/stdout case changed and the next could read (found by a red team).
+    if libc.mount(b"proc", dst, b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=2") == 0:
+        if "hidepid" not in active:   # (mounted again by the fallback where the minimal root failed)
+            active.append("hidepid")
+        return
+    failed["hidepid"] = errno_text()
+    if "hidepid" in active:
+        active.remove("hidepid")
+    sys_mount(b"proc", dst, b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "proc")
+
+
 def bind(src, dst, device=False):
     sys_mount(src.encode(), dst.encode(), None, MS_BIND, None, "bind " + src)
     # Read-only remount. It must repeat the flags the source mount has that a user namespace locks
@@ -357,7 +372,7 @@ def build_root(spec, program):
             sys_mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts, "tmpfs /" + d)
         os.mkdir("proc", 0o555)
         # Read-only: the program may not write its own /proc files (oom_score_adj back to 0, for one).
-        sys_mount(b"proc", b"proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None, "proc")
+        mount_proc(b"proc")
         if not os.path.isdir("etc"):
             os.mkdir("etc", 0o755)
         me = run_uid if run_uid is not None else os.getuid()
@@ -444,10 +459,11 @@ if ns:
         # The weaker fallback (minimal_root: false, or a machine where it fails): the host's tree stays,
         # with a private /proc and /tmp and some directories hidden.
         # A /proc that shows only this namespace: other processes (and their environ) become invisible.
-        if libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0:
+        try:
+            mount_proc(b"/proc")
             active.append("private_proc")
-        else:
-            failed["private_proc"] = errno_text()
+        except OSError as exc:
+            failed["private_proc"] = str(exc)
         # the interpreter must stay reachable: by the path we exec and by the path it resolves to
         interp = (os.path.abspath(cfg["python"]), os.path.realpath(cfg["python"]))
         # Hide host directories the program has no business reading (the trainer's working directory, with
@@ -966,8 +982,61 @@ def missing_protections(limits: Optional["SandboxLimits"] = None) -> dict:
     return out
 
 
+def fair_cpu_missing(autogroup: Optional[str], cgroup: Optional[str],
+                     has_cpu_weight=lambda path: False) -> Optional[str]:
+    """Why the scheduler would not share the CPU equally between the runs judged side by side, or None where it does.
+    Every process of a run stays in one session (setsid is denied), and the kernel's autogroup gives each session an
+    equal share, but only with kernel.sched_autogroup_enabled = 1 and for a task of the root cpu cgroup
+    (task_wants_autogroup): not under a container's CPU limit, Kubernetes, or a systemd slice with the cpu
+    controller on. Elsewhere a run spinning 31 processes took ~31/32 of the CPU from the one beside it (found by a
+    red team, by reasoning). `autogroup`: /proc/sys/kernel/sched_autogroup_enabled (None: absent); `cgroup`:
+    /proc/self/cgroup; `has_cpu_weight(path)`: whether that cgroup v2 directory holds cpu.weight (the root has none:
+    one at "/" is a cgroup namespace's, a container's cgroup)."""
+    if autogroup is None:
+        return "the kernel has no autogroup (no /proc/sys/kernel/sched_autogroup_enabled)"
+    if autogroup.strip() != "1":
+        return f"kernel.sched_autogroup_enabled is {autogroup.strip()!r}"
+    unified = None
+    for line in (cgroup or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if "cpu" in parts[1].split(","):   # cgroup v1's cpu controller
+            return None if parts[2] == "/" else f"the trainer is in the cpu cgroup {parts[2]}, where autogroup does " \
+                                                 "not apply"
+        if parts[0] == "0" and not parts[1]:
+            unified = parts[2]
+    path = unified
+    while path:   # cgroup v2: the cpu controller on the trainer's cgroup or an ancestor below the root
+        if has_cpu_weight(path):
+            where = "a container's cpu cgroup (its cgroup namespace shows it as /)" if unified == "/" \
+                else f"the cpu cgroup {unified}"
+            return f"the trainer is in {where}, where autogroup does not apply"
+        path = "" if path == "/" else path.rsplit("/", 1)[0] or "/"
+    return None
+
+
+_fair_cpu: list = []
+
+
+def fair_cpu() -> Optional[str]:
+    """fair_cpu_missing for this process, probed once."""
+    if not _fair_cpu:
+        def read(path):
+            try:
+                with open(path) as f:
+                    return f.read()
+            except OSError:
+                return None
+        _fair_cpu.append(fair_cpu_missing(
+            read("/proc/sys/kernel/sched_autogroup_enabled"), read("/proc/self/cgroup"),
+            lambda path: os.path.exists("/sys/fs/cgroup" + path.rstrip("/") + "/cpu.weight")))
+    return _fair_cpu[0]
+
+
 def sandbox_summary(limits: Optional["SandboxLimits"] = None) -> str:
-    """One line for a start-up log: the interpreter, the active protections, and what full isolation lacks."""
+    """One line for a start-up log: the interpreter, the active protections, what full isolation lacks, and whether
+    the runs judged side by side get equal shares of the CPU (fair_cpu)."""
     lim = limits or SandboxLimits()
     p = _plan(lim.namespaces, lim.drop_privileges, lim.minimal_root)
     missing = missing_protections(lim)
@@ -975,6 +1044,10 @@ def sandbox_summary(limits: Optional["SandboxLimits"] = None) -> str:
     line = f"sandbox: {p.python} as {who}; active: {', '.join(p.protections) or 'none'}"
     if missing:
         line += "; MISSING: " + "; ".join(f"{k} ({v})" for k, v in missing.items())
+    unfair = fair_cpu()
+    if unfair is not None:
+        line += (f"; no fair CPU share between runs ({unfair}): a program with many processes can starve the one "
+                 "judged beside it into a timeout (workers: 1 avoids it; docs/sandbox.md)")
     return line
 
 
