@@ -300,3 +300,25 @@ def test_a_stop_string_of_more_tokens_than_characters_ends_the_row_where_it_is_c
     ends = [k for k in range(1, len(ids) + 1) if crit(torch.tensor([prompt + ids[:k]]), None)[0]]
     done = len(tok("abc" + stop, add_special_tokens=False)["input_ids"])
     assert ends[0] == done and crit.ended == {0: (done, stop)}
+
+
+def test_a_row_ends_at_the_models_context_as_vllm_ends_it(model_tok, monkeypatch):
+    """generate decoded past the model's positions when a prompt + max_new_tokens did not fit (a red team): each
+    row now ends where the context does, truncated, as vLLM ends it; rows with room are as they were."""
+    model, tok = model_tok
+    prompts = [tok("1+1=")["input_ids"], tok("100+250=")["input_ids"]]
+    eos_never = SamplingParams(n=2, max_new_tokens=12, temperature=1.0)
+    monkeypatch.setattr("lowmem_grpo.rollout.hf.stop_token_ids", lambda *a: ())   # rows run to their limit
+    torch.manual_seed(0)
+    free = HFEngine(model, tok).generate(prompts, eos_never)
+    assert [len(c.token_ids) for c in free] == [12] * 4 and all(c.truncated for c in free)
+    context = len(prompts[1]) + 5   # the longer prompt has room for 5 tokens, the shorter for more
+    room = context - len(prompts[0])
+    assert 5 < room < 12
+    monkeypatch.setattr(HFEngine, "context_tokens", lambda self: context)
+    torch.manual_seed(0)
+    cut = HFEngine(model, tok).generate(prompts, eos_never)
+    assert [len(c.token_ids) for c in cut] == [room, room, 5, 5] and all(c.truncated for c in cut)
+    assert [c.token_ids for c in cut[:2]] == [c.token_ids[:room] for c in free[:2]]   # the same draws, cut
+    assert all(len(c.logprobs) == len(c.token_ids) for c in cut)
+    assert all(len(prompts[c.prompt_index]) + len(c.token_ids) <= context for c in cut)

@@ -184,7 +184,12 @@ class HFEngine:
         device = next(self.model.parameters()).device
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        kwargs = dict(max_new_tokens=params.max_new_tokens, pad_token_id=pad, eos_token_id=list(eos) or None,
+        # A row ends at the model's context, as vLLM ends it (truncated): generate would decode past its positions
+        # (found by a red team). No row can use more than the shortest prompt leaves.
+        context = self.context_tokens()
+        room = [params.max_new_tokens if context is None else max(0, min(params.max_new_tokens, context - len(p)))
+                for p in prompts]
+        kwargs = dict(max_new_tokens=max(1, max(room)), pad_token_id=pad, eos_token_id=list(eos) or None,
                       num_return_sequences=params.n, use_cache=True, **_NEUTRAL)
         recorder, stops = None, None
         pad_counts = [width - len(p) for p in prompts for _ in range(params.n)]   # rows: prompt i at [i*n, (i+1)*n)
@@ -206,6 +211,8 @@ class HFEngine:
         completions = []
         for row, tokens in enumerate(new):
             tokens, truncated, stopped_by = _cut(tokens, eos, stops.ended.get(row) if stops else None)
+            if len(tokens) > room[row // params.n]:   # past the model's context
+                tokens, truncated, stopped_by = tokens[: room[row // params.n]], True, None
             lps = logprobs[row][: len(tokens)] if logprobs is not None else None
             completions.append(Completion(row // params.n, tokens, truncated, lps, stopped_by=stopped_by))
         return completions
