@@ -65,12 +65,12 @@ def answer_digits(completions, *, prompts, rows, **_):
 
 
 def marks_its_calls(completions, **_):
-    """has_digit, and each call creates the file $LOWMEM_TEST_MARK.$RANK: a test's sign that a process (RANK, as
-    torchrun numbers them) has begun scoring."""
+    """has_digit, and each call adds a line to the file $LOWMEM_TEST_MARK.$RANK: a test's count of the completions
+    a process (RANK, as torchrun numbers them) has scored (eval scores its greedy ones first, in one or more calls)."""
     import os
-    from pathlib import Path
 
-    Path(f"{os.environ['LOWMEM_TEST_MARK']}.{os.environ.get('RANK', '0')}").touch()
+    with open(f"{os.environ['LOWMEM_TEST_MARK']}.{os.environ.get('RANK', '0')}", "a") as f:
+        f.write(f"{len(completions)}\n")
     return has_digit(completions)
 
 

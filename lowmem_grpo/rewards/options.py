@@ -113,8 +113,8 @@ class CodeIOOptions(_SandboxedOptions):
     checker_field: Optional[str] = Field(
         None, description="Row field holding the problem's checker (a special judge, Python source; null or empty in "
         "a row: the plain comparison), run in a sandbox of its own on each output that is not the expected one: "
-        "`checker.py input.txt correct_output.txt solution_output.txt`, accepting by exit 0 with no output, 'ok' / "
-        "'accepted' / 'yes' ..., or a score of 1 (rewards/code_io.py); null: no checker.")
+        "`checker.py input.txt correct_output.txt solution_output.txt`, accepting by exit 0 with no output, or a "
+        "whole stdout of 'ok' / 'accepted' / 'yes' ... or a score of 1 (rewards/code_io.py); null: no checker.")
     checker_timeout: float = Field(_code_io.DEFAULT_CHECKER_TIMEOUT_S, gt=0,
                                    description="Seconds allowed for one run of the checker.")
 
