@@ -357,7 +357,10 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
         if warning := check_adapter_base(adapter_dir, run_dir, recipe.model.name_or_path):
             log(warning)
     rewards, g = Rewards.from_recipe(recipe), recipe.generation   # (before the model: a bad reward fails fast)
-    model, tok = _load(recipe, adapter_dir, model_dir)
+    from .progress import library_bars, use_bar
+
+    with library_bars(use_bar("auto") and world.main):   # transformers' loading bar: on a terminal only
+        model, tok = _load(recipe, adapter_dir, model_dir)
     pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer, context_tokens=context_tokens(model))
     if pset is None:
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
@@ -374,8 +377,6 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
                "prompts": len(examples), "max_new_tokens": g.max_new_tokens,
                "rows_skipped": len(bad_rows), "rows_skipped_first": bad_rows[:10]}
     # A bar on a terminal (prompts done, greedy then sampled): an eval of 1,000+ prompts takes a while.
-    from .progress import use_bar
-
     bar = None
     if use_bar("auto") and world.main:
         from tqdm import tqdm

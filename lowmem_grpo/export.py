@@ -27,6 +27,7 @@ from . import checkpoint as ckpt
 from .data import PROMPT_RECORD
 from .hub import folder_contents, model_path_problem, tokenizer_files_problem
 from .model import DTYPES, AdapterLoadError, load_adapter, load_base_model, load_tokenizer
+from .progress import library_bars, use_bar
 from .recipe import load_recipe
 
 
@@ -254,7 +255,8 @@ def merge_adapter(model_cfg, adapter: Path, out: Path, dtype: str = "float32", t
                           "(remove it, or choose another --out)")
     cfg = model_cfg.model_copy(update={"compute_dtype": dtype})
     tokenizer = load_tokenizer(cfg)
-    base = load_base_model(cfg, quantized=False)
+    with library_bars(use_bar("auto")):   # transformers' loading bars: on a terminal only, not in a log
+        base = load_base_model(cfg, quantized=False)
     model = load_adapter(base, str(adapter), model_cfg.name_or_path, is_trainable=False).eval()
     probes = _probe_ids(tokenizer, model.config.vocab_size, probe_data)
     with torch.no_grad():
@@ -267,7 +269,8 @@ def merge_adapter(model_cfg, adapter: Path, out: Path, dtype: str = "float32", t
     scale = max(1.0, before.abs().max().item())
     if dtype == "float32" and diff > tolerance * scale:
         raise ExportError(f"merged logits drift {diff:.2e} from base + adapter (allowed {tolerance:.0e} x max|logit| {scale:.1f})")
-    merged.save_pretrained(out)
+    with library_bars(use_bar("auto")):
+        merged.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return {"merged": str(out), "max_logit_diff": diff, "max_abs_logit": scale, "dtype": dtype}
 

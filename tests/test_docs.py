@@ -176,3 +176,17 @@ def test_the_variant_checklist_names_what_exists():
         if not ok:
             missing.append(name)
     assert not missing, missing
+
+
+def test_the_readmes_step_phases_are_the_trainers():
+    """README's "How a step works" lists the trainer's phases, each with the time/<phase>_s metric that times it
+    (one list of phases: metrics.PHASES, which Trainer.train_step times; found by an audit: the README had five
+    steps, train.py eight, the metrics other names)."""
+    from lowmem_grpo.metrics import PHASES
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## How a step works"):readme.index("## Rollout engines")]
+    missing = [p for p in PHASES if f"`time/{p}_s`" not in section]
+    assert not missing, f"README's 'How a step works' does not name: {missing}"
+    train = (ROOT / "lowmem_grpo" / "train.py").read_text()
+    assert all(f'clock("{p}")' in train for p in PHASES)

@@ -79,6 +79,7 @@ def test_eval_command_reproduces_the_trainers_final_accuracy(tiny_model_dir, tin
 
     p = _cli("eval", str(recipe), "--adapter", str(tmp_path / "run"), "--k", "1,4")
     assert p.returncode == 0, p.stderr
+    assert "Loading weights" not in p.stderr, p.stderr   # off a terminal: transformers' loading bar stays out
     out = tmp_path / "run" / "eval" / "step-000003-test"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy"] == final["eval/accuracy"]
