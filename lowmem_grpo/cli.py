@@ -266,7 +266,7 @@ def train(recipe, resume_dir, overrides, nproc):
                                   world=world)
                 out = trainer.fit()
         except KeyboardInterrupt:   # outside a step (loading, an eval), or a second Ctrl-C: click said "Aborted!"
-            if distributed.current().main or distributed.launched_size() <= 1:   # (once, not once per process)
+            if distributed.launched_main():   # once, not once per process (the group is left by now)
                 click.echo(f"\n{interrupted_note(Path(resume_dir or r.output.dir), distributed.launched_size())}",
                            err=True)
             sys.exit(130)   # as a shell reports a process that SIGINT ended

@@ -102,6 +102,12 @@ def launched_size() -> int:
         return 1
 
 
+def launched_main() -> bool:
+    """This is process 0 of those torchrun started (or the only one): known from torchrun's RANK, also before the
+    process group is joined and after it is left."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def join(timeout_s: float) -> World:
     """Join the process group torchrun set up (once per process), or World() for a single process.
     timeout_s: how long a collective waits for a process that does not come (a hung peer; torchrun

@@ -621,7 +621,7 @@ class ToolCalls(Environment):
         self.format = _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))
         self._standalone = list(_loaded_tools(tuple(tools or ())))
         # several environments (TRL's dict): the row's `environment` picks one at reset(), and with it the tools
-        self._factories = ({name: _load(f, f"environment_factory[{name!r}]") for name, f in environment_factory.items()}
+        self._factories = ({name: _load(f, _factory_label(name)) for name, f in environment_factory.items()}
                            if isinstance(environment_factory, dict) else None)
         self.env = None
         if environment_factory and self._factories is None:
@@ -649,11 +649,9 @@ class ToolCalls(Environment):
             raise ValueError(f"max_result_tokens must be >= 1 or null (no cut), got {max_result_tokens}")
         names = _by_name(list(_loaded_tools(tuple(tools or ()))), "tools")
         several = isinstance(environment_factory, dict)
-        if several and not environment_factory:
-            raise ValueError("environment_factory: an empty mapping; name at least one environment")
-        for name, target in (environment_factory.items() if several else [(None, environment_factory)]):
-            what = "environment_factory" + (f"[{name!r}]" if several else "")
-            if target and not callable(_load(target, what)):
+        for name, target in named_factories(environment_factory or None).items():
+            what = _factory_label(name)
+            if not callable(_load(target, what)):
                 raise ValueError(f"{what}: {target!r} is not callable")
         fmt = _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))
         what = f"{len(names)} tools ({', '.join(names)})" if names else "no standalone tools"
@@ -840,6 +838,11 @@ def named_factories(environment_factory) -> dict:
     return dict(environment_factory)
 
 
+def _factory_label(name: Optional[str]) -> str:
+    """How errors name a factory of named_factories: environment_factory, or environment_factory['name']."""
+    return "environment_factory" if name is None else f"environment_factory[{name!r}]"
+
+
 def _probe(factory, what: str):
     """An instance of the factory, as TRL makes one at construction (its tools are described in the prompt); a
     ToolCallError for what TRL would refuse."""
@@ -880,7 +883,7 @@ def trl_environment(tools, environment_factory, *, model: str, trust_remote_code
     several = isinstance(environment_factory, dict)
     by_name: dict = {}   # every environment's tools (TRL's union): what the prompt shows before a row picks one
     for name, factory in factories.items():
-        what = f"environment_factory[{name!r}]" if several else "environment_factory"
+        what = _factory_label(name)
         for tool_name, fn in _by_name(tools + environment_tools(_probe(factory, what)), "tools").items():
             by_name.setdefault(tool_name, fn)
     if not factories:

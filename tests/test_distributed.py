@@ -461,3 +461,14 @@ def test_ctrl_c_under_eval_nproc_leaves_each_processs_share_in_part_files(tiny_m
         assert summary["interrupted"] is True and summary["process"] == rank and summary["prompts_here"] == 20
         assert len(lines) == summary["greedy_done"] + summary["samples_done"] and "accuracy" not in summary
         assert summary["greedy_done"] == 20 and summary["samples_done"] < 20 * 1000
+
+
+def test_the_ctrl_c_note_is_said_by_process_0_alone(monkeypatch):
+    """The note after a Ctrl-C outside a step is printed by process 0 only: it is read from torchrun's RANK, since the
+    process group is left by then (every process counted as process 0 once it was)."""
+    monkeypatch.setenv("RANK", "1")
+    assert not distributed.launched_main()
+    monkeypatch.setenv("RANK", "0")
+    assert distributed.launched_main()
+    monkeypatch.delenv("RANK")
+    assert distributed.launched_main() and distributed.current().main

@@ -39,6 +39,7 @@ Sampling is the engine's, on torch's RNG, and the rounds run in a fixed order: a
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -232,12 +233,18 @@ def _warn_if_unseen(tokenizer, template: str, observation: str, ids: list) -> No
     global _unseen_warned
     if _unseen_warned or not observation.strip():
         return
-    if len(ids) > len(tokenizer(template.format(observation=""), add_special_tokens=False)["input_ids"]):
+    if len(ids) > _template_tokens(tokenizer, template):
         return
     _unseen_warned = True
     warnings.warn(f"[lowmem-grpo] the environment's observation {short_repr(observation)} encodes to no tokens with "
                   "this tokenizer, so the model never sees it: use a tokenizer that covers the environment's text "
                   "(for the tiny model: lowmem_grpo.tiny.build_tool_tokenizer). Said once.", stacklevel=2)
+
+
+@functools.lru_cache(maxsize=16)
+def _template_tokens(tokenizer, template: str) -> int:
+    """The observation template's own tokens (with an empty observation): counted once, not per observation."""
+    return len(tokenizer(template.format(observation=""), add_special_tokens=False)["input_ids"])
 
 
 def cut_to_ends(text: str, tokens: int) -> str:
