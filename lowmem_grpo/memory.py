@@ -977,3 +977,31 @@ def return_freed_memory_to_os() -> bool:
 # less peak. At 4 MiB the 1,024-token bench_memory peak is the same as at 1 MiB (854 vs 855 MiB; 1,692
 # with the default).
 CPU_MMAP_THRESHOLD = 4 << 20
+
+
+def peak_memory_mib() -> float:
+    """This process's peak memory in MiB: the CUDA allocator's high-water mark, or on CPU peak_rss_mib."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return peak_rss_mib()
+
+
+def release_memory() -> None:
+    """What a failed step held back to the device (CUDA's cache) or the OS, so that a checkpoint can be written."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    else:
+        return_freed_memory_to_os()
+
+
+def oom_gist(exc: BaseException) -> str:
+    """An out-of-memory error's gist: its type and first two sentences (CUDA's text goes on for a paragraph)."""
+    text = " ".join(str(exc).split())
+    return type(exc).__name__ + (": " + ". ".join(text.split(". ")[:2]).rstrip(".") if text else "")

@@ -21,15 +21,13 @@ step's prompts, then every process holds the whole batch: steps 3-5 and every st
 process would, each process updates on its share of the completions with the batch's normalisers, and the
 trainable gradients are summed. Process 0 writes the metrics and checkpoints.
 
-This file orchestrates: the maths is in loss.py, advantages.py, logprobs.py and diagnostics.py.
+This file orchestrates: the maths is in loss.py, advantages.py, logprobs.py and diagnostics.py; whether a run
+may start or resume in its folder in resume.py; the optimizer and schedule in optim.py; Ctrl-C in interrupts.py.
 """
 
 from __future__ import annotations
 
-import gc
 import math
-import signal
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -40,6 +38,7 @@ import torch
 from . import checkpoint as ckpt
 from . import diagnostics as diag
 from . import distributed
+from . import resume as resume_rules
 from .advantages import group_advantages, normalize_then_sum_advantages
 from .batch import (SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, minibatches, pack,
                     trained_completions)
@@ -50,14 +49,17 @@ from .evaluate import accuracy_text, combine_greedy
 from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, off_policy_sequence_mask,
                    sampler_correction_weights, top_entropy_mask)
+from .interrupts import StopFlag
 from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, completion_tokens, decode_waves,
-                     device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload,
-                     out_of_memory_advice, peak_rss_mib, return_freed_memory_to_os)
+                     device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload, oom_gist,
+                     out_of_memory_advice, peak_memory_mib, release_memory, return_freed_memory_to_os)
 from .metrics import PhaseTimer, read_metrics, summary_line, text_ends
+from .optim import apply_settings, make_optimizer, make_scheduler
 from .model import (check_logit_head, context_tokens, eval_mode, load_policy, reference_mode, takes_shared_prompts,
                     text_config, trainable_parameters)
 from .progress import Progress, library_bars, use_bar
 from .recipe import Recipe, prompts_share_problem, recipe_to_yaml
+from .resume import ResumeError, anchored, fixed_values
 from .rewards import Rewards
 from .rewards.judging import judging_notes
 from .rollout import make_engine
@@ -69,58 +71,6 @@ from .sinks import SinkError, Sinks, open_sinks
 
 class TrainingError(Exception):
     pass
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        if schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-    return f
-
-
-def make_optimizer(params, cfg):
-    """torch AdamW, or bitsandbytes AdamW8bit (GPU-only: its kernels are CUDA; not run in CI)."""
-    if cfg.name == "adamw_8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-
-class _StopFlag:
-    """First Ctrl-C (or SIGTERM: what docker stop, Slurm and Kubernetes send): finish the step, checkpoint, exit
-    cleanly. Second: abort at once. (SIGTERM ended the run at once, losing every step since the last checkpoint.)"""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, log=print):
-        self.requested = False
-        self.signal: Optional[int] = None
-        self._previous: dict = {}
-        self._log = log
-
-    def __enter__(self):
-        self._previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
-        return self
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested, self.signal = True, signum
-        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        self._log(f"\n[lowmem-grpo] {what}: stopping after this step, checkpointed ({what} again to abort now)")
-        sys.stdout.flush()
-
-    def __exit__(self, *exc):
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        return False
 
 
 @dataclass
@@ -157,19 +107,10 @@ class Trainer:
         self.stop_requested = False   # set (by code, not a signal) to end the run after the current step, checkpointed
         self.stopped_by: Optional[int] = None   # the signal that stopped the run, if one did
         self._lock = self._take_run_dir() if self.world.main else None
-        if not resume and (held := ckpt.earlier_run(self.run_dir)):
-            raise TrainingError(f"{self.run_dir} already holds a run ({held}): continue it with `"
-                                f"{self.resume_command}`, or train into another folder (--set output.dir=...), or "
-                                "delete that one")
-        if not resume and (self.run_dir / "recipe.yaml").is_file():
-            # a run writes its own recipe.yaml there: a user's recipe in that folder would be overwritten (found by
-            # a red team: output.dir=. replaced the recipe being trained, comments and all)
-            raise TrainingError(f"{self.run_dir} holds a recipe.yaml, which a run writes its own copy over: train into "
-                                "a folder of its own (--set output.dir=...); if it is an earlier run's that stopped "
-                                f"before its first step, continue it with `{self.resume_command}`, "
-                                "or delete it")
-        if resume:
-            self._check_resume_changes()
+        problem = (resume_rules.recipe_change_problem(self.run_dir, recipe) if resume
+                   else resume_rules.new_run_problem(self.run_dir, self.resume_command))
+        if problem:
+            raise TrainingError(problem)
         ckpt.seed_all(recipe.seed)
         start_ckpt = ckpt.latest(self.run_dir) if resume else None
         # A run stopped before its first checkpoint has nothing to continue from: it starts again (its metrics go)
@@ -177,11 +118,8 @@ class Trainer:
         if self._restart:
             self.log(f"[lowmem-grpo] {self.run_dir} holds no complete checkpoint yet (output.save_every="
                      f"{recipe.output.save_every}): the run starts again from step 0")
-        if start_ckpt is not None and (problem := ckpt.adapter_problem(start_ckpt / "adapter")):
-            raise TrainingError(_damaged(start_ckpt, problem))
-        if start_ckpt is not None and (problem := ckpt.adapter_mismatch(start_ckpt / "adapter", recipe.lora)):
-            raise TrainingError(f"cannot resume from {start_ckpt}: {problem}. Was recipe.yaml edited? A resumed run "
-                                "keeps these: put them back, or start a new run.")
+        if start_ckpt is not None and (problem := resume_rules.adapter_problem(start_ckpt, recipe.lora)):
+            raise TrainingError(problem)
         with library_bars(self.world.main and use_bar(recipe.output.progress)):   # ("Loading weights")
             self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
                                                      adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
@@ -226,8 +164,9 @@ class Trainer:
         except BaseException:
             self.engine.close()
             raise
-        if self.train_set.skipped:
-            self.log(f"[lowmem-grpo] skipped {len(self.train_set.skipped)} bad training rows (first: {self.train_set.skipped[0]})")
+        for name, part in (("training", self.train_set), ("held-out", self.eval_set)):   # (held-out: a red team's find)
+            if part is not None and part.skipped:
+                self.log(f"[lowmem-grpo] skipped {len(part.skipped)} bad {name} rows (first: {part.skipped[0]})")
 
     def _take_run_dir(self):
         """The run folder, made and locked for this process (checkpoint.lock_run): a clear error where it cannot
@@ -243,65 +182,28 @@ class Trainer:
             raise TrainingError(f"output.dir={str(self.run_dir)!r}: cannot make or write the run folder there "
                                 f"({exc.strerror or exc}); choose another (--set output.dir=...)") from None
 
-    def _check_resume_changes(self) -> None:
-        """Refuse a resume that changes what the run's checkpoint was made with, which would be ignored or break
-        (FIXED_ON_RESUME); the run's recipe.yaml, unchanged, says what it was."""
-        from .recipe import load_recipe
-
-        try:
-            before = load_recipe(self.run_dir / "recipe.yaml")
-        except Exception:   # (an unreadable recipe.yaml: the caller read it; nothing to compare with)
-            return
-        changed = resume_changes(fixed_values(before), fixed_values(self.recipe), log=lambda *a: None)
-        if changed:
-            raise TrainingError(f"a resumed run cannot change {'; '.join(changed)}: its checkpoints were made with "
-                                f"the run's values ({self.run_dir / 'recipe.yaml'}). Start a new run for that "
-                                "(--set output.dir=...), or resume without those --set.")
-
-    def _apply_optimizer_settings(self) -> None:
-        """After a resume loaded the optimizer's and the schedule's state: the recipe's lr, betas and weight decay,
-        not the checkpoint's (torch's load_state_dict restores those, so a resume's --set optimizer.lr=... was
-        silently ignored). The schedule's position is the checkpoint's."""
-        cfg = self.recipe.optimizer
-        self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
-        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group.update(lr=cfg.lr * factor(self.scheduler.last_epoch), initial_lr=cfg.lr, betas=tuple(cfg.betas),
-                         weight_decay=cfg.weight_decay)
-
     def _init_loop(self, start_ckpt: Optional[Path]) -> None:
         """Optimizer, schedule, loop state and sinks: fresh, or as the checkpoint left them."""
         r = self.recipe
         self.optimizer = make_optimizer(trainable_parameters(self.model), r.optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(   # the schedule counts every update (§7)
-            self.optimizer, lr_lambda(r.optimizer.schedule, r.optimizer.warmup_steps,
-                                      r.train.steps * r.algorithm.updates_per_step))
+        self.scheduler = make_scheduler(self.optimizer, r.optimizer, r.train.steps * r.algorithm.updates_per_step)
         self.step, self.state = 0, LoopState()
         self.optimizer_steps = 0  # taken by this process: whether a failed step has moved the weights yet
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
         if start_ckpt is not None:
             try:
-                saved = ckpt.load_trainer_state(start_ckpt, loop_fields=set(asdict(LoopState())),
-                                                params=trainable_parameters(self.model))
-            except ckpt.NewerFormat as exc:   # not damaged: this lowmem-grpo is older than the run's
-                raise TrainingError(f"cannot resume from {start_ckpt}: trainer_state.pt: {exc}") from None
-            except ckpt.TrainerStateError as exc:
-                raise TrainingError(_damaged(start_ckpt, f"trainer_state.pt: {exc}")) from None
-            except Exception as exc:  # torch.load of a cut file: EOFError, RuntimeError, UnpicklingError, ...
-                raise TrainingError(_damaged(start_ckpt, f"trainer_state.pt: {type(exc).__name__}: {exc}")) from None
-            made_with = saved.get("extra", {}).get("fixed")   # (older checkpoints: recipe.yaml's word only)
-            if isinstance(made_with, dict):   # the run folder itself may move: output.dir is where it is now
-                changed = resume_changes({k: v for k, v in made_with.items() if k != "output.dir"}, fixed_values(r),
-                                         self.log)
-                if changed:
-                    raise TrainingError(f"cannot resume from {start_ckpt}: it was made with other settings than the "
-                                        f"run's recipe.yaml now says: {'; '.join(changed)}. Was recipe.yaml edited? "
-                                        "A resumed run keeps these: put them back, or start a new run.")
+                saved = resume_rules.read_trainer_state(start_ckpt, r, set(asdict(LoopState())),
+                                                        trainable_parameters(self.model), self.log)
+            except ResumeError as exc:
+                raise TrainingError(str(exc)) from None
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
-            self._apply_optimizer_settings()
+            apply_settings(self.optimizer, self.scheduler, r.optimizer)
             self.step = saved["step"]
             self._restore_rng(ckpt.rng_states(saved))
             self.state = LoopState(**saved["extra"].get("loop", {}))
+            if note := resume_rules.data_change_note(saved, len(self.train_set), self.step):
+                self.log(note)
             self.log(f"[lowmem-grpo] resumed from {start_ckpt} at step {self.step}")
         if not self.world.main:   # process 0 writes the run's metrics and samples (§21)
             self.metrics = Sinks([])
@@ -805,8 +707,8 @@ class Trainer:
             try:
                 return self._fit()
             except (torch.OutOfMemoryError, MemoryError) as exc:  # outside a step (a step's: step_or_checkpoint)
-                what = _first_sentences(exc)
-            _release_memory()
+                what = oom_gist(exc)
+            release_memory()
             raise TrainingError(self.out_of_memory(what, "held-out evaluation", None)) from None
         finally:
             self.close()
@@ -821,8 +723,8 @@ class Trainer:
         try:
             return self.train_step(clock)
         except (torch.OutOfMemoryError, MemoryError) as exc:
-            what = _first_sentences(exc)
-        _release_memory()   # out of the except block: the failed step's tensors went with its traceback
+            what = oom_gist(exc)
+        release_memory()   # out of the except block: the failed step's tensors went with its traceback
         saved = None
         if (self.optimizer_steps, self.scheduler.last_epoch) == updates and self.world.size == 1 and self.step > 0:
             ckpt.set_rng_state(rng)
@@ -885,7 +787,7 @@ class Trainer:
                 self.log(f"[lowmem-grpo] held-out accuracy at step 0: {accuracy_text(first_eval)}")
         stopped = False
         progress = Progress(r.train.steps, self.step, r.output.progress if self.world.main else "lines", self.log)
-        with _StopFlag(self.log) as stop, progress:
+        with StopFlag(self.log) as stop, progress:
             while self.step < r.train.steps:
                 self.metrics.step_begin(self.step + 1)
                 step = self.step_or_checkpoint()
@@ -934,7 +836,7 @@ class Trainer:
 
     @property
     def resume_command(self) -> str:
-        return f"lowmem-grpo train{f' --nproc {self.world.size}' if self.world.size > 1 else ''} --resume {self.run_dir}"
+        return resume_rules.resume_command(self.run_dir, self.world.size)
 
     def save(self) -> Optional[Path]:
         """A checkpoint of this step, written by process 0 with every process's RNG state (§21); its path
@@ -950,7 +852,8 @@ class Trainer:
         try:
             record = prompt_record(self.train_set.examples[0])   # (eval checks its prompts against it)
             path = ckpt.save(self.run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                             extra={"loop": asdict(self.state), "fixed": fixed_values(self.recipe)},
+                             extra={"loop": asdict(self.state), "fixed": fixed_values(self.recipe),
+                                    "train_rows": len(self.train_set)},   # (resume.data_change_note)
                              keep_last=self.recipe.output.keep_last, rng=rng,
                              adapter_files={PROMPT_RECORD: record} if record else None)
         except ckpt.CheckpointWriteError as exc:   # a full disk: one clear line, and how to go on
@@ -970,56 +873,6 @@ class Trainer:
             if self._lock is not None:
                 ckpt.unlock_run(self._lock)
                 self._lock = None
-
-
-# What a resumed run cannot change: its checkpoints were made with them (the base, the adapter's shape, the
-# optimizer's state), or the resume restores them instead (seed: the RNG streams; output.dir: the run's folder).
-FIXED_ON_RESUME = ("model", "lora", "optimizer.name", "seed", "output.dir")
-
-
-def fixed_values(recipe: Recipe) -> dict:
-    """{key: value} of every FIXED_ON_RESUME setting (each field of a section named whole), as a run's
-    checkpoints keep them."""
-    def leaves(value, key: str) -> dict:
-        if isinstance(value, dict):
-            return {k: v for name, sub in value.items() for k, v in leaves(sub, f"{key}.{name}").items()}
-        return {key: value}
-
-    dumped, out = anchored(recipe).model_dump(mode="json"), {}
-    for key in FIXED_ON_RESUME:
-        head, *rest = key.split(".")
-        out.update({k: v for k, v in leaves(dumped[head], head).items() if not rest or k == key})
-    return out
-
-
-def resume_changes(before: dict, after: dict, log=print) -> list[str]:
-    """The fixed_values that differ, as 'key (old -> new)'. But for one: a base model folder that is gone may be
-    named anew (found by a red team: a moved folder blocked the resume for good); said in the log."""
-    out = []
-    for key, old in before.items():
-        new = after.get(key)
-        if old == new:
-            continue
-        if key == "model.name_or_path" and isinstance(old, str) and old.startswith("/") and not Path(old).exists():
-            log(f"[lowmem-grpo] model.name_or_path: {old} is gone; the run goes on with {new} (it must be the same "
-                "base model: the checkpoint's adapter was trained on that one)")
-            continue
-        out.append(f"{key} ({old!r} -> {new!r})")
-    return out
-
-
-def anchored(recipe: Recipe) -> Recipe:
-    """The recipe as a run folder keeps it (recipe.yaml): local paths absolute, so that a resume, eval or export
-    from another directory finds the same model and data (a relative model folder read from elsewhere was taken
-    for a hub id, and retried for a minute)."""
-    def local(value: str) -> str:
-        return str(Path(value).resolve()) if value and not value.startswith("hf:") and Path(value).exists() else value
-
-    return recipe.model_copy(update={
-        "model": recipe.model.model_copy(update={"name_or_path": local(recipe.model.name_or_path)}),
-        "data": recipe.data.model_copy(update={"train_path": local(recipe.data.train_path),
-                                               "eval_path": local(recipe.data.eval_path)}),
-        "output": recipe.output.model_copy(update={"dir": str(Path(recipe.output.dir).resolve())})})
 
 
 def no_reward_note(recipe: Recipe, completions, total: torch.Tensor, step: int) -> Optional[str]:
@@ -1045,30 +898,3 @@ def no_reward_note(recipe: Recipe, completions, total: torch.Tensor, step: int) 
         what, fix = functions, "check that the reward functions can score these completions (None is a skip)"
     return (f"[lowmem-grpo] step {step}: every completion was skipped for want of any reward: {what}; the step "
             f"learned nothing. To learn, {fix}. (Said once: reward/skipped counts such completions each step.)")
-
-
-def _damaged(checkpoint: Path, problem: str) -> str:
-    """The error for a checkpoint that cannot be read (written whole, so damaged since: a copy cut short, a disk)."""
-    return (f"cannot resume from {checkpoint}: {problem}. Move that folder out of {checkpoint.parent} to resume from "
-            "the checkpoint before it.")
-
-
-def _first_sentences(exc: BaseException) -> str:
-    """An out-of-memory error's gist: its type and first two sentences (CUDA's text goes on for a paragraph)."""
-    text = " ".join(str(exc).split())
-    return type(exc).__name__ + (": " + ". ".join(text.split(". ")[:2]).rstrip(".") if text else "")
-
-
-def _release_memory() -> None:
-    """What a failed step held back to the device (CUDA's cache) or the OS, so that a checkpoint can be written."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    else:
-        return_freed_memory_to_os()
-
-
-def peak_memory_mib() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return peak_rss_mib()

@@ -45,7 +45,7 @@ def child(recipe_path: str, threshold: str, steps: int, out_dir: str) -> dict:
     for _ in range(steps):
         trainer.train_step()
         trainer.step += 1
-    return {"step_s": (time.perf_counter() - t0) / steps, "peak_mib": train.peak_memory_mib()}
+    return {"step_s": (time.perf_counter() - t0) / steps, "peak_mib": memory.peak_memory_mib()}
 
 
 def main() -> None:

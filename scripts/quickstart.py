@@ -22,6 +22,7 @@ import torch
 from lowmem_grpo import tiny
 from lowmem_grpo.evaluate import accuracy_text
 from lowmem_grpo.export import ExportError, export_run
+from lowmem_grpo.progress import library_bars, use_bar
 from lowmem_grpo.recipe import load_recipe
 from lowmem_grpo.train import Trainer
 
@@ -44,7 +45,8 @@ def build_base(base_dir: Path, data_dir: Path, log) -> None:
     log(f"[quickstart] warm start: {steps} steps in {time.time() - t0:.0f}s, held-out accuracy {100 * held_out:.1f}%")
     if not 0.05 <= held_out <= 0.50:
         sys.exit(f"[quickstart] warm start left held-out accuracy at {100 * held_out:.1f}%, outside 5-50%; rerun with --rebuild")
-    model.save_pretrained(base_dir)
+    with library_bars(use_bar("auto")):   # (transformers' "Writing model shards" bar: a terminal's, not a log's)
+        model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)
 
 

@@ -207,3 +207,43 @@ def test_a_stale_tmp_folder_is_removed_at_the_next_save(tmp_path):
     _save(run, 3)
     assert _tmp_folders(run) == []
     assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step-000001", "step-000003"]
+
+
+def test_a_resume_on_data_of_another_row_count_warns_that_the_prompt_order_changes(tiny_model_dir, tiny_data,
+                                                                                    tmp_path):
+    """The prompt order is a function of the row count (data.batch_indices): a resume after the data file gained a
+    row drew other prompts without a word (a red team's find). The same data says nothing; more rows warn."""
+    data = tmp_path / "train.jsonl"
+    shutil.copy(tiny_data[0], data)
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, (data, tiny_data[1]), run, train={"steps": 1, "preflight": False},
+                    output={"save_every": 1})
+    d["data"]["eval_path"] = ""
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    d["train"]["steps"] = 2
+    for grown in (False, True):
+        if grown:
+            with data.open("a") as f:
+                f.write('{"prompt": "1+1=", "answer": "2"}\n')
+        said = []
+        Trainer(recipe_from_dict(d), run_dir=run, resume=True, log=said.append).close()
+        warned = [line for line in said if "usable rows" in line]
+        assert warned == ([] if not grown else [
+            "[lowmem-grpo] warning: the training data now holds 301 usable rows, and the checkpoint was made with "
+            "300: from step 2 on the run draws its prompts in another order than the run would have without the "
+            "change (some prompts of this pass over the data come again, others not at all)"])
+
+
+def test_bad_held_out_rows_skipped_at_start_up_are_said(tiny_model_dir, tiny_data, tmp_path):
+    """Only the training set's skips were logged: 7 of 20 held-out rows without an answer went unsaid, and the
+    held-out accuracy covered 13 (a red team's find)."""
+    rows = tiny_data[1].read_text().splitlines()[:20]
+    held_out = tmp_path / "test.jsonl"
+    held_out.write_text("".join((r if i % 3 else '{"prompt": "1+2="}') + "\n" for i, r in enumerate(rows)))
+    d = recipe_dict(tiny_model_dir, (tiny_data[0], held_out), tmp_path / "run", train={"steps": 1, "preflight": False})
+    d["data"]["on_bad_row"] = "skip"
+    said = []
+    Trainer(recipe_from_dict(d), log=said.append).close()
+    noted = [line for line in said if "held-out rows" in line]
+    assert len(noted) == 1 and noted[0].startswith(
+        "[lowmem-grpo] skipped 7 bad held-out rows (first: row 1: missing field 'answer'"), said

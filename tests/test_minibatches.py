@@ -10,7 +10,8 @@ from lowmem_grpo.metrics import PhaseTimer, read_metrics
 from lowmem_grpo.model import trainable_parameters
 from lowmem_grpo.recipe import RecipeError, recipe_from_dict
 from lowmem_grpo.rollout.turns import prompt_ids
-from lowmem_grpo.train import Trainer, make_optimizer
+from lowmem_grpo.optim import make_optimizer
+from lowmem_grpo.train import Trainer
 
 from conftest import QUIET, recipe_dict
 
