@@ -129,6 +129,41 @@ def data_problems(r, rows: int = DATA_ROWS_CHECKED) -> list[tuple[str, str]]:
     return problems
 
 
+def data_notes(r, rows: int = DATA_ROWS_CHECKED) -> list[str]:
+    """Notes on data settings that train takes without a word (found by a red team): a data.template that writes the
+    reference answer into the prompt a reward judges against it, and a data.system_prompt that no prompt gets (text
+    rows without data.chat_template: true; judged from the first `rows` rows of the local data files)."""
+    import string
+
+    from .data import is_chat
+    from .hub import is_hub
+    from .rewards.options import BUILTINS
+    from .sources import DataError, open_source
+
+    d, notes = r.data, []
+    reads_answer = [spec.function for spec in r.rewards.functions
+                    if spec.function in BUILTINS and BUILTINS[spec.function].reads_answer]
+    named = {re.split(r"[.\[]", name, maxsplit=1)[0] for _, name, _, _ in string.Formatter().parse(d.template) if name}
+    if reads_answer and d.answer_field in named:
+        notes.append(f"note: data.template {d.template!r} writes the reference answer (data.answer_field "
+                     f"{d.answer_field!r}) into the prompt, which {', '.join(reads_answer)} judges against it: the "
+                     "model is given the answer")
+    paths = [p for p in (d.train_path, d.eval_path) if p]
+    if d.system_prompt and not d.chat_template and paths and not any(map(is_hub, paths)):
+        def chat_rows(path) -> bool:   # (a file that cannot be read is data_problems')
+            try:
+                return any(isinstance(row, dict) and is_chat(row.get(d.prompt_field))
+                           for _, row in open_source(path, limit=rows).iter_rows())
+            except DataError:
+                return True
+
+        if not any(map(chat_rows, paths)):
+            notes.append("note: data.system_prompt is set, but no prompt gets it: it goes with data.chat_template: "
+                         "true, or first in a prompt of chat messages, and these rows are text with "
+                         "data.chat_template false")
+    return notes
+
+
 def _row_problem(row, cfg, require_answer: bool) -> Optional[str]:
     """Why training refuses this row of a data file, or None: the checks of data.py's PromptSet before it tokenizes
     the prompt (a row that cannot be read, data.check_fields, data.chat_messages for chat messages,
@@ -151,12 +186,11 @@ def _row_problem(row, cfg, require_answer: bool) -> Optional[str]:
 
 def model_problems(r) -> tuple[list[tuple[str, str]], list[str]]:
     """(problems, notes) of a model.name_or_path that is a local path, as train finds them at once (hub.py's
-    model_path_problem, tokenizer_files_problem: a file, a folder without config.json, one without a tokenizer), and
-    a note when a completion alone passes the max_position_embeddings of its config.json (Trainer._note_context says
-    it with the prompts). A hub id is left to train: validate does not reach the hub."""
-    import json
-
-    from .hub import model_path_problem, tokenizer_files_problem
+    model_path_problem, tokenizer_files_problem: a file, a folder without config.json, one without a tokenizer), a
+    config.json that estimate refuses (memory.read_config, config_shape: not readable, no causal LM, sizes no model
+    has), and a note when a completion alone passes the model's context (model.context_limit; Trainer._note_context
+    says it with the prompts). A hub id is left to train: validate does not reach the hub."""
+    from .hub import model_path_problem, tokenizer_files_problem, weights_problem
 
     name = str(r.model.name_or_path)
     path = Path(name).expanduser()
@@ -164,18 +198,28 @@ def model_problems(r) -> tuple[list[tuple[str, str]], list[str]]:
         return [], []   # a hub id (model_path_problem would ask the hub whether it can be reached)
     if problem := model_path_problem(name):
         return [("model.name_or_path", problem.removeprefix(f"model.name_or_path={name!r}: "))], []
-    if problem := tokenizer_files_problem(path):
+    if problem := tokenizer_files_problem(path) or weights_problem(path):   # (weights: found by a red team)
         return [("model.name_or_path", f"{name!r}: {problem}")], []
+    # config.json read and checked as estimate reads it (transformers' config, no weights): validate said ok for one
+    # that was no JSON, a BERT, a vocab_size "abc" or 0 layers (found by a red team). A causal LM the memory model
+    # does not count (UnknownArchitecture) trains all the same.
+    from .memory import MemoryModelError, UnknownArchitecture, config_shape, read_config
+    from .model import ModelLoadError, context_limit, context_text, load_tokenizer
+
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return [], []   # (train says what is wrong with it; estimate too)
-    text = config.get("text_config") if isinstance(config, dict) and isinstance(config.get("text_config"), dict) else config
-    limit = text.get("max_position_embeddings") if isinstance(text, dict) else None
+        config, _ = read_config(r.model)
+        try:
+            config_shape(config, name)
+        except UnknownArchitecture:
+            pass
+        load_tokenizer(r.model)   # as train loads it: e.g. an end-of-sequence token it made up (model.made_up_eos)
+    except (ModelLoadError, MemoryModelError) as exc:
+        return [("model.name_or_path", f"{name!r}: {str(exc).removeprefix(f'model.name_or_path={name!r}: ')}")], []
+    limit = context_limit(config)
     field = "environment.max_total_tokens" if r.environment.name else "generation.max_new_tokens"
     completion = r.environment.max_total_tokens if r.environment.name else r.generation.max_new_tokens
-    if isinstance(limit, int) and not isinstance(limit, bool) and completion >= limit:
-        return [], [f"note: {field}={completion} alone comes to the model's max_position_embeddings={limit} (its "
+    if limit is not None and completion >= limit:
+        return [], [f"note: {field}={completion} alone comes to the model's {context_text(config)} (its "
                     f"config.json) or past it, before any prompt token: lower it, or use a model with a longer context"]
     return [], []
 
@@ -228,7 +272,7 @@ def validate(recipe, overrides):
                                                           else "with lowmem-grpo's convention (prompts=, rows=)"))
     from .rewards.judging import judging_notes
 
-    for note in [*notes, *judging_notes(r)]:
+    for note in [*notes, *data_notes(r), *judging_notes(r)]:
         click.echo(note)
 
 

@@ -27,6 +27,7 @@ prompt so that no held-out prompt is also a training prompt (`split_indices`); o
 from __future__ import annotations
 
 import bisect
+import decimal
 import json
 import math
 import numbers
@@ -311,7 +312,8 @@ class PromptSet:
         # vLLM refuses such a prompt mid-run, transformers decodes past the model's positions (found by a red team)
         if self.context_tokens is not None and len(ids) >= self.context_tokens:
             raise DataError(f"prompt is {len(ids)} tokens, which fills the model's context ({self.context_tokens} "
-                            "tokens, its max_position_embeddings): no room is left for a completion")
+                            "tokens: its max_position_embeddings, or the context its RoPE scaling makes): no room is "
+                            "left for a completion")
         return Example(row, text, ids, chat)
 
 
@@ -376,6 +378,24 @@ def check_fields(row: dict, cfg, require_answer: bool) -> None:
                         "[{role, content}, ...]")
     if isinstance(prompt, str) and not prompt.strip():
         raise DataError(f"the prompt field {cfg.prompt_field!r} is empty")
+    # a CSV or pandas export writes a column of chat messages as JSON text, which was the model's prompt as it is
+    # (found by a red team)
+    if isinstance(prompt, str) and prompt.lstrip().startswith("[") and _json_chat(prompt, cfg):
+        raise DataError(f"the prompt field {cfg.prompt_field!r} holds chat messages as JSON text "
+                        f"({short_repr(prompt.strip())}), which would be the prompt as it is written; store them as a "
+                        "list of messages (a JSON array in .jsonl, a list column in .parquet: a CSV cell holds only text)")
+
+
+def _json_chat(text: str, cfg) -> bool:
+    """Whether `text` is a JSON list of chat messages (mappings with 'role' and 'content')."""
+    if len(text) > chars_within(cfg.max_prompt_tokens):   # too long for a prompt anyway (_text_problem says so)
+        return False
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                           for m in value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -412,11 +432,19 @@ def plain_prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def answer_problem(value, field: str) -> None:
-    """A reference answer is text or a number. The rewards that read it (math, exact) compare its text, so a
-    list or mapping would be judged as its Python repr, and NaN or infinity as the words 'nan' or 'inf'."""
+    """A reference answer is text (not blank) or a number (a Parquet decimal too). The rewards that read it (math,
+    exact) compare its text, so a list or mapping would be judged as its Python repr, NaN or infinity as the words
+    'nan' or 'inf', and a blank answer (an empty CSV cell) matched an empty completion in exact and skipped every
+    completion in math (found by a red team)."""
     if isinstance(value, bool):
         raise DataError(f"the answer field {field!r} holds the boolean {value}; write it as text "
                         f"({json.dumps(str(value).lower())}) or a number")
+    if isinstance(value, str) and not value.strip():
+        raise DataError(f"the answer field {field!r} is empty")
+    if isinstance(value, decimal.Decimal):   # a Parquet decimal column; not a numbers.Real (found by a red team)
+        if not value.is_finite():
+            raise DataError(f"the answer field {field!r} is {value} (not a finite number)")
+        return
     if not isinstance(value, (str, numbers.Real)):
         raise DataError(f"the answer field {field!r} holds {type(value).__name__} {short_repr(value)}; expected text "
                         "or a number (one reference answer per row)")
@@ -469,20 +497,50 @@ def chat_messages(value, cfg: DataConfig) -> list[dict]:
         if not isinstance(content, str):
             raise DataError(f"{where} ({role}) has content {type(content).__name__ if content is not None else 'missing'}"
                             f"{'' if content is None else ' ' + repr(content)[:40]}, expected text (a str)")
-        messages.append(dict(m))
+        # a blank turn, as a blank text prompt: nothing said. Not an assistant turn that only calls tools, nor a
+        # last user message of no text at all: the slot an environment's reset() fills (TRL's placeholder,
+        # trl.py's EMPTY_PROMPT)
+        if not content.strip() and not (role == "assistant" and m.get("tool_calls")) \
+                and not (role == "user" and content == "" and j == len(value) - 1):
+            raise DataError(f"{where} ({role}) is empty")
+        # Arrow and Parquet merge the messages' structs, giving each every key of any with None ('name': None), which
+        # a template renders as 'name=None'; TRL drops them (remove_none_values). Found by a red team.
+        messages.append(_without_none(m))
+    # As TRL's apply_chat_template: the last message is the user's or a tool's (the model answers it) or the
+    # assistant's (the model continues it, _chat_text); a system one was rendered with a new assistant turn, and a
+    # prompt of no user message gave the model nothing to answer (found by a red team)
+    if messages[-1]["role"] == "system":
+        raise DataError(f"the prompt field {field!r} ends with a system message ({field}[{len(messages) - 1}]); "
+                        "allowed last: user or tool (the model answers it), assistant (the model continues it)")
+    if not any(m["role"] == "user" for m in messages):
+        raise DataError(f"the prompt field {field!r} has no user message (its roles: "
+                        f"{', '.join(dict.fromkeys(m['role'] for m in messages))}); a prompt needs one to answer")
     if cfg.system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": cfg.system_prompt})
     return messages
 
 
+def _without_none(value):
+    """A message with its None-valued keys dropped, in nested mappings too (TRL's remove_none_values)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
 def _chat_text(tokenizer, messages: list[dict], what: str, extra: Optional[dict] = None) -> str:
-    """The messages through the tokenizer's chat template, with the assistant's turn opened and `extra`
+    """The messages through the tokenizer's chat template, with the assistant's turn opened (or, when the last
+    message is the assistant's, that turn continued: TRL's continue_final_message) and `extra`
     (data.chat_template_kwargs) as template variables; `what` starts the error ("... which") when the
     tokenizer has no template or it fails."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{what} {NO_CHAT_TEMPLATE}")
+    # [user q, assistant 'partial'] was rendered with a new assistant turn after 'partial' (found by a red team)
+    continued = messages[-1]["role"] == "assistant"
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(extra or {}))
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continued,
+                                             continue_final_message=continued, **(extra or {}))
     except Exception as exc:  # a template that raises on these messages (e.g. it refuses a role order)
         raise DataError(f"{what} needs the tokenizer's chat template, which failed on them: "
                         f"{type(exc).__name__}: {exc}") from None

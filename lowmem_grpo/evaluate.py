@@ -313,7 +313,8 @@ def _check_out(out: Path) -> None:
 
 def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
     from .hub import tokenizer_files_problem
-    from .model import AdapterLoadError, ModelLoadError, load_base_model, load_policy, load_tokenizer
+    from .model import (AdapterLoadError, ModelLoadError, load_base_model, load_policy, load_tokenizer,
+                        stop_token_problem, vocabulary_problem)
 
     if model_dir:
         if not (Path(model_dir) / "config.json").is_file():
@@ -323,7 +324,10 @@ def _load(recipe, adapter: Optional[Path], model_dir: Optional[str]):
         if problem := tokenizer_files_problem(Path(model_dir)):
             raise ModelLoadError(f"--model {model_dir}: {problem}")
         cfg = recipe.model.model_copy(update={"name_or_path": str(model_dir)})
-        return load_base_model(cfg), load_tokenizer(cfg)
+        model, tokenizer = load_base_model(cfg), load_tokenizer(cfg)
+        if problem := vocabulary_problem(model, tokenizer) or stop_token_problem(model, tokenizer):   # (as load_policy)
+            raise ModelLoadError(f"--model {model_dir}: {problem}")
+        return model, tokenizer
     try:
         return load_policy(recipe.model, recipe.lora, adapter_path=str(adapter) if adapter else None)
     except AdapterLoadError as exc:

@@ -20,6 +20,7 @@ transformers tries.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import socket
@@ -168,23 +169,122 @@ def folder_contents(path: Path, most: int = 8) -> str:
 def tokenizer_files_problem(folder: Path) -> Optional[str]:
     """Why a model folder has no tokenizer to load (transformers would build an empty one, or blame a missing
     sentencepiece), or None."""
-    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return (f"no tokenizer files ({', '.join(TOKENIZER_FILES)}); {folder_contents(folder)}. Copy them from the "
+                "base model's folder")
+    # tokenizer_config.json alone (found by a red team): transformers builds a tokenizer of its special tokens only,
+    # and every prompt then renders to no tokens
+    if _vocabulary_file(folder) or _custom_tokenizer(folder):
         return None
-    return (f"no tokenizer files ({', '.join(TOKENIZER_FILES)}); {folder_contents(folder)}. Copy them from the base "
-            "model's folder")
+    if (folder / "vocab.json").is_file():
+        return (f"vocab.json but no merges.txt beside it (a BPE vocabulary needs both, or tokenizer.json); "
+                f"{folder_contents(folder)}. Copy the tokenizer's files from the base model's folder")
+    return (f"tokenizer_config.json but no vocabulary file ({', '.join(VOCABULARY_FILES)}, or vocab.json with "
+            f"merges.txt); {folder_contents(folder)}. Copy the tokenizer's files from the base model's folder")
+
+
+# The files transformers 5.19 reads a tokenizer's vocabulary from (its tokenizers' vocab_files_names): the fast
+# tokenizer's tokenizer.json, a sentencepiece model, a WordPiece vocab.txt; or, as patterns, any *.model
+# (sentencepiece) or *.tiktoken file. vocab.json counts with merges.txt only (BPE).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.txt", "spiece.model", "sentencepiece.bpe.model",
+                    "tekken.json")
+
+
+def _vocabulary_file(folder: Path) -> bool:
+    if any((folder / name).is_file() for name in VOCABULARY_FILES):
+        return True
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return True
+    return any(p.is_file() for pattern in ("*.model", "*.tiktoken") for p in folder.glob(pattern))
+
+
+def _custom_tokenizer(folder: Path) -> bool:
+    """Whether tokenizer_config.json names its own tokenizer code (auto_map), whose files this cannot know."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("auto_map"))
+
+
+def config_json_problem(folder: Path) -> Optional[str]:
+    """Why a model folder's config.json cannot be read as a model's config (not UTF-8, not JSON, or JSON but no
+    object: transformers raised a TypeError traceback for a list, found by a red team), or None (also when the folder
+    has none: model_path_problem says that)."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        return f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+    except OSError as exc:
+        return f"{path} cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"{path} is not valid JSON ({exc}); copy config.json from the base model's folder"
+    if not isinstance(config, dict):
+        return (f"{path} holds a JSON {type(config).__name__}, not an object of the model's settings "
+                "({\"model_type\": ..., ...}); copy config.json from the base model's folder")
+    return None
+
+
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")   # what transformers 5.19 loads a model folder from, in its order
+
+
+def weights_problem(folder: Path) -> Optional[str]:
+    """Why a local model folder's weights cannot be loaded, found before transformers tries (found by a red team:
+    validate passed such folders, and train failed on them): no weights file transformers reads (WEIGHTS_FILES), an
+    index (*.index.json) that is unreadable or names shard files that are not there, or a *.safetensors file whose
+    header safetensors cannot read (cut short, damaged). None otherwise, and for a folder that is not there."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        return None
+    present = [name for name in WEIGHTS_FILES if (folder / name).is_file()]
+    if not present:
+        return (f"no weights file ({', '.join(WEIGHTS_FILES)}); {folder_contents(folder)}. Copy the model's weights "
+                "into the folder")
+    name = present[0]   # transformers' own order: safetensors first, a single file before an index
+    files = [folder / name]
+    if name.endswith(".index.json"):
+        try:
+            index = json.loads((folder / name).read_text(encoding="utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+            if not shards or not all(isinstance(s, str) for s in shards):
+                raise ValueError("its weight_map names no shard files")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            why = "no weight_map" if isinstance(exc, (KeyError, TypeError, AttributeError)) else exc
+            return f"{folder / name} cannot be read as a weights index ({why}); copy it from the model's folder"
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            return (f"{folder / name} names {len(shards)} weight shard file(s), {len(missing)} of them not in the "
+                    f"folder: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; copy them from the model's "
+                    "folder")
+        files = [folder / s for s in shards]
+    if name.startswith("model.safetensors"):
+        from .checkpoint import safetensors_problem
+
+        for f in files:
+            if (why := safetensors_problem(f)) is not None:
+                return f"{f} is unreadable, truncated or corrupt ({' '.join(why.split())})"
+    return None
 
 
 def model_path_problem(name: str) -> Optional[str]:
     """Why model.name_or_path cannot be loaded, found before transformers tries it, or None: a path that does not
     exist (transformers only says the name is no valid repo id), a folder without config.json (transformers
-    blames a missing sentencepiece), a hub id that is not in the local cache while the hub cannot be reached
+    blames a missing sentencepiece; a LoRA adapter's is said to be one), a config.json that is no JSON object
+    (config_json_problem), a hub id that is not in the local cache while the hub cannot be reached
     (transformers retries for ~50 s first). Where the hub cannot be reached and the model is cached, this turns
     on offline mode for the process, so that loading it from the cache does not wait on those retries."""
     name = str(name)
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
-            return None
+            problem = config_json_problem(path)
+            return f"model.name_or_path={name!r}: {problem}" if problem else None
+        if (path / "adapter_config.json").is_file():   # found by a red team: said only "no config.json"
+            return f"model.name_or_path={name!r}: {_adapter_folder(path)}"
         return (f"model.name_or_path={name!r}: the folder has no config.json, so it is no model folder "
                 f"({folder_contents(path)}); a model folder holds config.json, the weights (*.safetensors) and the "
                 f"tokenizer's files ({', '.join(TOKENIZER_FILES)})")
@@ -192,6 +292,19 @@ def model_path_problem(name: str) -> Optional[str]:
         return (f"model.name_or_path={name!r}: no such model folder (a hub model is written as namespace/name, "
                 "e.g. Qwen/Qwen2.5-1.5B-Instruct)")
     return _hub_model_problem(name)
+
+
+def _adapter_folder(path: Path) -> str:
+    """What to say of a LoRA adapter folder given as the base model: which base it was trained on."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    on = (f"its base model is {base!r} (adapter_config.json's base_model_name_or_path)" if isinstance(base, str) and base
+          else "adapter_config.json names no base model (base_model_name_or_path)")
+    return (f"the folder is a LoRA adapter (adapter_config.json), not a base model: {on}. Give the base model as "
+            "model.name_or_path (an adapter is evaluated with `lowmem-grpo eval --adapter`; a merged model, the "
+            "merged/ folder of `lowmem-grpo export`, can be a base)")
 
 
 def _hub_model_problem(name: str) -> Optional[str]:

@@ -43,6 +43,11 @@ class MemoryModelError(Exception):
     pass
 
 
+class UnknownArchitecture(MemoryModelError):
+    """A causal LM whose layers the memory model does not count (GPT-2's, multi-head latent attention): train runs it,
+    without waves or a predicted peak; validate does not refuse it, estimate cannot answer for it."""
+
+
 try:   # what transformers 5 raises for a config field of the wrong type or value, as it reads config.json
     from huggingface_hub.errors import StrictDataclassError
     _CONFIG_CHECK_ERRORS: tuple = (StrictDataclassError,)
@@ -93,6 +98,15 @@ class ModelShape:
         if problem := causal_lm_problem(config):
             raise MemoryModelError(problem)
         config = text_config(config)   # a multimodal model's language part
+        if getattr(config, "kv_lora_rank", None) is not None:
+            # Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...), found counted as LLaMA's by a red team. In
+            # transformers 5.19 its cache holds kv_lora_rank + qk_rope_head_dim values a layer and token, but each
+            # layer's attention then expands all of it to every head's keys and values (measured on a tiny DeepSeek-V3:
+            # ~8x the whole cache at each decode step), and its linears are not LLaMA's: no term here counts that.
+            raise UnknownArchitecture(
+                f"config.json: kv_lora_rank is {config.kv_lora_rank!r}: multi-head latent attention (DeepSeek-V2/V3's), "
+                "which the memory model does not count; allowed: LLaMA-style attention (num_key_value_heads x head_dim "
+                "keys and values a layer)")
         try:
             heads = _whole(config, "num_attention_heads")
             hidden = _whole(config, "hidden_size")
@@ -121,7 +135,7 @@ class ModelShape:
                 **experts,
             )
         except AttributeError as exc:
-            raise MemoryModelError(f"the memory model knows decoder-only LLaMA-style configs; this one lacks {exc}") from None
+            raise UnknownArchitecture(f"the memory model knows decoder-only LLaMA-style configs; this one lacks {exc}") from None
 
     @property
     def dense_layers(self) -> int:
@@ -283,9 +297,9 @@ class Workload:
     device: str = "cuda"
     environment: bool = False  # multi-turn rollouts: completion_tokens is environment.max_total_tokens
     entropy_grad: bool = False  # an entropy bonus (algorithm.entropy_coef or entropy_target): its gradient's tile
-    # A mixture of experts: what peft's adapters are, counted on the model (`lora_census`), since peft decides it
-    # (it maps gate/up/down and 'all-linear' onto the fused experts and the router). None: the formula, exact for
-    # dense models.
+    # What peft's adapters are, counted on the model or a meta-device copy (`experts_census`), since peft decides it
+    # (it maps gate/up/down and 'all-linear' onto a mixture's fused experts and the router; other families name their
+    # linears otherwise). None: the formula (lora_targeted), which knows LLaMA's layer names only.
     lora_params: Optional[int] = None
     lora_on_experts: bool = False  # then each MoE layer's forward holds its experts merged with their LoRA delta
     experts_nf4: bool = False      # the routed experts in NF4 (experts4bit.py), found on the model as lora_params is
@@ -642,17 +656,26 @@ def completion_tokens(recipe) -> int:
     return recipe.generation.max_new_tokens
 
 
+def micro_batch_completions(recipe, processes: int = 1) -> int:
+    """The completions a micro-batch holds at most: train.micro_batch_size, or fewer where one process's share of a
+    step's completions is smaller (batch.pack never fills one past them; a larger micro_batch_size was counted as
+    given, found by a red team)."""
+    prompts = max(1, recipe.train.prompts_per_step // processes)
+    return min(recipe.train.micro_batch_size, prompts * recipe.generation.num_generations)
+
+
 def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int = 1) -> Workload:
     """One process's workload; with several processes (docs/algorithm.md §21) each samples prompts_per_step /
     processes prompts a step and evaluates its share of the held-out prompts."""
     r = recipe
     eval_prompts = r.train.eval_max_prompts if (r.data.eval_path or r.data.eval_fraction) else 0
     targets = ("all-linear",) if r.lora.target_modules == "all-linear" else tuple(r.lora.target_modules)
+    prompts = max(1, r.train.prompts_per_step // processes)
     return Workload(
         quantized=r.model.load_in_4bit, double_quant=r.model.double_quant,
         compute_bytes=DTYPE_BYTES[r.model.compute_dtype], lora_r=r.lora.r, lora_targets=targets,
-        optimizer=r.optimizer.name, prompts_per_step=max(1, r.train.prompts_per_step // processes),
-        num_generations=r.generation.num_generations, micro_batch_size=r.train.micro_batch_size,
+        optimizer=r.optimizer.name, prompts_per_step=prompts,
+        num_generations=r.generation.num_generations, micro_batch_size=micro_batch_completions(r, processes),
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens(r),
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,
         gradient_checkpointing=r.model.gradient_checkpointing, offload_activations=r.train.offload_activations,
@@ -663,11 +686,14 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int
 
 
 def model_workload(recipe, model, prompt_tokens: int, device: str, processes: int = 1) -> tuple[ModelShape, Workload]:
-    """The shape and workload of a loaded model under a recipe: a mixture's LoRA counted on the model itself."""
+    """The shape and workload of a loaded model under a recipe: its LoRA counted on the model itself (peft decided
+    what its adapters are; the name rule knows only LLaMA's layer names), as estimate_recipe counts it. A dense model
+    with nothing to train (eval's) keeps the rule's count of the recipe's LoRA."""
     shape = ModelShape.from_config(model.config)
     workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
-    if shape.experts:   # peft decided what its adapters are
-        workload = replace(workload, **experts_census(model))
+    census = experts_census(model)
+    if shape.experts or census["lora_params"]:
+        workload = replace(workload, **census)
     return shape, workload
 
 
@@ -691,18 +717,23 @@ def advise(s: ModelShape, w: Workload, budget: int) -> Advice:
         if best_mb > w.micro_batch_size:
             lines.append(f"train.micro_batch_size could go up to {best_mb} (fewer forward/backward passes per step).")
         return Advice(True, lines, best_mb, w.chunk_tokens)
-    # Does not fit: shrink what the user can shrink without changing the algorithm, in that order.
-    for mb in range(w.micro_batch_size - 1, 0, -1):
-        for ct in (w.chunk_tokens, 512, 256, 128):
-            if ct <= w.chunk_tokens and estimate(s, replace(w, micro_batch_size=mb, chunk_tokens=ct), budget).peak <= budget:
+    # Does not fit: shrink what the user can shrink without changing the algorithm: the largest micro-batch (from the
+    # recipe's own down) with the largest log-prob tile (the recipe's or smaller) that fit. A red team found the
+    # search starting below the recipe's micro-batch: at 1 it tried nothing, and said "does not fit even with" a
+    # setting that fit.
+    chunks = sorted({ct for ct in (w.chunk_tokens, 512, 256, 128) if ct <= w.chunk_tokens}, reverse=True)
+    for mb in range(w.micro_batch_size, 0, -1):
+        for ct in chunks:
+            if estimate(s, replace(w, micro_batch_size=mb, chunk_tokens=ct), budget).peak <= budget:
+                change = [f"train.micro_batch_size: {mb}"] * (mb != w.micro_batch_size) + \
+                         [f"train.logprob_chunk_tokens: {ct}"] * (ct != w.chunk_tokens)
                 return Advice(False, [f"does not fit: predicted peak {fmt(est.peak)} > {fmt(budget)}.",
-                                      f"set train.micro_batch_size: {mb}" + (f" and train.logprob_chunk_tokens: {ct}" if ct != w.chunk_tokens else "")
-                                      + " (same result, more passes)."], mb, ct)
-    smallest = estimate(s, replace(w, micro_batch_size=1, chunk_tokens=128), budget)
+                                      f"set {' and '.join(change)} (same result, more passes)."], mb, ct)
+    smallest = estimate(s, replace(w, micro_batch_size=1, chunk_tokens=chunks[-1]), budget)   # (tried above: too big)
     parts = dict(smallest.static)
     parts.update(smallest.phases[smallest.peak_phase])
     biggest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
-    lines = [f"does not fit even with train.micro_batch_size: 1 and train.logprob_chunk_tokens: 128 "
+    lines = [f"does not fit even with train.micro_batch_size: 1 and train.logprob_chunk_tokens: {chunks[-1]} "
              f"(predicted {fmt(smallest.peak)} > {fmt(budget)}). Largest terms:"]
     lines += [f"  {name}: {fmt(b)}" for name, b in biggest]
     lines.append("change one of: " + ", ".join(_each_field_once([_fields_for(name, w) for name, _ in biggest])))
@@ -823,42 +854,65 @@ def budget_note(device: str, budget: int) -> str:
 
 
 def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
-    """Tokens in the longest training prompt, read from the data when it can be (else the recipe's cap)."""
+    """Tokens in the longest prompt, training or held-out (data.eval_path; an eval_fraction split's are rows of
+    data.train_path), as the trainer sizes every phase (Trainer.whole_run_memory_model), read from the data when it
+    can be (else the recipe's cap). The held-out file was left out before (found by a red team)."""
     from .data import DataError, PromptSet
     from .model import ModelLoadError, load_tokenizer
 
     try:
         tokenizer = tokenizer or load_tokenizer(recipe.model)
-        ps = PromptSet(recipe.data.train_path, recipe.data, tokenizer)  # a large source: its start-up sample
-        sample = f" (of the {ps.checked:,} rows checked)" if ps.checked < len(ps.source) else ""
-        return len(ps.longest_prompt()), f"longest prompt in {recipe.data.train_path}{sample}"
+        found = []
+        for path, held_out in ((recipe.data.train_path, False), (recipe.data.eval_path, True)):
+            if path:
+                ps = PromptSet(path, recipe.data, tokenizer, held_out=held_out)  # a large source: its start-up sample
+                sample = f" (of the {ps.checked:,} rows checked)" if ps.checked < len(ps.source) else ""
+                found.append((len(ps.longest_prompt()), f"longest prompt in {path}{sample}"))
+        tokens, where = max(found, key=lambda f: f[0])
+        return tokens, where + (", of the training and held-out prompts" if len(found) > 1 else "")
     except (DataError, ModelLoadError, OSError) as exc:
         return recipe.data.max_prompt_tokens, f"data.max_prompt_tokens (could not read the prompts: {exc})"
 
 
-def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
-                    processes: int = 1, budget: Optional[int] = None) -> tuple[Estimate, ModelShape, Workload]:
-    """The memory model for a recipe, per process: the model's config (no weights loaded) and its longest prompt;
-    with a budget, decoding in waves sized to it (`estimate`)."""
+def read_config(model_cfg) -> tuple:
+    """(config, shipped) of model.name_or_path as estimate and validate read it, no weights: transformers' AutoConfig,
+    of the copy of its config.json that ships with the package for such a hub id (`shipped`, read offline; else
+    None). ModelLoadError, one line naming model.name_or_path, where it cannot be read."""
     from transformers import AutoConfig
 
     from .hub import shipped_model_config
     from .model import ModelLoadError
 
-    name = recipe.model.name_or_path
+    name = model_cfg.name_or_path
     shipped = shipped_model_config(name)  # a hub id whose config.json ships with the package: read offline
     try:
-        config = AutoConfig.from_pretrained(shipped or name, trust_remote_code=recipe.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(shipped or name, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError, AttributeError, *_CONFIG_CHECK_ERRORS) as exc:
         # transformers 5 checks a config's fields as it reads them (huggingface_hub's strict dataclasses): the
         # cause names the field and what it expected, e.g. "Field 'vocab_size' expected int, got str"
         why = exc.__cause__ if isinstance(exc, _CONFIG_CHECK_ERRORS) and exc.__cause__ else exc
         raise ModelLoadError(f"model.name_or_path={name!r}: cannot read its config "
                              f"({' '.join(str(why).split())})") from None
+    return config, shipped
+
+
+def config_shape(config, name: str) -> ModelShape:
+    """ModelShape.from_config, its error (of the same class) naming model.name_or_path."""
     try:
-        shape = ModelShape.from_config(config)
+        return ModelShape.from_config(config)
     except MemoryModelError as exc:
-        raise MemoryModelError(f"model.name_or_path={name!r}: {exc}") from None
+        raise type(exc)(f"model.name_or_path={name!r}: {exc}") from None
+
+
+def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
+                    processes: int = 1, budget: Optional[int] = None) -> tuple[Estimate, ModelShape, Workload]:
+    """The memory model for a recipe, per process: the model's config (no weights loaded) and its longest prompt;
+    with a budget, decoding in waves sized to it (`estimate`)."""
+    from .model import ModelLoadError
+
+    name = recipe.model.name_or_path
+    config, shipped = read_config(recipe.model)
+    shape = config_shape(config, name)
     note = None
     if prompt_tokens is None and shipped:
         # A shipped shape means the model is no local folder: its tokenizer (and hf: data) would come from the
@@ -869,14 +923,28 @@ def estimate_recipe(recipe, device: str, prompt_tokens: Optional[int] = None,
     elif prompt_tokens is None:
         prompt_tokens, note = longest_prompt(recipe)
     workload = workload_from_recipe(recipe, prompt_tokens, device, processes)
-    if shape.experts:
-        try:
-            census = experts_census_from_config(config, recipe.model, recipe.lora)
-        except Exception as exc:   # transformers builds the model from a config it did not check (on the meta device)
+    lora_note = None
+    try:
+        # peft's adapters counted on a meta-device copy, for every model: the name rule (lora_targeted) knows only
+        # LLaMA's layer names, and counted none on GPT-NeoX's query_key_value/dense (found by a red team)
+        census = experts_census_from_config(config, recipe.model, recipe.lora)
+    except ModelLoadError:   # lora.target_modules names no layer of the model: as train says it (model.attach_lora)
+        raise
+    except Exception as exc:   # transformers builds the model from a config it did not check (on the meta device)
+        why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        if shape.experts:   # peft decides a mixture's adapters: no rule to fall back on
             raise MemoryModelError(f"model.name_or_path={name!r}: transformers cannot build the model its config.json "
-                                   f"describes ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
-        workload = replace(workload, **census)
+                                   f"describes ({why})") from None
+        census = {}
+        why = why.split(". ")[0][:300]   # (transformers' "Unrecognized configuration class" goes on to list them all)
+        lora_note = (f"LoRA parameters: counted by LLaMA-style layer names ({', '.join(LORA_LINEARS)}), as transformers "
+                     f"cannot build this model on the meta device ({why})")
+    workload = replace(workload, **census)
+    if lora_note and workload.lora_targets != ("all-linear",) and not lora_params(shape, workload):
+        lora_note += f"; lora.target_modules={list(workload.lora_targets)} matches none of them"
     est = estimate(shape, workload, budget)
+    if lora_note:
+        est.notes.append(lora_note)
     if note:
         est.notes.insert(0, f"prompt length {prompt_tokens} tokens: {note}")
     if shipped:
@@ -903,19 +971,19 @@ def outside_text_config(config) -> Optional[str]:
             f"only; {rest} is not counted (its weights and activations come on top)")
 
 
-def context_note(config, prompt_tokens: int, recipe) -> Optional[str]:
-    """As the trainer's start-up says it (Trainer._note_context): a prompt and a completion that pass the model's
-    max_position_embeddings, or None."""
-    from .model import text_config
+def context_note(config, prompt_tokens: int, recipe, prompt_is: str = "the prompt length above") -> Optional[str]:
+    """A prompt (`prompt_is` says which) and a completion that pass the model's context (`context_limit`), or None;
+    estimate's and validate's note, and the trainer's at start-up (Trainer._note_context)."""
+    from .model import context_limit, context_text
 
-    limit = getattr(text_config(config), "max_position_embeddings", None)
+    limit = context_limit(config)
     need = prompt_tokens + completion_tokens(recipe)
-    if not isinstance(limit, int) or isinstance(limit, bool) or need <= limit:
+    if limit is None or need <= limit:
         return None
     field = "environment.max_total_tokens" if recipe.environment.name else "generation.max_new_tokens"
-    return (f"context: a prompt of {prompt_tokens} tokens (the prompt length above) and a completion of "
-            f"{field}={completion_tokens(recipe)} come to {need} tokens, past the model's max_position_embeddings="
-            f"{limit}: lower them, or use a model with a longer context")
+    return (f"context: a prompt of {prompt_tokens} tokens ({prompt_is}) and a completion of "
+            f"{field}={completion_tokens(recipe)} come to {need} tokens, past the model's {context_text(config)}: "
+            f"lower them, or use a model with a longer context")
 
 
 def experts_note(s: ModelShape, w: Workload) -> str:

@@ -8,6 +8,7 @@ decoder only, and `lm_head_params` hands the head's weight to the chunked log-pr
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import warnings
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .hub import model_path_problem, tokenizer_files_problem
+from .hub import model_path_problem, tokenizer_files_problem, weights_problem
 from .internals import bnb_internals, quiet_bitsandbytes_kernels_warning
 from .recipe import LORA_LINEARS, LoraConfig, ModelConfig
 
@@ -35,6 +36,26 @@ class AdapterLoadError(ModelLoadError):
     """A saved adapter that cannot be loaded: a damaged folder, or one made for another base model."""
 
 
+try:   # what transformers 5 raises for a config.json field of the wrong type or value (as memory.py reads it)
+    from huggingface_hub.errors import StrictDataclassError
+    _CONFIG_CHECK_ERRORS: tuple = (StrictDataclassError,)
+except ImportError:   # an older huggingface_hub: configs are not checked so
+    _CONFIG_CHECK_ERRORS = ()
+
+
+def _cannot_load(cfg: ModelConfig, what: str, exc: Exception) -> ModelLoadError:
+    """One line for transformers' failure to load the tokenizer or the model (`what`)."""
+    name = cfg.name_or_path
+    if "trust_remote_code" in str(exc):
+        # transformers says "pass the argument trust_remote_code=True", with a hub URL made of a local path (found
+        # by a red team): the recipe's field is what the user sets
+        return ModelLoadError(f"model.name_or_path={name!r}: its config names model code of its own (auto_map), which "
+                              "runs only with model.trust_remote_code: true in the recipe; set it only for a model "
+                              "whose code you trust")
+    why = exc.__cause__ if isinstance(exc, _CONFIG_CHECK_ERRORS) and exc.__cause__ else exc
+    return ModelLoadError(f"model.name_or_path={name!r}: cannot load {what} ({' '.join(str(why).split())})")
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
@@ -46,13 +67,89 @@ def load_tokenizer(cfg: ModelConfig):
         raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: {problem}")
     try:
         tok = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load a tokenizer ({exc})") from None
+    except (OSError, ValueError, *_CONFIG_CHECK_ERRORS) as exc:
+        raise _cannot_load(cfg, "a tokenizer", exc) from None
+    # a vocabulary of special tokens alone (found by a red team): every prompt would render to no tokens
+    if len(tok) == 0 or not tok.encode("0123456789", add_special_tokens=False):
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: the tokenizer turns text into no tokens (it "
+                             f"holds {len(tok)}, its special tokens at most): its vocabulary file is missing or empty")
+    if problem := made_up_eos(tok, folder if folder.is_dir() else None):
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: {problem}")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     # Left padding: generation appends to the right of every prompt.
     tok.padding_side = "left"
     return tok
+
+
+def made_up_eos(tok, folder: Optional[Path] = None) -> Optional[str]:
+    """Why the tokenizer's end-of-sequence token is one transformers made up as it loaded the tokenizer, or None.
+
+    Found by a red team: with no eos_token in tokenizer_config.json, transformers 5.19 takes the tokenizer class's
+    default (Qwen2Tokenizer's '<|endoftext|>') and, where the vocabulary lacks it, adds it as a new token (in the
+    class's __init__, `add_tokens(all_special_tokens)`). The model never learned that id: no completion would stop
+    (or, past the embedding's rows, the first forward fails). A token is made up when it is neither in the
+    vocabulary's model nor among the added tokens the folder saved (tokenizer_config.json's added_tokens_decoder,
+    added_tokens.json, tokenizer.json's added_tokens). Only a tokenizers-backed tokenizer is judged (the others:
+    None). `folder`: the local model folder, to say what its files declare."""
+    eos = tok.eos_token
+    backend = getattr(tok, "backend_tokenizer", None)
+    if eos is None or backend is None or backend.model.token_to_id(eos) is not None:
+        return None
+    saved = {str(t) for t in (tok.init_kwargs.get("added_tokens_decoder") or {}).values()}
+    if eos in saved or eos in _tokenizer_json_added(tok, folder):
+        return None
+    why = "the tokenizer's files name no eos_token in its vocabulary"
+    if folder:
+        why = "tokenizer_config.json names no eos_token"
+        for file in ("tokenizer_config.json", "special_tokens_map.json"):   # (the second: where older files kept it)
+            if declared := _declared(folder, file, "eos_token"):
+                why = f"{file}'s eos_token {declared!r} is not in it"
+                break
+    model_eos = _model_eos(tok, folder) if folder else ""
+    return (f"the tokenizer's end-of-sequence token {eos!r} is not in the folder's vocabulary: transformers added it as "
+            f"a new token (id {tok.eos_token_id}) as it loaded the tokenizer, because {why}. The model never learned "
+            "it, so no completion would stop before max_new_tokens. Set \"eos_token\" in tokenizer_config.json to "
+            f"the model's end-of-sequence token{model_eos}")
+
+
+def _tokenizer_json_added(tok, folder: Optional[Path]) -> set[str]:
+    """The added tokens (their text) of the tokenizer.json the tokenizer came from; a hub model's from the cache."""
+    path = folder / "tokenizer.json" if folder else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(tok.name_or_path), "tokenizer.json")
+            path = Path(cached) if isinstance(cached, str) else None
+        except Exception:   # not a hub id, an unreadable cache: nothing more is known
+            path = None
+    try:
+        added = json.loads(path.read_text(encoding="utf-8")).get("added_tokens") if path else None
+        return {t["content"] for t in added or [] if isinstance(t, dict) and isinstance(t.get("content"), str)}
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def _declared(folder: Path, file: str, key: str):
+    """`key` of the folder's JSON `file` (a special token's text where it is stored as {"content": ...}), or None."""
+    try:
+        value = json.loads((folder / file).read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _model_eos(tok, folder: Path) -> str:
+    """' (generation_config.json's eos_token_id 2 is '</s>')', or what says that no model file names one."""
+    for file in ("generation_config.json", "config.json"):
+        ids = _declared(folder, file, "eos_token_id")
+        ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(tok)]
+        if ids:
+            named = ", ".join(f"{i} is {tok.convert_ids_to_tokens(i)!r}" for i in ids)
+            return f" ({file}'s eos_token_id {named})"
+    return " (neither generation_config.json nor config.json names its eos_token_id either)"
 
 
 def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: Optional[str] = None):
@@ -61,9 +158,15 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
 
     quantized = cfg.load_in_4bit if quantized is None else quantized
     dtype = DTYPES[cfg.compute_dtype]
-    kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    # output_loading_info: the keys the weights lack, which transformers initialises at random with a warning only;
+    # ignore_mismatched_sizes: shapes that differ from the config's are reported there too, not raised (refused below)
+    kwargs = dict(dtype=dtype, trust_remote_code=cfg.trust_remote_code, output_loading_info=True,
+                  ignore_mismatched_sizes=True)
     if problem := model_path_problem(cfg.name_or_path):
         raise ModelLoadError(problem)
+    folder = Path(cfg.name_or_path).expanduser()
+    if folder.is_dir() and (problem := weights_problem(folder)):
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model: {problem}")
     target = device or default_device()
     # A mixture's routed experts load in compute dtype (3-D tensors, which bitsandbytes leaves) and are stored in
     # NF4 only then (experts4bit.py): they are staged in host memory, so that the device never holds them unquantized.
@@ -79,13 +182,20 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
     from safetensors import SafetensorError
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model ({exc})") from None
+        model, info = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **kwargs)
+    except (OSError, ValueError, *_CONFIG_CHECK_ERRORS) as exc:
+        raise _cannot_load(cfg, "the model", exc) from None
+    except RuntimeError as exc:   # what transformers raises after its load report; any other (out of memory) as it is
+        if not str(exc).startswith(("Error(s) in loading state_dict", "We encountered some issues during automatic "
+                                                                      "conversion")):
+            raise
+        raise _cannot_load(cfg, "the model", exc) from None
     except SafetensorError as exc:   # a weights file cut short or damaged: safetensors' error names no file
         raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: cannot load the model: "
                              f"{unreadable_weights(cfg.name_or_path) or 'a weights file'} is unreadable, truncated or "
                              f"corrupt ({' '.join(str(exc).split())})") from None
+    if problem := loading_problem(model, info):
+        raise ModelLoadError(f"model.name_or_path={cfg.name_or_path!r}: {problem}")
     if staged:
         from .experts4bit import quantize_experts
 
@@ -97,6 +207,49 @@ def load_base_model(cfg: ModelConfig, quantized: Optional[bool] = None, device: 
     elif device:
         model.to(device)
     return model
+
+
+def loading_problem(model, info: dict) -> Optional[str]:
+    """Why a loaded model is not the one its weights hold (found by a red team: each trained silently), or None:
+    parameters of the config's shape that the weights lack (misnamed keys, a missing layer or head: transformers
+    initialises them at random, and says so in a warning only), or weights whose shapes are not the config's (a
+    config.json from another model). `info`: from_pretrained's output_loading_info, whose missing keys leave out what
+    is missing by design (a tied head, buffers). A 4-bit load records no shape mismatch (transformers 5.19 compares
+    shapes only without a quantizer): there the loaded layers are compared with their declared sizes."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        unexpected = sorted(info.get("unexpected_keys") or ())
+        named = f"; and {len(unexpected)} key(s) of the weights match no parameter, e.g. {unexpected[0]!r}" \
+            if unexpected else ""
+        return (f"the weights lack {len(missing)} of the model's parameters ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}){named}: transformers would initialise them at random. "
+                "The weights are incomplete, or of another model than config.json describes")
+    mismatched = sorted(info.get("mismatched_keys") or ()) or _quantized_mismatches(model)
+    if mismatched:
+        shown = ", ".join(f"{key} {list(got)} in the weights, {list(want)} by config.json"
+                          for key, got, want in mismatched[:3])
+        return (f"config.json's shapes do not match the weights ({shown}{', ...' if len(mismatched) > 3 else ''}): "
+                "the config is from another model; use the config.json that came with these weights")
+    return None
+
+
+def _quantized_mismatches(model) -> list[tuple[str, tuple, tuple]]:
+    """(weight name, loaded shape, declared shape) of each embedding or linear layer whose weight is not the size
+    the module declares (a 4-bit layer's weight is packed: its quant_state keeps the shape it was quantized from)."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Embedding):
+            want = (module.num_embeddings, module.embedding_dim)
+        elif isinstance(module, torch.nn.Linear):   # (bitsandbytes' Linear4bit is one)
+            want = (module.out_features, module.in_features)
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        got = getattr(state, "shape", None) or getattr(weight, "shape", None)
+        if got is not None and tuple(got) != want:
+            found.append((f"{name}.weight", tuple(got), want))
+    return found
 
 
 def unreadable_weights(name_or_path: str) -> Optional[str]:
@@ -223,6 +376,8 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Opti
         return load_unsloth_policy(model_cfg, lora_cfg, adapter_path)
     tokenizer = load_tokenizer(model_cfg)
     base = load_base_model(model_cfg)
+    if problem := vocabulary_problem(base, tokenizer) or stop_token_problem(base, tokenizer):
+        raise ModelLoadError(f"model.name_or_path={model_cfg.name_or_path!r}: {problem}")
     if adapter_path:
         if model_cfg.gradient_checkpointing:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -232,6 +387,21 @@ def load_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Opti
     if model_cfg.disable_dropout:
         disable_dropout(model)
     return model, tokenizer
+
+
+def vocabulary_problem(model, tokenizer) -> Optional[str]:
+    """Why the tokenizer's ids do not all fit the model's input embedding, or None. Found by a red team: a
+    tokenizer with more tokens than the embedding has rows (one of another model, tokens added without resizing the
+    embedding, an end-of-sequence token transformers made up) failed at the first forward with an IndexError."""
+    rows = _base(model).get_input_embeddings().weight.shape[0]
+    named = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
+    past = {k: i for k, i in named.items() if isinstance(i, int) and i >= rows}
+    if len(tokenizer) <= rows and not past:
+        return None
+    eos = f" (eos {tokenizer.eos_token!r} = {tokenizer.eos_token_id})" if tokenizer.eos_token_id is not None else ""
+    return (f"the tokenizer has {len(tokenizer)} tokens{eos} and the model's embedding {rows} rows: ids from {rows} on "
+            "index no row. The tokenizer's files are another model's, or tokens were added to it without resizing the "
+            "model's embedding; use the tokenizer that came with the model")
 
 
 def disable_dropout(model) -> int:
@@ -298,6 +468,16 @@ def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0))
 
 
+def stop_token_problem(model, tokenizer) -> Optional[str]:
+    """Why no completion could stop (no stop token at all: the tokenizer has no eos_token, the model's generation
+    config no eos_token_id), or None. Found by a red team: every completion ran to max_new_tokens, without a word."""
+    if stop_token_ids(model, tokenizer):
+        return None
+    return ("neither the tokenizer nor the model names an end-of-sequence token (tokenizer_config.json has no "
+            "eos_token; generation_config.json and config.json no eos_token_id), so no completion would stop before "
+            "max_new_tokens. Set \"eos_token\" in tokenizer_config.json to the model's end-of-sequence token")
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """Eval (no LoRA dropout) for rollouts and no-grad passes; restores the previous mode."""
@@ -346,10 +526,49 @@ def text_config(config):
 
 
 def context_tokens(model) -> Optional[int]:
-    """The most tokens (prompt + completion) the model takes: its config's max_position_embeddings (what vLLM's
-    max_model_len derives from), or None where the config does not say."""
-    most = getattr(text_config(getattr(model, "config", None)), "max_position_embeddings", None)
-    return most if isinstance(most, int) and not isinstance(most, bool) and most > 0 else None
+    """The most tokens (prompt + completion) the model takes: its config's max_position_embeddings, or the longer
+    context its RoPE scaling makes (context_limit: one rule for this, estimate and validate), or None where the
+    config does not say."""
+    return context_limit(getattr(model, "config", None))
+
+
+# RoPE types whose scaling sets a longer context than max_position_embeddings: those for which transformers 5
+# (modeling_rope_utils.standardize_rope_params) records the pretraining length, original_max_position_embeddings, and
+# `factor` times it is the context they extend to (YaRN; Llama 3's and LongRoPE's configs already give that as
+# max_position_embeddings), and dynamic NTK, which rescales past max_position_embeddings (dynamic_rope_update) to
+# `factor` times it (vLLM's max_model_len). Not "linear": whether max_position_embeddings already counts its factor is
+# the model's convention (Gemma 3's does; vLLM makes it an exception).
+CONTEXT_ROPE_TYPES = ("yarn", "llama3", "longrope", "dynamic")
+
+
+def context_limit(config) -> Optional[int]:
+    """The most tokens (prompt + completion) a model takes, from its config (its text_config): max_position_embeddings,
+    or the longer context its RoPE scaling makes (CONTEXT_ROPE_TYPES); None where the config does not say. One rule
+    for context_tokens (data rows, the transformers engine), estimate and validate: a red team found a YaRN
+    config (factor 8 on 512 positions) held to 512 tokens."""
+    text = text_config(config)
+    most = getattr(text, "max_position_embeddings", None)
+    if not isinstance(most, int) or isinstance(most, bool) or most <= 0:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)   # (transformers 5; before)
+    nested = [p for p in rope.values() if isinstance(p, dict)] if isinstance(rope, dict) else []
+    for params in ([rope] if isinstance(rope, dict) and not nested else nested):   # per layer type (Gemma 3's)
+        kind = params.get("rope_type", params.get("type"))
+        factor, original = params.get("factor"), params.get("original_max_position_embeddings", most)
+        if kind in CONTEXT_ROPE_TYPES and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                              for v in (factor, original)):
+            most = max(most, int(factor * original))
+    return most
+
+
+def context_text(config) -> str:
+    """The model's context as context_limit finds it, for a message: 'max_position_embeddings=N', or with RoPE
+    scaling that extends it 'context of N tokens, by its rope scaling of max_position_embeddings=M'."""
+    most = getattr(text_config(config), "max_position_embeddings", None)
+    limit = context_limit(config)
+    if limit == most:
+        return f"max_position_embeddings={most}"
+    return f"context of {limit} tokens, by its rope scaling of max_position_embeddings={most}"
 
 
 def logit_transform(config) -> tuple[float, Optional[float]]:

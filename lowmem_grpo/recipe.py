@@ -69,6 +69,13 @@ class ModelConfig(_Section):
         "transformers", description="Load through transformers + bitsandbytes + peft, or Unsloth's FastLanguageModel "
         "(NVIDIA GPU and the unsloth extra only; untested: never run on a GPU).")
 
+    @field_validator("name_or_path")
+    @classmethod
+    def _home(cls, value: str) -> str:
+        # '~/models/x' reached transformers as written, which took it for a hub id (found by a red team): expanded
+        # here, once, so that train, eval and export all get the folder's path
+        return str(Path(value).expanduser()) if value.startswith("~") else value
+
     @property
     def bf16_autocast(self) -> bool:
         """Whether the training passes' decoder runs under bf16 autocast (`autocast`): the one rule, read by the
@@ -113,7 +120,8 @@ class DataConfig(_Section):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _own_keys(cls, extra: dict) -> dict:
-        taken = sorted(set(extra) & {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict"})
+        taken = sorted(set(extra) & {"conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                                     "continue_final_message"})
         if taken:  # the trainer sets these itself
             raise ValueError(f"sets {', '.join(taken)}, which the trainer passes to apply_chat_template itself")
         return extra
@@ -141,9 +149,26 @@ class DataConfig(_Section):
         if self.eval_fraction and self.eval_path:
             problems.append(("eval_fraction", "splits the training rows only when eval_path is empty; "
                                               "set one of eval_path or eval_fraction"))
+        if self.eval_path and _same_source(self.train_path, self.eval_path):   # found by a red team
+            problems.append(("eval_path", f"is the same data as train_path ({self.eval_path!r} and "
+                                          f"{self.train_path!r}): evaluation would score prompts the model trains on; "
+                                          "name another file, or leave eval_path empty and set eval_fraction to hold "
+                                          "out a share of them"))
         if problems:
             raise FieldProblems(problems)
         return self
+
+
+def _same_source(a: str, b: str) -> bool:
+    """Whether two data paths name one source: the same text, or one file by two paths (a link, '..')."""
+    import os
+
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except (OSError, ValueError):   # either is not there (yet), or a hub split
+        return False
 
 
 def _template_problem(template: str) -> Optional[str]:
@@ -883,12 +908,18 @@ def prompts_share_problem(prompts_per_step: int, processes: int) -> Optional[str
 
 
 def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
-    """Relative data paths are read relative to the current directory when they exist there, else to the
-    recipe's folder (so `recipes/x.yaml` can name `data/x.jsonl` shipped beside it)."""
+    """Relative data paths (and a relative model.name_or_path folder) are read relative to the current directory
+    when they exist there, else to the recipe's folder (so `recipes/x.yaml` can name `data/x.jsonl` shipped beside
+    it)."""
     for attr in ("train_path", "eval_path"):
         value = getattr(recipe.data, attr)
         if value and not value.startswith("hf:") and not Path(value).is_absolute() and not Path(value).exists() and (base / value).exists():
             setattr(recipe.data, attr, str(base / value))
+    # model.name_or_path by the same rule (found by a red team: a model folder beside the recipe, named relative to
+    # it, was taken for a hub id)
+    name = recipe.model.name_or_path
+    if name and not Path(name).is_absolute() and not Path(name).exists() and (base / name).is_dir():
+        recipe.model.name_or_path = str(base / name)
     return recipe
 
 

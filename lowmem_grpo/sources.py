@@ -3,8 +3,10 @@ memory and start-up time.
 
 - JSONL: an index of where each line starts and ends (numpy arrays, 16 bytes a row); a row is read and
   parsed when it is asked for, so it is exactly the dict `json.loads` makes of its line.
+- A .json file holding one JSON array of objects (as `datasets` reads one): parsed whole at start-up; a row is
+  an element. A .json file of JSON Lines is read as JSONL.
 - CSV: the same index of record boundaries (found with the csv module, so quoted fields may span lines);
-  a row is the dict `csv.DictReader` makes of its record.
+  a row is the dict `csv.DictReader` makes of its record (one with as many values as the header has fields).
 - Parquet and hub splits: `datasets`' Arrow tables, memory-mapped from its cache; a row is `dataset[i]`.
 - A folder written by `Dataset.save_to_disk`: loaded with `datasets.load_from_disk` (memory-mapped, as above);
   a `DatasetDict`'s folder is refused, naming its splits' folders.
@@ -16,6 +18,7 @@ on them.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import io
 import json
@@ -81,8 +84,9 @@ class _File:
     def read(self, start: int, end: int) -> bytes:
         st = os.fstat(self._fd)
         if (st.st_size, st.st_mtime_ns) != self._stamp:
-            raise DataChanged(f"{self.path}: the file changed on disk after it was indexed at start-up; "
-                              "restart the run (or write new data to a new file)")
+            raise DataChanged(f"{self.path}: the file changed on disk after it was indexed at start-up; restart the "
+                              "run (or write new data to a new file): --resume continues from the last checkpoint; a "
+                              "changed row count changes the prompt order from there")
         return _pread(self._fd, end - start, start)
 
     # Subclasses index the file into _starts / _ends (byte span of each row) and parse a span (_parse).
@@ -154,8 +158,9 @@ class _JsonlSource(_File):
                 rows_on_one_line = False
             if head in (b"[", b"{") or rows_on_one_line:
                 what = "an object spread over several lines" if head == b"{" else "an array"
+                also = "; or name it .json, which may hold one JSON array of row objects" if head != b"{" else ""
                 raise DataError(f"{self.path}: holds one JSON document ({what}), not JSON Lines; expected one JSON "
-                                'object per line, e.g. {"prompt": "...", "answer": "..."}') from None
+                                'object per line, e.g. {"prompt": "...", "answer": "..."}' + also) from None
 
     def _index(self, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
         starts, ends, maybe = [], [], []
@@ -229,6 +234,8 @@ def _json_value_error(exc: ValueError) -> str:
 
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+_LINE_END_TEXT = re.compile(r"\r\n|\r|\n")
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")   # a byte that is not UTF-8, as decoding with surrogateescape keeps it
 
 
 def _lines(read, chunk: int = 1 << 20) -> Iterator[bytes]:
@@ -250,10 +257,10 @@ def _lines(read, chunk: int = 1 << 20) -> Iterator[bytes]:
 
 
 class _CsvSource(_File):
-    """A header line, then records; a row maps the header's fields to the record's values (all strings; a
-    short record's missing fields None, as csv.DictReader makes them). A record with more values than the
-    header has fields is unreadable: DictReader would file the extras under the key None, which no field
-    names, so a value shifted by an unquoted comma would pass unnoticed."""
+    """A header line, then records; a row maps the header's fields to the record's values (all strings). A
+    record with more or fewer values than the header has fields is unreadable: DictReader would file the extras
+    under the key None, which no field names, or make the missing fields None, so a value shifted by an unquoted
+    comma or line break would pass unnoticed, or be blamed on the field it left empty."""
 
     def __init__(self, path: Path, label: str, limit: Optional[int] = None):
         super().__init__(path, label)
@@ -265,13 +272,19 @@ class _CsvSource(_File):
         def decoded(f):
             for raw in _lines(f.read):
                 pos[0] += len(raw)
-                # a leading BOM would otherwise become part of the first column's name
-                yield raw.decode("utf-8-sig" if pos[0] == len(raw) else "utf-8")
+                # a leading BOM would otherwise become part of the first column's name. A byte that is not UTF-8
+                # is kept as a lone surrogate (never a comma, quote or line end, so the records' bounds hold): the
+                # record is then a bad row when read, as a JSONL line is, not the whole file's error (found by a
+                # red team)
+                yield raw.decode("utf-8-sig" if pos[0] == len(raw) else "utf-8", "surrogateescape")
 
         with open(path, "rb") as f:
             reader = csv.reader(decoded(f))
             try:
                 self._fields = next(reader, None) or []
+                record = self._fields
+                if pos[0] == self.size:   # the header runs to the end: it may be a quote that never closes
+                    self._unclosed_quote(label, 0, record)
                 self._check_header(label)
                 prev = pos[0]
                 for record in reader:
@@ -283,28 +296,81 @@ class _CsvSource(_File):
                     prev = pos[0]
             except csv.Error as exc:
                 raise DataError(f"{label}:{reader.line_num}: not valid CSV ({exc})") from None
-            except UnicodeDecodeError as exc:  # met reading the line after the last one parsed
-                raise DataError(f"{label}:{reader.line_num + 1}: not valid UTF-8 ({exc.reason})") from None
+        if starts and ends[-1] == self.size:
+            self._unclosed_quote(label, starts[-1], record)
         self._starts, self._ends = np.frombuffer(starts, dtype=np.int64), np.frombuffer(ends, dtype=np.int64)
 
+    def _unclosed_quote(self, label: str, start: int, record: list) -> None:
+        """A file-level error for a record (from byte `start` to the end of the file) whose last quoted value never
+        closes its quote. The csv module ends such a value at the end of the file, so every line after the quote
+        became one value of one record, which was then blamed as a row with a null field, and with on_bad_row: skip
+        the rest of the file was lost unnoticed (found by a red team). Strict parsing tells it ("unexpected end of
+        data"); its other complaint, text after a closing quote, stays allowed, as in the first reading."""
+        offset = [start]
+
+        def read(n: int) -> bytes:
+            data = _pread(self._fd, n, offset[0])
+            offset[0] += len(data)
+            return data
+
+        lines = (raw.decode("utf-8-sig" if start == 0 else "utf-8", "surrogateescape") for raw in _lines(read))
+        try:
+            next(csv.reader(lines, strict=True), None)
+            return
+        except csv.Error as exc:
+            if "unexpected end of data" not in str(exc):
+                return
+        # the open value runs from its quote to the end of the file, so its own line ends place the quote
+        last = self.line_of(self.size)
+        opened = last - len(_LINE_END_TEXT.findall(record[-1] if record else ""))
+        if _pread(self._fd, 1, self.size - 1) in (b"\n", b"\r"):   # a last line end starts no line
+            last -= 1
+        n = last - opened
+        swallowed = f", swallowing the {n} line{'s' * (n != 1)} after it into one value" if n else ""
+        raise DataError(f"{label}:{opened}: a quoted value opens on this line and its quote never closes, so it runs "
+                        f"to the end of the file (line {last}){swallowed}; close the quote (a quote inside a quoted "
+                        'value is written twice: "")')
+
     def _check_header(self, label: str) -> None:
-        """A repeated field would keep only its last column's value. (A blank name is allowed once: pandas'
-        to_csv writes its index column so.)"""
+        """A header that does not name the fields meant is the file's error: bytes that are not UTF-8, one field
+        holding ; or tab, a field named twice (only its last column's value would be kept), a name with spaces
+        around it. (A blank name is allowed once: pandas' to_csv writes its index column so.)"""
+        if any(_NOT_UTF8.search(name) for name in self._fields):
+            raise DataError(f"{label}:1: the header is not valid UTF-8; save the file as UTF-8")
+        # a file saved with ; or tab between values (Excel in many locales, a .tsv renamed): its header is one field,
+        # so every row lacked the prompt field, "missing field 'prompt' (row has: prompt;answer)" (found by a red team)
+        if len(self._fields) == 1 and "," not in self._fields[0]:
+            for sep, what in ((";", "semicolon"), ("\t", "tab")):
+                if sep in self._fields[0]:
+                    raise DataError(f"{label}:1: the header {self._fields[0]!r} is one field holding {sep!r}: the file "
+                                    f"looks {what}-separated, and a .csv file is read comma-separated; save it with "
+                                    f"commas (e.g. pandas.read_csv(path, sep={sep!r}).to_csv(new_path, index=False))")
         seen = set()
         for name in self._fields:
             if name in seen:
                 raise DataError(f"{label}:1: the header names the field {name!r} twice; field names must be distinct")
             seen.add(name)
+            # "prompt, answer" names the field ' answer', and a missing 'answer' then showed a list of fields in which
+            # the space cannot be seen (found by a red team)
+            if name != name.strip() and name.strip():
+                ends = [side for side, pad in (("leading", name != name.lstrip()), ("trailing", name != name.rstrip()))
+                        if pad]
+                raise DataError(f"{label}:1: the header's field {name!r} has {' and '.join(ends)} whitespace, which "
+                                "is part of its name in CSV; remove the spaces around the commas in the header")
 
     def _parse(self, data: bytes) -> dict:
-        record = next(csv.reader(raw.decode("utf-8") for raw in _lines(io.BytesIO(data).read)))
+        try:
+            record = next(csv.reader(raw.decode("utf-8") for raw in _lines(io.BytesIO(data).read)))
+        except UnicodeDecodeError as exc:
+            raise Unreadable(f"not valid UTF-8 ({exc.reason})") from None
         if len(record) > len(self._fields):
             raise Unreadable(f"{len(record)} values for the header's {len(self._fields)} fields "
                              f"({', '.join(self._fields)}): quote a value that holds a comma")
-        row = dict(zip(self._fields, record))
-        for name in self._fields[len(record):]:
-            row[name] = None
-        return row
+        if len(record) < len(self._fields):   # "field 'answer' is null" blamed the field, not the record (red team)
+            raise Unreadable(f"{len(record)} value{'s' if len(record) != 1 else ''} for the header's "
+                             f"{len(self._fields)} fields ({', '.join(self._fields)}): write every field's value, an "
+                             "empty one as nothing between its commas, and quote a value that holds a line break")
+        return dict(zip(self._fields, record))
 
 
 class _ArrowSource:
@@ -348,6 +414,97 @@ class ListSource:
 
     def iter_rows(self) -> Iterator[tuple[int, object]]:
         return enumerate(self._rows)
+
+
+class _JsonArraySource:
+    """A .json file holding one JSON array of row objects (as `datasets` reads one): parsed whole at start-up,
+    since no element can be found without parsing those before it. An element that is not an object, or holds a
+    byte that is not UTF-8, is a bad row, as a JSONL line would be."""
+
+    def __init__(self, label: str, rows: list, lines: list, bad: dict):
+        self.path, self._rows, self._lines, self._bad = label, rows, lines, bad
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def row(self, i: int) -> dict:
+        if i in self._bad:
+            raise Unreadable(self._bad[i])
+        row = self._rows[i]
+        if not isinstance(row, dict):
+            raise Unreadable(f"expected a JSON object, got {type(row).__name__}")
+        return row
+
+    def line(self, i: int) -> int:
+        return self._lines[i]
+
+    def iter_rows(self) -> Iterator[tuple[int, object]]:
+        for i in range(len(self._rows)):
+            try:
+                yield i, self.row(i)
+            except Unreadable as exc:
+                yield i, exc
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _json_array(p: Path, label: str) -> Optional[_JsonArraySource]:
+    """The rows of a .json file that holds one JSON array, or None for JSON Lines (whose first row may be a list on
+    its own line). Read as JSON Lines, such a file's rows were all bad but a line that happened to be a whole
+    object, which with on_bad_row: skip was all it trained on (found by a red team)."""
+    with open(p, "rb") as f:
+        head = f.read(1 << 16)
+        while head.lstrip(b" \t\r\n") == b"" and len(head) < p.stat().st_size:   # (a file of blank lines first)
+            more = f.read(1 << 16)
+            if not more:
+                break
+            head += more
+    if head.removeprefix(_BOM).lstrip(b" \t\r\n")[:1] != b"[":
+        return None
+    text = p.read_bytes().removeprefix(_BOM).decode("utf-8", "surrogateescape")
+    decoder, rows, offsets = json.JSONDecoder(), [], []
+    begin = _JSON_SPACE.match(text).end()   # the '['
+    i = begin + 1
+    try:
+        i = _JSON_SPACE.match(text, i).end()
+        if text[i:i + 1] == "]":
+            i += 1
+        else:
+            while True:
+                row, end = decoder.raw_decode(text, i)
+                rows.append(row), offsets.append(i)
+                i = _JSON_SPACE.match(text, end).end()
+                if text[i:i + 1] == "]":
+                    i += 1
+                    break
+                if text[i:i + 1] != ",":
+                    raise json.JSONDecodeError("Expecting ',' delimiter or ']'", text, i)
+                i = _JSON_SPACE.match(text, i + 1).end()
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{label}:{exc.lineno}: not valid JSON ({exc.msg}, column {exc.colno}); a .json file that "
+                        "starts with '[' is read as one JSON array of row objects") from None
+    except ValueError as exc:  # an integer over Python's digit limit
+        raise DataError(f"{label}: an element of its JSON array {_json_value_error(exc)}") from None
+    except RecursionError:
+        raise DataError(f"{label}: not readable JSON (nested too deeply)") from None
+    if text[i:].strip(" \t\r\n"):
+        if not _LINE_END_TEXT.search(text, begin, i):   # a list on one line, then more lines: JSON Lines
+            return None
+        extra = json.JSONDecodeError("", text, _JSON_SPACE.match(text, i).end())   # (for its line and column)
+        raise DataError(f"{label}:{extra.lineno}: text follows the end of the JSON array (column {extra.colno}); a "
+                        ".json file that starts with '[' is read as one JSON array of row objects")
+    lines, line, at = [], 1, 0
+    for start in offsets:   # (an element starts at no line end, so no \r\n is cut in two)
+        line += text.count("\n", at, start) + text.count("\r", at, start) - text.count("\r\n", at, start)
+        lines.append(line)
+        at = start
+    bad = {}
+    for m in _NOT_UTF8.finditer(text):
+        k = bisect.bisect_right(offsets, m.start()) - 1
+        if k >= 0 and k not in bad:
+            bad[k] = "not valid UTF-8"
+    return _JsonArraySource(label, rows, lines, bad)
 
 
 class Subset:
@@ -394,10 +551,11 @@ def open_source(path: str, limit: Optional[int] = None):
             src = _ArrowSource(path, hub.load(path))
         except ValueError as exc:
             raise DataError(f"{path}: {exc}") from None
-    elif _saved_with_save_to_disk(Path(path)) == "Dataset":
-        src = _ArrowSource(path, _load_from_disk(Path(path), path))
+    # ~ is the shell's: a recipe's path reaches here as written (found by a red team; model paths were expanded)
+    elif _saved_with_save_to_disk(Path(path).expanduser()) == "Dataset":
+        src = _ArrowSource(path, _load_from_disk(Path(path).expanduser(), path))
     else:
-        src = _open_file(Path(path), path, limit)   # (a JSONL or CSV index holds `limit` rows at most already)
+        src = _open_file(Path(path).expanduser(), path, limit)   # (a JSONL or CSV index holds `limit` rows at most)
     return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
 
 
@@ -413,6 +571,10 @@ def _open_file(p: Path, path: str, limit: Optional[int]):
         raise DataError(f"{path}: file not found")
     suffix = p.suffix.lower()
     try:
+        if suffix in (".jsonl", ".json", ".csv"):
+            _other_encoding(p, path)
+        if suffix == ".json" and (rows := _json_array(p, path)) is not None:
+            return rows
         if suffix in (".jsonl", ".json"):
             return _JsonlSource(p, path, limit)
         if suffix == ".csv":
@@ -427,6 +589,24 @@ def _open_file(p: Path, path: str, limit: Optional[int]):
         return _ArrowSource(path, hub.load_file("parquet", p))
     except ValueError as exc:
         raise DataError(f"{path}: {exc}") from None
+
+
+# First bytes of text that is not UTF-8, or of no text: such a file was "not valid UTF-8" on every row, which named
+# no cause (found by a red team). UTF-32's marks first: UTF-16's LE mark begins UTF-32's LE mark.
+_MAGIC = ((b"\xff\xfe\x00\x00", "looks UTF-32 encoded (it starts with a UTF-32 byte order mark): save it as UTF-8"),
+          (b"\x00\x00\xfe\xff", "looks UTF-32 encoded (it starts with a UTF-32 byte order mark): save it as UTF-8"),
+          (b"\xff\xfe", "looks UTF-16 encoded (it starts with a UTF-16 byte order mark): save it as UTF-8"),
+          (b"\xfe\xff", "looks UTF-16 encoded (it starts with a UTF-16 byte order mark): save it as UTF-8"),
+          (b"\x1f\x8b", "is gzip-compressed: decompress it (gunzip) and give the file it holds"))
+
+
+def _other_encoding(p: Path, label: str) -> None:
+    """A file-level error for a text file that is UTF-16 or UTF-32, or gzip-compressed (by its first bytes)."""
+    with open(p, "rb") as f:
+        head = f.read(4)
+    for magic, what in _MAGIC:
+        if head.startswith(magic):
+            raise DataError(f"{label}: {what}")
 
 
 def _saved_with_save_to_disk(p: Path) -> Optional[str]:

@@ -50,13 +50,13 @@ from .evaluate import greedy as greedy_eval
 from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, off_policy_sequence_mask,
                    sampler_correction_weights, top_entropy_mask)
 from .interrupts import StopFlag
-from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, completion_tokens, decode_waves,
-                     device_budget, estimate, experts_note, fmt, host_memory_problem, model_workload, oom_gist,
-                     out_of_memory_advice, peak_memory_mib, release_memory, return_freed_memory_to_os)
+from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, context_note, decode_waves, device_budget,
+                     estimate, experts_note, fmt, host_memory_problem, micro_batch_completions, model_workload,
+                     oom_gist, out_of_memory_advice, peak_memory_mib, release_memory, return_freed_memory_to_os)
 from .metrics import PhaseTimer, read_metrics, summary_line, text_ends
 from .optim import apply_settings, make_optimizer, make_scheduler
 from .model import (check_logit_head, context_tokens, eval_mode, load_policy, reference_mode, takes_shared_prompts,
-                    text_config, trainable_parameters)
+                    trainable_parameters)
 from .progress import Progress, library_bars, use_bar
 from .recipe import Recipe, prompts_share_problem, recipe_to_yaml
 from .resume import ResumeError, anchored, fixed_values
@@ -591,9 +591,9 @@ class Trainer:
         """One forward/backward of a full micro-batch at the longest prompt + max_new_tokens, before step 1,
         so that an out-of-memory shows in the first minute with the memory model's advice rather than
         after an hour (unsloth#1624). Leaves no trace: RNG state restored, gradients dropped."""
-        r, g = self.recipe, self.recipe.generation
+        r = self.recipe
         longest = self.train_set.longest_prompt()
-        n = min(r.train.micro_batch_size, r.train.prompts_per_step * g.num_generations)
+        n = micro_batch_completions(r, self.world.size)   # (one process's share under torchrun)
         filler = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
         cap = self.completion_cap
         mb = pack([longest] * n, [[filler] * cap] * n, torch.ones(n), n, r.algorithm.aggregation,
@@ -644,16 +644,12 @@ class Trainer:
             self.log(f"[lowmem-grpo] note: {experts_note(shape, workload)}")
 
     def _note_context(self) -> None:
-        """Say so when the longest prompt and completion pass the model's max_position_embeddings: an audit found
-        that silent (transformers' "friendly reminder" aside); a RoPE model then runs on positions it was not
+        """Say so when the longest prompt and completion pass the model's context (memory.context_note): an audit
+        found that silent (transformers' "friendly reminder" aside); a RoPE model then runs on positions it was not
         trained on, a model with learned positions fails."""
-        limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
         prompt = max(len(s.longest_prompt()) for s in (self.train_set, self.eval_set) if s is not None)
-        need = prompt + completion_tokens(self.recipe)
-        if isinstance(limit, int) and need > limit:
-            self.log(f"[lowmem-grpo] note: the longest prompt ({prompt} tokens) and a completion "
-                     f"(generation.max_new_tokens, or environment.max_total_tokens) come to {need} tokens, past the "
-                     f"model's max_position_embeddings={limit}: lower them, or use a model with a longer context")
+        if note := context_note(self.model.config, prompt, self.recipe, "the longest, training or held-out"):
+            self.log(f"[lowmem-grpo] note: {note}")
 
     def whole_run_memory_model(self) -> tuple[ModelShape, Workload]:
         """memory_model at the longest prompt, training or held-out: what every phase of the run is sized for."""

@@ -96,3 +96,18 @@ def test_limit_reads_only_the_first_rows(tmp_path, tok):
     f = _jsonl(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)] + [{"prompt": "x"}])
     ps = PromptSet(str(f), DataConfig(train_path=str(f)), tok, limit=3)
     assert [e.row["answer"] for e in ps.examples] == ["1", "2", "3"]  # the bad 6th row is never reached
+
+
+def test_exact_gives_no_reward_for_a_blank_answer_and_compares_a_number_as_one():
+    """Found by a red team: a blank gold answer ('' of an empty CSV cell) gave 1.0 to an empty completion: no reward
+    now (None), as for a missing one. A gold stored as a number lost its text: JSON reads 1e2 as 100.0, and '100'
+    scored 0 against '100.0'; a number is compared by its value, a text answer still as text."""
+    from decimal import Decimal
+
+    from lowmem_grpo.rewards.format import exact_reward
+
+    assert exact_reward(["", " ", "x"], rows=[{"answer": ""}, {"answer": "  "}, {}]) == [None, None, None]
+    golds = [100.0, 100.0, 0.1, 2, 10**30, Decimal("2.50"), Decimal("2.50"), 100.0, 2, "2.50", "100"]
+    said = ["100", "1e2", "0.1", "2.0", str(10**30), "2.5", "2.50", "100 apples", "3", "2.5", "100.0"]
+    assert exact_reward(said, rows=[{"answer": g} for g in golds]) == [1.0] * 7 + [0.0] * 4
+    assert exact_reward(["1", "true"], rows=[{"answer": True}] * 2) == [0.0, 0.0]   # (a boolean is no number here)

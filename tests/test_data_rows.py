@@ -134,13 +134,16 @@ def test_a_prompt_that_fills_the_models_context_is_a_bad_row(tmp_path, tok):
     f = tmp_path / "d.jsonl"
     tiny.write_jsonl(rows, f)
     with pytest.raises(DataError, match=r"d.jsonl: row 3: prompt is 14 tokens, which fills the model's context "
-                                        r"\(14 tokens, its max_position_embeddings\): no room is left for a completion"):
+                                        r"\(14 tokens: its max_position_embeddings, or the context its RoPE scaling "
+                                        r"makes\): no room is left for a completion"):
         PromptSet(str(f), DataConfig(train_path=str(f)), tok, context_tokens=14)
     ps = PromptSet(str(f), DataConfig(train_path=str(f), on_bad_row="skip"), tok, context_tokens=14)
     assert [len(e.prompt_ids) for e in ps.examples] == [5, 13, 6] and len(ps.skipped) == 1
     assert ps.skipped[0].startswith("row 3: prompt is 14 tokens, which fills the model's context")
     assert len(PromptSet(str(f), DataConfig(train_path=str(f)), tok, context_tokens=15)) == 4   # 14 < 15: room for one
-    sets = prompt_sets(DataConfig(train_path=str(f), eval_path=str(f), on_bad_row="skip"), tok, context_tokens=14)
+    held = tmp_path / "held.jsonl"   # (a copy: eval_path may not be train_path's file)
+    held.write_text(f.read_text())
+    sets = prompt_sets(DataConfig(train_path=str(f), eval_path=str(held), on_bad_row="skip"), tok, context_tokens=14)
     assert [len(s) for s in sets.values()] == [3, 3] and all(len(s.skipped) == 1 for s in sets.values())
 
 
@@ -275,3 +278,135 @@ def test_a_save_to_disk_folder(tmp_path, tok):
         data.read_rows(f"hf:{tmp_path / 'one'}@train")
     assert "written by Dataset.save_to_disk" in str(err.value) and f"give the folder itself ({tmp_path / 'one'})" in str(err.value)
     assert "offline" not in str(err.value) and "hub" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chat prompts and answers that rendered or scored wrongly (found by a red team)
+
+# honours add_generation_prompt, as a real template does
+TURNS_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.name is defined %}({{ m.name }}){% endif %}"
+                  "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    t = tiny.build_tokenizer()
+    t.chat_template = TURNS_TEMPLATE
+    return t
+
+
+def _chat_rows(tmp_path, *prompts):
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, "answer": "2"}) + "\n" for p in prompts))
+    return f
+
+
+def _m(role, content, **more):
+    return {"role": role, "content": content, **more}
+
+
+def test_a_chat_prompt_that_ends_with_the_assistants_message_is_continued(tmp_path, chat_tok):
+    """[user, assistant 'partial'] was rendered with a new assistant turn after 'partial'; TRL's apply_chat_template
+    continues it (continue_final_message). A last user or tool message opens the assistant's turn."""
+    f = _chat_rows(tmp_path, [_m("user", "1+1="), _m("assistant", "It is")],
+                   [_m("user", "1+1="), _m("assistant", "", tool_calls=[{"type": "function", "function": {
+                       "name": "add", "arguments": {"a": 1, "b": 1}}}]), _m("tool", "2")],
+                   [_m("user", "1+1=")])
+    ps = _open(f, chat_tok)
+    assert [e.prompt_text for e in ps.examples] == ["<|user|>1+1=\n<|assistant|>It is",
+                                                    "<|user|>1+1=\n<|assistant|>\n<|tool|>2\n<|assistant|>",
+                                                    "<|user|>1+1=\n<|assistant|>"]
+
+
+@pytest.mark.parametrize("prompt, said", [
+    ([_m("system", "Be brief")], r"the prompt field 'prompt' ends with a system message \(prompt\[0\]\); allowed last: "
+                                 r"user or tool \(the model answers it\), assistant \(the model continues it\)"),
+    ([_m("user", "1+1="), _m("system", "Be brief")], r"the prompt field 'prompt' ends with a system message \(prompt\[1\]\)"),
+    ([_m("assistant", "It is")], r"the prompt field 'prompt' has no user message \(its roles: assistant\); a prompt "
+                                 "needs one to answer"),
+    ([_m("system", "s"), _m("tool", "2")], r"the prompt field 'prompt' has no user message \(its roles: system, tool\)"),
+    ([_m("user", " ")], r"the prompt field's message prompt\[0\] \(user\) is empty"),
+    ([_m("user", ""), _m("user", "1+1=")], r"the prompt field's message prompt\[0\] \(user\) is empty"),
+    ([_m("user", "1+1="), _m("assistant", " \n")], r"the prompt field's message prompt\[1\] \(assistant\) is empty"),
+])
+def test_a_chat_prompt_with_nothing_to_answer_is_a_bad_row(tmp_path, chat_tok, prompt, said):
+    """As TRL refuses a last system message ("Invalid role in the last message"); a prompt of no user message and
+    a blank message are refused as a blank text prompt is. Each was rendered with a new assistant turn."""
+    f = _chat_rows(tmp_path, [_m("user", "1+1=")], prompt)
+    with pytest.raises(DataError, match=rf"d.jsonl: row 2: {said}.* \(if only some rows"):
+        _open(f, chat_tok)
+    ps = _open(f, chat_tok, on_bad_row="skip")
+    assert len(ps) == 1 and len(ps.skipped) == 1 and ps.skipped[0].startswith("row 2: ")
+
+
+def test_an_empty_last_user_message_is_the_slot_an_environment_fills(tmp_path, chat_tok):
+    """TRL's prompt for a row an environment_factory's reset() gives (trl.py's EMPTY_PROMPT): its text is appended to
+    the last message, so a last user message of no text at all is no blank prompt (spaces are)."""
+    f = _chat_rows(tmp_path, [_m("user", "")], [_m("system", "s"), _m("user", "")])
+    assert [e.prompt_text for e in _open(f, chat_tok).examples] == ["<|user|>\n<|assistant|>",
+                                                                     "<|system|>s\n<|user|>\n<|assistant|>"]
+
+
+def test_none_keys_that_arrow_gives_chat_messages_are_dropped(tmp_path, chat_tok):
+    """Arrow merges the messages' structs: a message without 'name' got 'name': None, rendered 'name=None' (here
+    '(None)'). Dropped, as TRL's remove_none_values does."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [_m("user", "1+1=")], "answer": "2"},
+                                         {"prompt": [_m("user", "2+2=", name="bob")], "answer": "4"}]), f)
+    assert data.read_rows(str(f))[0]["prompt"] == [{"role": "user", "content": "1+1=", "name": None}]   # (Arrow's)
+    ex = _open(f, chat_tok).examples
+    assert [e.prompt_text for e in ex] == ["<|user|>1+1=\n<|assistant|>", "<|user|>(bob)2+2=\n<|assistant|>"]
+    assert ex[0].messages == [_m("user", "1+1=")]
+
+
+def test_chat_messages_stored_as_json_text_are_a_bad_row(tmp_path, chat_tok):
+    """A CSV or pandas export writes a column of messages as JSON text, which became the prompt as written."""
+    f = tmp_path / "d.csv"
+    with open(f, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerows([["prompt", "answer"], ["1+1=", "2"], [json.dumps([_m("user", "2+2=")]), "4"],
+                     ["[1, 2] sums to", "3"], ['[{"a": 1}]', "5"]])   # a list that is not messages: text
+    with pytest.raises(DataError, match=r"d.csv: row 2 \(line 3\): the prompt field 'prompt' holds chat messages as JSON text "
+                                        r"\('\[\{\"role\": \"user\", \"content\": \"2\+2=\"\}\]'\), which would be "
+                                        r"the prompt as it is written; store them as a list of messages"):
+        _open(f, chat_tok)
+    ps = _open(f, chat_tok, on_bad_row="skip")
+    assert [e.prompt_text for e in ps.examples] == ["1+1=", "[1, 2] sums to", '[{"a": 1}]'] and len(ps.skipped) == 1
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+def test_a_blank_answer_is_a_bad_row_when_a_reward_reads_it(tmp_path, tok, kind):
+    """An empty answer ('' of an empty CSV cell, or spaces): exact gave 1.0 to an empty completion, math skipped every
+    completion of the prompt. The row's error, as a missing answer; no reward reading it: no matter."""
+    if kind == "csv":
+        f = tmp_path / "d.csv"
+        f.write_text("prompt,answer\n1+1=,2\n2+2=,\n3+3=,  \n")
+    else:
+        f = _lines(tmp_path / "d.jsonl", json.dumps(GOOD), json.dumps({"prompt": "2+2=", "answer": ""}),
+                   json.dumps({"prompt": "3+3=", "answer": "  "}))
+    with pytest.raises(DataError, match=rf"d.{kind}: row 2( \(line 3\))?: the answer field 'answer' is empty "
+                                        r"\(if only some rows"):
+        _open(f, tok)
+    ps = _open(f, tok, on_bad_row="skip")
+    assert len(ps) == 1 and ps.skipped == ["row 2: the answer field 'answer' is empty",
+                                           "row 3: the answer field 'answer' is empty"]
+    assert len(PromptSet(str(f), DataConfig(train_path=str(f)), tok, require_answer=False)) == 3
+
+
+def test_a_decimal_answer_is_a_number(tmp_path, tok):
+    """A Parquet decimal column was refused ("holds Decimal ...; expected text or a number"): it is a number
+    (decimal.Decimal is no numbers.Real), finite or the row's error."""
+    from decimal import Decimal
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    f = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": ["5/2=", "8/2="], "answer": pa.array([Decimal("2.50"), Decimal("4.00")],
+                                                                          pa.decimal128(5, 2))}), f)
+    assert [e.row["answer"] for e in _open(f, tok).examples] == [Decimal("2.50"), Decimal("4.00")]
+    with pytest.raises(DataError, match=r"rows: row 2: the answer field 'answer' is NaN \(not a finite number\)"):
+        PromptSet("rows", DataConfig(train_path="x.jsonl"), tok, rows=[GOOD, {"prompt": "x=", "answer": Decimal("NaN")}])

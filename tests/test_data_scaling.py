@@ -127,24 +127,27 @@ def test_lazy_jsonl_rows_equal_eager(tmp_path, monkeypatch, chunk):
 def test_lazy_csv_rows_equal_eager(tmp_path, tok):
     f = tmp_path / "d.csv"
     f.write_bytes(b'q,a,note\r\n1+2,3,"a quoted\r\nfield on two lines"\r\n\r\n'
-                  b'2+2,4\n'                                  # a short record: note is None
+                  b'2+2,4\n'                                  # a short record: a bad row (DictReader: note None)
                   b'3+3,6,x,extra1,extra2\n'                  # a long one: a bad row (DictReader: extras under None)
                   b'"4+4",8,\xc3\xa9\r'                       # a bare \r line end
                   b'5+5,,""\n6+6,12,last')
     eager = old_csv(f)
-    assert eager[2][None] == ["extra1", "extra2"]
-    good = eager[:2] + eager[3:]
+    assert eager[1]["note"] is None and eager[2][None] == ["extra1", "extra2"]
+    good = [eager[0], *eager[3:]]
     src = data.open_source(str(f))
-    assert [src.row(i) for i in range(len(src)) if i != 2] == good
+    assert [src.row(i) for i in range(len(src)) if i not in (1, 2)] == good
+    with pytest.raises(data.Unreadable, match=r"2 values for the header's 3 fields \(q, a, note\)"):
+        src.row(1)
     with pytest.raises(data.Unreadable, match=r"5 values for the header's 3 fields \(q, a, note\)"):
         src.row(2)
-    with pytest.raises(data.DataError, match=r"d.csv:6: 5 values for the header's 3 fields"):
+    with pytest.raises(data.DataError, match=r"d.csv:5: 2 values for the header's 3 fields"):
         read_rows(str(f))
-    assert eager[0]["note"] == "a quoted\r\nfield on two lines" and eager[1]["note"] is None
+    assert eager[0]["note"] == "a quoted\r\nfield on two lines"
     assert [src.line(i) for i in range(len(src))] == [2, 5, 6, 7, 8, 9]
     ps = PromptSet(str(f), DataConfig(train_path=str(f), prompt_field="q", answer_field="a", on_bad_row="skip"), tok)
-    assert [e.row for e in ps.examples] == good  # the empty answer "" is a value, not a missing field
-    assert len(ps.skipped) == 1 and ps.skipped[0].startswith("row 3: 5 values")
+    assert [e.row for e in ps.examples] == [eager[0], eager[3], eager[5]]   # 5+5's answer "" is empty: a bad row
+    starts = ["row 2: 2 values", "row 3: 5 values", "row 5: the answer field 'a' is empty"]
+    assert [skip[:len(start)] for skip, start in zip(ps.skipped, starts)] == starts and len(ps.skipped) == 3
 
 
 def _arrow_rows():
@@ -339,5 +342,5 @@ def test_unreadable_files_are_named_errors(tmp_path):
         data.open_source(str(pq))
     bad = tmp_path / "x.csv"
     bad.write_bytes(b"q,a\n1,2\n\xff\xfe,3\n")
-    with pytest.raises(DataError, match=r"x.csv:3: not valid UTF-8"):
-        data.open_source(str(bad))
+    with pytest.raises(DataError, match=r"x.csv:3: not valid UTF-8"):   # (open_source: a bad row of a lazy source)
+        read_rows(str(bad))

@@ -14,6 +14,7 @@ from conftest import recipe_dict, write_recipe
 from lowmem_grpo import hub, tiny
 from lowmem_grpo.data import DataError, PromptSet, prompt_set, read_rows, split_rows
 from lowmem_grpo.recipe import DataConfig, RecipeError, recipe_from_dict
+from lowmem_grpo.sources import open_source
 
 
 def test_hf_sources_parse():
@@ -174,10 +175,10 @@ def test_files_a_careless_user_makes(tmp_path):
     (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbfprompt,answer\r\n1+1=,2\r\n")  # as Excel saves it
     for name in ("bom.jsonl", "bom.csv"):
         assert [e.row for e in _open(tmp_path / name).examples][0] == GOOD, name
-    (tmp_path / "array.json").write_text(json.dumps([GOOD] * 3, indent=2))
-    (tmp_path / "line.json").write_text(json.dumps([GOOD] * 3))
+    (tmp_path / "array.jsonl").write_text(json.dumps([GOOD] * 3, indent=2))   # (a .json file may hold an array)
+    (tmp_path / "line.jsonl").write_text(json.dumps([GOOD] * 3))
     (tmp_path / "pretty.jsonl").write_text(json.dumps(GOOD, indent=2))
-    for name, what in (("array.json", "an array"), ("line.json", "an array"),
+    for name, what in (("array.jsonl", "an array"), ("line.jsonl", "an array"),
                        ("pretty.jsonl", "an object spread over several lines")):
         for skip in ("error", "skip"):  # not a bad row to skip: the whole file is in another format
             with pytest.raises(DataError, match=rf"{name}: holds one JSON document \({what}\), not JSON Lines; "
@@ -303,3 +304,186 @@ def test_a_setting_no_row_can_meet_is_an_error_without_row_advice(tmp_path):
         assert "on_bad_row" not in str(err.value) and "skipped" not in str(err.value)
     with pytest.raises(DataError, match=r"row 1: .*if only some rows are like this, data.on_bad_row: skip skips them"):
         PromptSet(str(f), DataConfig(train_path=str(f), max_prompt_tokens=2), tok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files a red team made: each was a misleading row error, or worse, rows silently lost
+
+def _csv(tmp_path, text, name="d.csv"):
+    f = tmp_path / name
+    f.write_bytes(text.encode() if isinstance(text, str) else text)
+    return f
+
+
+def test_a_csv_quote_that_never_closes_is_a_file_error(tmp_path):
+    """The csv module reads a quote that never closes to the end of the file: rows 11-30 were one record, blamed as
+    row 11's null answer, and with on_bad_row: skip training went on with 10 rows."""
+    rows = [f"q{i},{i}" for i in range(30)]
+    rows[10] = '"q10 with an unclosed quote,10'
+    f = _csv(tmp_path, "prompt,answer\n" + "\n".join(rows) + "\n")
+    for on_bad_row in ("error", "skip"):
+        with pytest.raises(DataError) as err:
+            _open(f, on_bad_row=on_bad_row)
+        assert str(err.value) == (f"{f}:12: a quoted value opens on this line and its quote never closes, so it runs "
+                                  "to the end of the file (line 31), swallowing the 19 lines after it into one value; "
+                                  'close the quote (a quote inside a quoted value is written twice: "")')
+    assert len(open_source(str(f), limit=5)) == 5   # the first rows alone: not reached
+    with pytest.raises(DataError, match=r"d.csv:12: a quoted value opens"):
+        open_source(str(f), limit=20)
+    # the quote opens on a later line of its record (after a quoted line break), and the last line has no line end
+    _csv(tmp_path, 'prompt,answer,note\n1+1=,2,x\n"a\r\nb",3,"open\r\nto the end', "late.csv")
+    with pytest.raises(DataError, match=r"late.csv:4: .*to the end of the file \(line 5\), swallowing the 1 line "):
+        _open(tmp_path / "late.csv")
+    _csv(tmp_path, 'prompt,answer\n1+1=,2\n"2+2=,4\n', "lastline.csv")
+    with pytest.raises(DataError, match=r"lastline.csv:3: .*runs to the end of the file \(line 3\); close the quote"):
+        _open(tmp_path / "lastline.csv")
+    _csv(tmp_path, 'prompt,"answer\n1+1=,2\n', "header.csv")
+    with pytest.raises(DataError, match=r"header.csv:1: a quoted value opens .* swallowing the 1 line after it"):
+        _open(tmp_path / "header.csv")
+    # closed quotes, a quote inside an unquoted value, and text after a closing quote stay as they were
+    for text, last in (('prompt,answer\n1+1=,2\n"a\nb ""c""",3\n', 'a\nb "c"'),
+                       ('prompt,answer\n1+1=,2\n"a\r\nb",3', "a\r\nb"),
+                       ('prompt,answer\n1+1=,2\nsay "hi,3\n', 'say "hi'),
+                       ('prompt,answer\n1+1=,2\n"a"b,3\n', "ab")):
+        assert [r["prompt"] for r in read_rows(str(_csv(tmp_path, text)))] == ["1+1=", last]
+
+
+def test_the_file_changed_error_says_what_a_resume_does(tmp_path):
+    f = tmp_path / "d.jsonl"
+    tiny.write_jsonl([GOOD] * 3, f)
+    src = open_source(str(f))
+    with open(f, "a") as out:
+        out.write(json.dumps(GOOD) + "\n")
+    with pytest.raises(DataError) as err:
+        src.row(0)
+    assert str(err.value) == (f"{f}: the file changed on disk after it was indexed at start-up; restart the run (or "
+                              "write new data to a new file): --resume continues from the last checkpoint; a changed "
+                              "row count changes the prompt order from there")
+
+
+@pytest.mark.parametrize("header, said", [
+    ("prompt, answer", r"the header's field ' answer' has leading whitespace"),
+    ("prompt ,answer", r"the header's field 'prompt ' has trailing whitespace"),
+    ("prompt,\tanswer ", r"the header's field '\\tanswer ' has leading and trailing whitespace"),
+])
+def test_a_csv_header_field_with_spaces_is_named_at_open(tmp_path, header, said):
+    """'prompt, answer' names the field ' answer': "missing field 'answer' (row has:  answer, prompt)" hid why."""
+    f = _csv(tmp_path, f"{header}\n1+1=,2\n")
+    for on_bad_row in ("error", "skip"):
+        with pytest.raises(DataError, match=rf"^{f}:1: {said}, which is part of its name in CSV; remove the spaces "
+                                            "around the commas in the header$"):
+            _open(f, on_bad_row=on_bad_row)
+    assert read_rows(str(_csv(tmp_path, ",prompt,answer\n0,1+1=,2\n")))[0] == {"": "0", **GOOD}   # pandas' index
+
+
+@pytest.mark.parametrize("sep, what", [(";", "semicolon"), ("\t", "tab")])
+def test_a_semicolon_or_tab_separated_csv_is_named(tmp_path, sep, what):
+    f = _csv(tmp_path, f"prompt{sep}answer\n1+1={sep}2\n")
+    with pytest.raises(DataError) as err:
+        _open(f, on_bad_row="skip")
+    assert str(err.value) == (f"{f}:1: the header {'prompt' + sep + 'answer'!r} is one field holding {sep!r}: the "
+                              f"file looks {what}-separated, and a .csv file is read comma-separated; save it with "
+                              f"commas (e.g. pandas.read_csv(path, sep={sep!r}).to_csv(new_path, index=False))")
+    # one field with no separator in it is a one-column file, and a comma makes the header several fields
+    assert read_rows(str(_csv(tmp_path, "prompt\n1+1=\n"))) == [{"prompt": "1+1="}]
+    one_comma = _csv(tmp_path, f"prompt,answer{sep}x\n1+1=,2\n")
+    assert read_rows(str(one_comma)) == [{"prompt": "1+1=", f"answer{sep}x": "2"}]
+
+
+def test_a_csv_record_shorter_than_the_header_is_a_bad_row(tmp_path):
+    """It was "field 'answer' is null (the row has it, with no value)", which blamed the field, not the record."""
+    f = _csv(tmp_path, "prompt,answer\n1+1=,2\nWhat is\n2+2=,4\n")   # a line break in an unquoted value
+    with pytest.raises(DataError, match=r"d.csv: row 2 \(line 3\): 1 value for the header's 2 fields "
+                                        r"\(prompt, answer\): write every field's value, an empty one as nothing "
+                                        r"between its commas, and quote a value that holds a line break"):
+        _open(f)
+    ps = _open(f, on_bad_row="skip")
+    assert [e.row for e in ps.examples] == [GOOD, {"prompt": "2+2=", "answer": "4"}]
+    assert ps.skipped == ["row 2: 1 value for the header's 2 fields (prompt, answer): write every field's value, an "
+                          "empty one as nothing between its commas, and quote a value that holds a line break"]
+    assert read_rows(str(_csv(tmp_path, "prompt,answer,note\n1+1=,2,\n")))[0] == {**GOOD, "note": ""}
+
+
+def test_a_byte_that_is_not_utf8_in_a_csv_is_a_bad_row(tmp_path):
+    """It failed the whole file, skip or not, where a JSONL file skips the line."""
+    f = _csv(tmp_path, b"prompt,answer\n1+1=,2\nq\xff,3\n\"\xc3\xa9\xfe\n\",4\n2+2=,4\n")
+    with pytest.raises(DataError, match=r"d.csv: row 2 \(line 3\): not valid UTF-8 \(invalid start byte\)"):
+        _open(f)
+    ps = _open(f, on_bad_row="skip")
+    assert [e.row for e in ps.examples] == [GOOD, {"prompt": "2+2=", "answer": "4"}]
+    assert ps.skipped == ["row 2: not valid UTF-8 (invalid start byte)", "row 3: not valid UTF-8 (invalid start byte)"]
+    with pytest.raises(DataError, match=r"d.csv:3: not valid UTF-8 \(invalid start byte\)"):   # read_rows: its line
+        read_rows(str(f))
+    f.write_bytes(b"prompt,answ\xe9r\n1+1=,2\n")   # (Latin-1) in the header: no field can be named
+    with pytest.raises(DataError, match=r"d.csv:1: the header is not valid UTF-8; save the file as UTF-8"):
+        _open(f, on_bad_row="skip")
+
+
+def test_a_json_file_holding_an_array_is_read_as_rows(tmp_path):
+    """As `datasets` reads it. Read as JSON Lines, its lines were bad rows but one that happened to be a whole object,
+    which with on_bad_row: skip was all it trained on."""
+    rows = [GOOD, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": 6}]
+    f = tmp_path / "d.json"
+    for text in (json.dumps(rows, indent=2), json.dumps(rows), "\ufeff\n\n " + json.dumps(rows) + "\n\n",
+                 "[" + ",\n".join(map(json.dumps, rows)) + "]\n"):   # (the red team's: [{...},\n{...},\n{...}])
+        f.write_text(text, encoding="utf-8")
+        assert [e.row for e in _open(f, on_bad_row="error").examples] == rows
+    f.write_text('[\r\n  {"prompt": "1+1=", "answer": "2"},\r\n  [1, 2],\r\n\r\n  "x", ' + json.dumps(rows[1]) + "]")
+    src = open_source(str(f))
+    assert len(src) == 4 and [src.line(i) for i in range(4)] == [2, 3, 5, 5]
+    with pytest.raises(DataError, match=r"d.json: row 2 \(line 3\): expected a JSON object, got list"):
+        _open(f)
+    ps = _open(f, on_bad_row="skip")
+    assert [e.row for e in ps.examples] == [GOOD, rows[1]] and len(ps.skipped) == 2
+    f.write_bytes(b'[{"prompt": "1+1=", "answer": "2"},\n {"prompt": "q\xff", "answer": "3"}]')
+    assert _open(f, on_bad_row="skip").skipped == ["row 2: not valid UTF-8"]
+    # a broken array is the file's error, naming where; so is text after it
+    for text, where in (('[{"prompt": "1+1=", "answer": "2"},\n {"prompt": "2+2=" "answer": "4"}]',
+                         r"2: not valid JSON \(Expecting ',' delimiter, column 20\)"),
+                        ('[{"prompt": "1+1=", "answer": "2"}\n {"prompt": "2+2="}]',
+                         r"2: not valid JSON \(Expecting ',' delimiter or '\]', column 2\)"),
+                        ('[{"prompt": "1+1=", "answer": "2"},\n', r"2: not valid JSON \(Expecting value, column 1\)"),
+                        ('[\n{"prompt": "1+1=", "answer": "2"}\n]\n{"prompt": "x"}', r"4: text follows the end of the "
+                         r"JSON array \(column 1\)")):
+        f.write_text(text)
+        for on_bad_row in ("error", "skip"):
+            with pytest.raises(DataError, match=rf"d.json:{where}; a .json file that starts with '\[' is read as one "
+                                                r"JSON array of row objects"):
+                _open(f, on_bad_row=on_bad_row)
+    # JSON Lines in a .json file, whose first row is a list of values: still JSON Lines (the list a bad row)
+    f.write_text("[1, 2]\n" + json.dumps(GOOD) + "\n")
+    assert [e.row for e in _open(f, on_bad_row="skip").examples] == [GOOD]
+    f.write_text("[]")
+    with pytest.raises(DataError, match=r"d.json: no usable rows"):
+        _open(f)
+
+
+@pytest.mark.parametrize("head, said", [
+    (b"\xff\xfe", "looks UTF-16 encoded (it starts with a UTF-16 byte order mark): save it as UTF-8"),
+    (b"\xfe\xff", "looks UTF-16 encoded (it starts with a UTF-16 byte order mark): save it as UTF-8"),
+    (b"\xff\xfe\x00\x00", "looks UTF-32 encoded (it starts with a UTF-32 byte order mark): save it as UTF-8"),
+    (b"\x1f\x8b", "is gzip-compressed: decompress it (gunzip) and give the file it holds"),
+])
+def test_a_file_in_another_encoding_or_compressed_is_named(tmp_path, head, said):
+    """Each was "not valid UTF-8" on every row (or the first line), which named no cause."""
+    import gzip
+
+    text = "prompt,answer\n1+1=,2\n"
+    body = {b"\xff\xfe": text.encode("utf-16-le"), b"\xfe\xff": text.encode("utf-16-be"),
+            b"\xff\xfe\x00\x00": text.encode("utf-32-le"), b"\x1f\x8b": gzip.compress(text.encode())[2:]}[head]
+    for name in ("d.csv", "d.jsonl", "d.json"):
+        f = _csv(tmp_path, head + body, name)
+        for on_bad_row in ("error", "skip"):
+            with pytest.raises(DataError) as err:
+                _open(f, on_bad_row=on_bad_row)
+            assert str(err.value) == f"{f}: {said}"
+
+
+def test_a_data_path_starting_with_a_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tiny.write_jsonl([GOOD], tmp_path / "d.jsonl")
+    (tmp_path / "d.csv").write_text("prompt,answer\n1+1=,2\n")
+    assert read_rows("~/d.jsonl") == read_rows("~/d.csv") == [GOOD]
+    assert [e.row for e in _open("~/d.jsonl").examples] == [GOOD]
+    with pytest.raises(DataError, match=r"^~/nothing.jsonl: file not found$"):
+        read_rows("~/nothing.jsonl")

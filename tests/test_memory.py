@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from conftest import recipe_dict, write_recipe
 from lowmem_grpo import memory as mm
@@ -277,7 +278,7 @@ QWEN2_MOE = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], 
                  moe_intermediate_size=32, shared_expert_intermediate_size=0)
 
 
-@pytest.mark.parametrize("changes,says", [
+REFUSED_CONFIGS = [
     (dict(num_attention_heads=0), "num_attention_heads is 0; allowed: a whole number >= 1"),
     (dict(hidden_size=-64), "hidden_size is -64; allowed: a whole number >= 1"),
     (dict(num_key_value_heads=3), "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
@@ -290,7 +291,10 @@ QWEN2_MOE = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], 
     (dict(model_type="bert", architectures=None, layer_types=None), "model_type 'bert' is an encoder"),
     (dict(architectures=["BertForMaskedLM"]), "architectures ['BertForMaskedLM'] names no causal language model"),
     (dict(model_type="t5", architectures=None, d_model=64), "model_type 't5' is an encoder-decoder model"),
-])
+]
+
+
+@pytest.mark.parametrize("changes,says", REFUSED_CONFIGS)
 def test_estimate_refuses_a_config_no_model_has_in_one_line(tmp_path, tiny_model_dir, tiny_data, changes, says):
     """An audit found estimate answering "fits" for a BERT encoder and a negative hidden_size ("-0 MiB"), and
     tracebacks for a zero head count, a MoE decoder_sparse_step of 0 (inside transformers) and fields that
@@ -834,3 +838,224 @@ def test_the_readmes_figures_for_qwen3_30b_a3b():
                f"base weights {mm.fmt(mm.base_weight_bytes(shape, nf4))}", f"predicted peak {mm.fmt(peak)}",
                f"{nf4.lora_params / 1e6:.1f}M LoRA parameters on attention and routers")
     assert [f for f in figures if f not in " ".join(readme.split())] == [], figures
+
+
+# ----------------------------------------------------------------------------------------------------
+# Found by a red team: advice, micro-batch, prompts, LoRA names, latent attention, validate, RoPE context
+# ----------------------------------------------------------------------------------------------------
+
+QWEN_15B = next(p.parent for p in SHIPPED_CONFIGS if p.parent.name == "Qwen2.5-1.5B-Instruct")
+
+
+def _estimate_cli(tmp_path, d: dict, *args) -> Result:
+    return CliRunner().invoke(main, ["estimate", str(write_recipe(tmp_path / "r.yaml", d)), *args])
+
+
+def _qwen_recipe(tmp_path, tiny_data, **sections) -> dict:
+    """The red team's recipes: Qwen2.5-1.5B (its shipped config, read offline), bf16, prompts of 256 tokens at most."""
+    d = recipe_dict("Qwen/Qwen2.5-1.5B-Instruct", tiny_data, tmp_path / "run", model={"compute_dtype": "bfloat16"},
+                    lora={"r": 16}, **sections)
+    d["data"].update(max_prompt_tokens=256, eval_path="")
+    return d
+
+
+def test_advise_tries_a_smaller_tile_at_the_recipes_own_micro_batch(tmp_path, tiny_data):
+    """advise searched from micro_batch_size - 1 down: at 1 it tried nothing and said "does not fit even with
+    train.micro_batch_size: 1 and train.logprob_chunk_tokens: 128 (predicted 4.44 GiB > 12.15 GiB)", and at 2 it
+    halved the micro-batch where a smaller tile alone fit. Now the largest micro-batch from the recipe's own down, with
+    the largest tile (the recipe's or smaller) that fits; "even with" only for a setting that does not fit."""
+    from transformers import AutoConfig
+
+    shape = mm.ModelShape.from_config(AutoConfig.from_pretrained(QWEN_15B))
+    w = mm.Workload(prompts_per_step=1, num_generations=4, micro_batch_size=1, prompt_tokens=256, completion_tokens=8192,
+                    chunk_tokens=8192, chunk_vocab=151936)
+    budget = 12 * mm.GiB
+    for mb in (1, 2):
+        advice = mm.advise(shape, replace(w, micro_batch_size=mb), budget)
+        assert not advice.fits and (advice.micro_batch_size, advice.chunk_tokens) == (mb, 512), advice.lines
+        assert advice.lines[1] == "set train.logprob_chunk_tokens: 512 (same result, more passes)."
+        assert mm.estimate(shape, replace(w, micro_batch_size=mb, chunk_tokens=512), budget).peak <= budget
+    # no fit at all: a tile already below 128 is named as the recipe has it, and the figure said is over the budget
+    hopeless = mm.advise(shape, replace(w, chunk_tokens=64), 2 * mm.GiB)
+    said = mm.estimate(shape, replace(w, chunk_tokens=64), 2 * mm.GiB).peak
+    assert hopeless.lines[0] == (f"does not fit even with train.micro_batch_size: 1 and train.logprob_chunk_tokens: 64 "
+                                 f"(predicted {mm.fmt(said)} > {mm.fmt(2 * mm.GiB)}). Largest terms:") and said > 2 * mm.GiB
+    # the command as the red team ran it (the shipped config: offline)
+    d = _qwen_recipe(tmp_path, tiny_data, generation={"max_new_tokens": 8192},
+                     train={"prompts_per_step": 1, "micro_batch_size": 1, "logprob_chunk_tokens": 8192,
+                            "logprob_chunk_vocab": 151936})
+    res = _estimate_cli(tmp_path, d, "--memory", "14GiB")
+    assert res.exit_code == 1 and "set train.logprob_chunk_tokens: 512 (same result" in res.output, res.output
+    assert "even with" not in res.output
+
+
+def test_a_micro_batch_larger_than_a_processes_completions_is_counted_as_them(tmp_path, tiny_model_dir, tiny_data):
+    """The trainer packs at most one process's completions of a step into a micro-batch (batch.pack over its share):
+    a larger train.micro_batch_size was counted as given (21.31 GiB, "does not fit", advice 40, where 32 fit)."""
+    from lowmem_grpo.memory import workload_from_recipe
+
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", generation={"num_generations": 8},
+                    train={"prompts_per_step": 4, "micro_batch_size": 64})
+    one, two = (workload_from_recipe(recipe_from_dict(d), 8, "cpu", processes=n) for n in (1, 2))
+    assert (one.micro_batch_size, two.micro_batch_size) == (32, 16)   # 4 x 8 completions; 2 x 8 a process
+    d["train"]["micro_batch_size"] = 32
+    assert workload_from_recipe(recipe_from_dict(d), 8, "cpu") == one
+    d = _qwen_recipe(tmp_path, tiny_data, generation={"num_generations": 8, "max_new_tokens": 1024},
+                     train={"prompts_per_step": 4, "micro_batch_size": 64})
+    res = _estimate_cli(tmp_path, d, "--memory", "16GiB")
+    assert res.exit_code == 0 and "micro-batch 32 x 1280 tok" in res.output and "fits: " in res.output, res.output
+    res = _estimate_cli(tmp_path, d, "--memory", "16GiB", "--nproc", "2")
+    assert res.exit_code == 0 and "micro-batch 16 x 1280 tok" in res.output, res.output
+
+
+def test_estimate_sizes_every_phase_for_the_longest_prompt_training_or_held_out(tmp_path, tiny_model_dir):
+    """As the trainer (whole_run_memory_model): the longest prompt of data.train_path and data.eval_path. estimate read
+    the training file only, so a longer held-out prompt went uncounted, and so did the context it passes."""
+    from lowmem_grpo.data import PromptSet
+    from lowmem_grpo.model import load_tokenizer
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    tiny.write_jsonl([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)], train)
+    tiny.write_jsonl([{"prompt": "1" * 40 + "+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}], held)
+    d = recipe_dict(tiny_model_dir, (train, held), tmp_path / "run", generation={"max_new_tokens": 30})
+    r = recipe_from_dict(d)
+    tok = load_tokenizer(r.model)
+    short, long = (len(PromptSet(str(p), r.data, tok).longest_prompt()) for p in (train, held))
+    assert short + 30 <= 64 < long + 30   # the tiny model's max_position_embeddings: passed by the held-out prompt only
+    est, _, w = mm.estimate_recipe(r, "cpu")
+    assert w.prompt_tokens == long
+    assert f"note: prompt length {long} tokens: longest prompt in {held}, of the training and held-out prompts" in \
+           "\n".join(est.lines())
+    assert any(n.startswith(f"context: a prompt of {long} tokens") for n in est.notes), est.notes
+    d["data"]["eval_path"] = ""
+    est, _, w = mm.estimate_recipe(recipe_from_dict(d), "cpu")
+    assert w.prompt_tokens == short and not any(n.startswith("context:") for n in est.notes)
+
+
+def _model_folder(tiny_model_dir, folder, config) -> Path:
+    """A model folder holding `config` (a transformers config) as config.json and the tiny model's tokenizer."""
+    import json
+    import shutil
+
+    folder.mkdir()
+    for f in tiny_model_dir.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, folder / f.name)
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    return folder
+
+
+def test_lora_on_layers_with_other_names_is_counted_as_peft_adapts_them(tmp_path, tiny_model_dir, tiny_data,
+                                                                       monkeypatch):
+    """GPT-NeoX names its linears query_key_value, dense, dense_h_to_4h, dense_4h_to_h: the LLaMA-name rule counted 0
+    LoRA parameters (peft: 196,608 at r 16). estimate counts them on a meta-device copy with peft, as for a mixture;
+    where transformers cannot build that copy, the name rule, said in a note; targets the model lacks, as train says."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_neox", vocab_size=1000, hidden_size=256, num_attention_heads=8,
+                                  num_hidden_layers=4, intermediate_size=512)
+    config.architectures = ["GPTNeoXForCausalLM"]
+    folder = _model_folder(tiny_model_dir, tmp_path / "neox", config)
+    targets = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    d = recipe_dict(folder, tiny_data, tmp_path / "run", lora={"r": 16, "target_modules": targets})
+    est, shape, w = mm.estimate_recipe(recipe_from_dict(d), "cuda", prompt_tokens=8)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    peft = get_peft_model(model, PeftLoraConfig(r=16, target_modules=targets))
+    assert mm.lora_params(shape, w) == sum(p.numel() for p in peft.parameters() if p.requires_grad) == 196_608
+    assert "LoRA parameters (0.2M, fp32)" in est.static
+
+    def cannot_build(*a, **k):
+        raise RuntimeError("no meta device here")
+
+    monkeypatch.setattr(mm, "experts_census_from_config", cannot_build)
+    est, shape, w = mm.estimate_recipe(recipe_from_dict(d), "cuda", prompt_tokens=8)
+    assert mm.lora_params(shape, w) == 0 and est.notes[-1] == (
+        "LoRA parameters: counted by LLaMA-style layer names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj), as transformers cannot build this model on the meta device (RuntimeError: no meta device here); "
+        f"lora.target_modules={targets} matches none of them"), est.notes
+    monkeypatch.undo()
+    d["lora"]["target_modules"] = ["q_proj"]
+    res = _estimate_cli(tmp_path, d, "--memory", "8GiB")
+    assert res.exit_code == 2 and res.output.startswith("error: lora.target_modules=['q_proj']: Target modules") \
+        and "layers are named dense, dense_4h_to_h, dense_h_to_4h, query_key_value" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def _deepseek_v3_config():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=1000, hidden_size=256, num_attention_heads=8,
+                                  num_hidden_layers=4, intermediate_size=512, num_key_value_heads=8, n_routed_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
+                                  first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+                                  qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return config
+
+
+def test_multi_head_latent_attention_is_refused_in_one_line_and_still_validates(tmp_path, tiny_model_dir, tiny_data):
+    """DeepSeek-V3's attention was counted as LLaMA's (its KV cache 5x over). transformers caches the latent, checked
+    here, but each layer expands all of it to every head's keys and values at each step, which no term counts: the
+    memory model refuses it (estimate: one line, exit 2). Training runs it, so validate does not refuse it."""
+    from transformers import AutoModelForCausalLM
+
+    config = _deepseek_v3_config()
+    with pytest.raises(mm.UnknownArchitecture, match=r"^config.json: kv_lora_rank is 32: multi-head latent attention"):
+        mm.ModelShape.from_config(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(3, 900, (1, 10)), use_cache=True).past_key_values
+    cached = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cached == 4 * 10 * (32 + 16)   # layers x tokens x (kv_lora_rank + qk_rope_head_dim): the latent
+    folder = _model_folder(tiny_model_dir, tmp_path / "dsv3", config)
+    d = recipe_dict(folder, tiny_data, tmp_path / "run")
+    res = _estimate_cli(tmp_path, d, "--memory", "8GiB")
+    assert res.exit_code == 2 and res.output.startswith(f"error: model.name_or_path={str(folder)!r}: config.json: "
+                                                        "kv_lora_rank is 32: multi-head latent attention"), res.output
+    assert len(res.output.strip().splitlines()) == 1 and "allowed: LLaMA-style attention" in res.output
+    res = CliRunner().invoke(main, ["validate", str(tmp_path / "r.yaml")])
+    assert res.exit_code == 0 and ": ok (" in res.output, res.output
+
+
+@pytest.mark.parametrize("changes,says", REFUSED_CONFIGS + [(dict(vocab_size="abc"), "'vocab_size' expected int")])
+def test_validate_refuses_what_estimate_refuses(tmp_path, tiny_model_dir, tiny_data, changes, says):
+    """validate said ok for a config.json that estimate (and so the trainer's memory model) refuses: a BERT, a
+    vocab_size "abc", 0 layers. It now reads the config as estimate does, and names model.name_or_path."""
+    folder = _config_folder(tiny_model_dir, tmp_path / "model", **changes)
+    d = recipe_dict(folder, tiny_data, tmp_path / "run")
+    res = CliRunner().invoke(main, ["validate", str(write_recipe(tmp_path / "r.yaml", d))])
+    assert res.exit_code == 2 and f"model.name_or_path: {str(folder)!r}: " in res.output and says in res.output, \
+        res.output
+    assert "Traceback" not in res.output
+
+
+def test_validate_refuses_a_config_that_is_no_json(tmp_path, tiny_model_dir, tiny_data):
+    folder = _config_folder(tiny_model_dir, tmp_path / "model")
+    (folder / "config.json").write_text('{"model_type": "qwen2", ')
+    d = recipe_dict(folder, tiny_data, tmp_path / "run")
+    res = CliRunner().invoke(main, ["validate", str(write_recipe(tmp_path / "r.yaml", d))])
+    assert res.exit_code == 2 and "model.name_or_path: " in res.output and "JSON" in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_validate_and_estimate_take_the_context_rope_scaling_makes(tmp_path, tiny_model_dir, tiny_data):
+    """A YaRN config (factor 8 on the tiny model's 64 positions, original_max_position_embeddings 64) takes 512
+    tokens: validate and estimate held it to 64 (model.context_tokens too: tests/test_model.py)."""
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    folder = _config_folder(tiny_model_dir, tmp_path / "model", rope_parameters=yarn)
+    d = recipe_dict(folder, tiny_data, tmp_path / "run", generation={"max_new_tokens": 100})
+    path = write_recipe(tmp_path / "r.yaml", d)
+    res = CliRunner().invoke(main, ["validate", str(path)])
+    assert res.exit_code == 0 and "note:" not in res.output, res.output
+    res = CliRunner().invoke(main, ["estimate", str(path), "--memory", "8GiB"])
+    assert res.exit_code == 0 and "context:" not in res.output, res.output
+    d["generation"]["max_new_tokens"] = 600
+    res = CliRunner().invoke(main, ["validate", str(write_recipe(tmp_path / "r.yaml", d))])
+    assert ("note: generation.max_new_tokens=600 alone comes to the model's context of 512 tokens, by its rope scaling "
+            "of max_position_embeddings=64 (its config.json) or past it") in res.output, res.output
+    res = CliRunner().invoke(main, ["estimate", str(tmp_path / "r.yaml"), "--memory", "8GiB"])
+    assert "past the model's context of 512 tokens, by its rope scaling of max_position_embeddings=64: lower" in \
+           " ".join(res.output.split()), res.output

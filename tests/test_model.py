@@ -270,3 +270,31 @@ def test_disable_dropout(tiny_model_dir, tmp_path):
             with reference_mode(policy), torch.no_grad():
                 assert not torch.equal(hidden_states(policy, ids), hidden_states(policy, ids))
         assert not torch.equal(first, second)   # lora.dropout 0.25 still acts in both cases
+
+
+@pytest.mark.parametrize("positions,rope,context", [
+    (512, None, 512),
+    # found by a red team: YaRN's factor 8 on 512 pretrained positions makes 4,096 (data rejected prompts of 512)
+    (512, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512}, 4096),
+    (32768, {"type": "yarn", "factor": 4.0}, 131072),   # Qwen2.5's documented rope_scaling (original: the positions)
+    (163840, {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}, 163840),   # DeepSeek-V3's
+    (131072, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}, 131072),   # Llama 3.1's positions already count it
+    (2048, {"rope_type": "dynamic", "factor": 2.0}, 4096),
+    (131072, {"rope_type": "linear", "factor": 8.0}, 131072),   # Gemma 3's positions already count it
+])
+def test_the_context_is_what_rope_scaling_extends_it_to(positions, rope, context):
+    """model.context_tokens (the data's bad-row check, the transformers engine's end of a completion), estimate and
+    validate (model.context_limit, one rule): max_position_embeddings, or the longer context the RoPE scaling makes."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from lowmem_grpo.model import context_limit
+    from lowmem_grpo.model import context_tokens
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=positions,
+                                      **({"rope_scaling": rope} if rope else {}))
+    assert context_tokens(SimpleNamespace(config=config)) == context_limit(config) == context
+    assert context_tokens(SimpleNamespace(config=None)) is None

@@ -143,7 +143,9 @@ def test_validate_reads_the_first_rows_of_local_data(tmp_path):
     assert res.exit_code == 2, res.output
     assert f"data.prompt_field: 'question' names a field that none of its 3 rows has, in {data} (they have: answer, " \
            "nums, prompt)" in res.output
-    res = validate("data.template=Q: {question}", f"data.eval_path={data}")
+    held = tmp_path / "held.jsonl"   # (a copy: eval_path may not be train_path's file)
+    held.write_text(data.read_text())
+    res = validate("data.template=Q: {question}", f"data.eval_path={held}")
     assert res.exit_code == 2 and "2 problem(s)" in res.output   # the file, read as train_path and as eval_path
     assert f"data.template: {{question}} names a field that none of its 3 rows has, in {data}" in res.output
 
@@ -329,3 +331,54 @@ def test_a_temperature_vllm_would_raise_is_refused_with_engine_vllm():
     assert "\n" not in p["generation.temperature"]
     assert recipe_from_dict({**MIN, "generation": {"engine": "vllm", "temperature": 0.01}}).generation.temperature == 0.01
     assert recipe_from_dict({**MIN, "generation": {"engine": "hf", "temperature": 0.005}}).generation.temperature == 0.005
+
+
+def test_eval_path_may_not_be_the_training_file(tmp_path):
+    """Found by a red team: data.eval_path naming data.train_path's file (as written, or by a link to it) scored the
+    prompts the model trains on, and validate said ok."""
+    train = tmp_path / "d.jsonl"
+    train.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(train)
+    other = tmp_path / "held.jsonl"
+    other.write_text(train.read_text())
+    for eval_path in (str(train), str(link), f"{tmp_path}/../{tmp_path.name}/d.jsonl"):
+        p = problems({**MIN, "data": {"train_path": str(train), "eval_path": eval_path}})
+        assert p == {"data.eval_path": f"is the same data as train_path ({eval_path!r} and {str(train)!r}): evaluation "
+                                       "would score prompts the model trains on; name another file, or leave eval_path "
+                                       "empty and set eval_fraction to hold out a share of them"}, p
+    assert "data.eval_path" in problems({**MIN, "data": {"train_path": "hf:x/y@train", "eval_path": "hf:x/y@train"}})
+    for eval_path in (str(other), "hf:x/y@test", str(tmp_path / "not-yet.jsonl")):
+        assert recipe_from_dict({**MIN, "data": {"train_path": str(train), "eval_path": eval_path}}).data.eval_path
+
+
+def test_chat_template_kwargs_may_not_set_continue_final_message():
+    """The trainer sets it itself: a prompt that ends with the assistant's message is continued (data.py)."""
+    p = problems({**MIN, "data": {"train_path": "t.jsonl", "chat_template_kwargs": {"continue_final_message": True}}})
+    assert "continue_final_message, which the trainer passes to apply_chat_template itself" in p["data.chat_template_kwargs"]
+
+
+def test_validate_notes_a_template_that_gives_the_answer_and_a_system_prompt_no_prompt_gets(tmp_path):
+    """Found by a red team, each said ok without a word: data.template writing the reference answer into the prompt a
+    reward judges against it; data.system_prompt with text rows and data.chat_template false (ignored)."""
+    text = tmp_path / "d.jsonl"
+    text.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2", "answer": "3"}\n')
+    chat = tmp_path / "c.jsonl"
+    chat.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "answer": "2"}\n')
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"model": {"name_or_path": "no-such/model"}, "data": {"train_path": str(text)}}))
+    res = _validate(f)
+    assert res.exit_code == 0 and "note:" not in res.output, res.output
+    leak = ("note: data.template '{prompt} = {answer}' writes the reference answer (data.answer_field 'answer') into "
+            "the prompt, which math judges against it: the model is given the answer")
+    res = _validate(f, "data.template={prompt} = {answer}")
+    assert res.exit_code == 0 and leak in res.output, res.output
+    res = _validate(f, "data.template={prompt} = {answer!r}", "rewards.functions=[{function: exact}]")
+    assert "writes the reference answer" in res.output and "which exact judges" in res.output, res.output
+    assert "note:" not in _validate(f, "data.template={prompt} = {answer}", "rewards.functions=[{function: format}]").output
+    ignored = ("note: data.system_prompt is set, but no prompt gets it: it goes with data.chat_template: true, or first "
+               "in a prompt of chat messages, and these rows are text with data.chat_template false")
+    res = _validate(f, "data.system_prompt=Be brief")
+    assert res.exit_code == 0 and ignored in res.output, res.output
+    assert "note:" not in _validate(f, "data.system_prompt=Be brief", "data.chat_template=true").output
+    assert "note:" not in _validate(f, "data.system_prompt=Be brief", f"data.train_path={chat}").output

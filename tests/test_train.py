@@ -329,8 +329,9 @@ def test_a_prompt_that_fills_the_models_context_is_a_bad_row_in_training_and_eva
 
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
     rows.insert(2, {"prompt": "1" * 60 + "+1=", "answer": "2"})   # BOS + 63 characters: 64 tokens
-    tiny.write_jsonl(rows, tmp_path / "d.jsonl")
-    data = (tmp_path / "d.jsonl", tmp_path / "d.jsonl")
+    for name in ("d.jsonl", "e.jsonl"):   # (the held-out file may not be the training file: one of each)
+        tiny.write_jsonl(rows, tmp_path / name)
+    data = (tmp_path / "d.jsonl", tmp_path / "e.jsonl")
     d = recipe_dict(tiny_model_dir, data, tmp_path / "run", train={"preflight": False, "eval_max_prompts": 8})
     with pytest.raises(DataError, match=r"row 3: prompt is 64 tokens, which fills the model's context \(64 tokens"):
         Trainer(recipe_from_dict(d), **QUIET)

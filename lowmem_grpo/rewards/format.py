@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import re
+from decimal import Decimal
 
 DEFAULT_PATTERN = r"^\s*-?\d+\s*$"   # a bare integer answer
 
@@ -17,12 +19,30 @@ def format_reward(completions, *, prompts=None, rows=None, pattern: str = DEFAUL
 
 
 def exact_reward(completions, *, prompts=None, rows=None, answer_field: str = "answer") -> list[float | None]:
-    """1.0 when the stripped completion equals the row's answer as text; None when the row has none.
+    """1.0 when the stripped completion equals the row's answer as text, or, for an answer stored as a number (a
+    JSON or Parquet number, a decimal), when the completion is a plain number of the same value ('100' for the
+    100.0 that JSON reads from 1e2, '2.5' for a decimal 2.50); None when the row has none (missing or blank).
     In a recipe, `answer_field` is data.answer_field (the trainer passes it)."""
     if rows is None:
         raise ValueError("exact reward needs the dataset rows (with their answers)")
     out = []
     for c, row in zip(completions, rows):
         gold = row.get(answer_field) if isinstance(row, dict) else None
-        out.append(None if gold is None else float(c.strip() == str(gold).strip()))
+        if gold is None or not str(gold).strip():   # a blank answer matched an empty completion (found by a red team)
+            out.append(None)
+            continue
+        out.append(float(c.strip() == str(gold).strip() or _same_number(c.strip(), gold)))
     return out
+
+
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+def _same_number(text: str, gold) -> bool:
+    """Whether `text` is a plain number equal to a gold answer stored as a number, whose own text is lost (JSON reads
+    1e2 as the float 100.0, written '100.0'), so its value is what is compared. A gold given as text stays text."""
+    if isinstance(gold, bool) or not isinstance(gold, (numbers.Real, Decimal)) or not _NUMBER.fullmatch(text):
+        return False
+    if isinstance(gold, (numbers.Rational, Decimal)):   # exactly: an int of any length, a decimal, a fraction
+        return Decimal(text) == (int(gold) if isinstance(gold, numbers.Integral) else gold)
+    return float(text) == float(gold)   # a float: '0.1' is the float 0.1 (whose Decimal is not 0.1)
