@@ -110,7 +110,7 @@ def data_problems(r, rows: int = DATA_ROWS_CHECKED) -> list[tuple[str, str]]:
                                   f"a row of fields (row 1: {str(read[0][1])[:200]})"))
             continue
         missing = _fields_missing(path, head, r.data, whole=whole)
-        problems += missing
+        problems += missing + _countdown_problems(path, head, r, whole)
         bad = [(i, why) for i, row in read if (why := _row_problem(row, r.data, require_answer))]
         if bad and not missing and r.data.on_bad_row == "error":   # training stops at the first
             i, why = bad[0]
@@ -198,7 +198,7 @@ def model_problems(r) -> tuple[list[tuple[str, str]], list[str]]:
         return [], []   # a hub id (model_path_problem would ask the hub whether it can be reached)
     if problem := model_path_problem(name):
         return [("model.name_or_path", problem.removeprefix(f"model.name_or_path={name!r}: "))], []
-    if problem := tokenizer_files_problem(path) or weights_problem(path):   # (weights: found by a red team)
+    if problem := tokenizer_files_problem(path):
         return [("model.name_or_path", f"{name!r}: {problem}")], []
     # config.json read and checked as estimate reads it (transformers' config, no weights): validate said ok for one
     # that was no JSON, a BERT, a vocab_size "abc" or 0 layers (found by a red team). A causal LM the memory model
@@ -215,6 +215,8 @@ def model_problems(r) -> tuple[list[tuple[str, str]], list[str]]:
         load_tokenizer(r.model)   # as train loads it: e.g. an end-of-sequence token it made up (model.made_up_eos)
     except (ModelLoadError, MemoryModelError) as exc:
         return [("model.name_or_path", f"{name!r}: {str(exc).removeprefix(f'model.name_or_path={name!r}: ')}")], []
+    if problem := weights_problem(path):   # (found by a red team: validate passed a folder train could not load)
+        return [("model.name_or_path", f"{name!r}: {problem}")], []
     limit = context_limit(config)
     field = "environment.max_total_tokens" if r.environment.name else "generation.max_new_tokens"
     completion = r.environment.max_total_tokens if r.environment.name else r.generation.max_new_tokens
@@ -222,6 +224,36 @@ def model_problems(r) -> tuple[list[tuple[str, str]], list[str]]:
         return [], [f"note: {field}={completion} alone comes to the model's {context_text(config)} (its "
                     f"config.json) or past it, before any prompt token: lower it, or use a model with a longer context"]
     return [], []
+
+
+def _countdown_problems(path: str, head: list[dict], r, whole: bool) -> list[tuple[str, str]]:
+    """(recipe key, message) for each countdown reward whose numbers_field / target_field none of `head` (a file's
+    first rows; `whole`: all of them) has, or none of whose rows it can score: every completion would be skipped
+    (found by a red team: the hub's `nums` with the default 'numbers' validated ok, then nothing was scored)."""
+    from .rewards.countdown import _row
+
+    have = set().union(*(map(str, row) for row in head))
+    shown = ", ".join(sorted(have)[:12]) + (f" and {len(have) - 12} more" if len(have) > 12 else "")
+    rows = f"its {len(head)} rows" if whole else f"its first {len(head)} rows"
+    problems = []
+    for i, spec in enumerate(r.rewards.functions):
+        if spec.function != "countdown":
+            continue
+        fields = {"numbers_field": spec.kwargs.get("numbers_field", "numbers"),
+                  "target_field": spec.kwargs.get("target_field", "target")}
+        absent = [(option, name) for option, name in fields.items() if name not in have]
+        problems += [(f"rewards.functions.{i}.kwargs.{option}", f"names the row field {name!r}, which none of {rows} "
+                      f"has, in {path} (they have: {shown}): set it to the data's field")
+                     for option, name in absent]
+        if not absent and not any(_row(row, *fields.values()) for row in head):
+            first = head[0]
+            got = ", ".join(f"{name}={first.get(name)!r} ({type(first.get(name)).__name__})"
+                            for name in fields.values())
+            problems.append((f"rewards.functions.{i}.function", f"countdown: none of {rows} in {path} has numbers "
+                             f"(field {fields['numbers_field']!r}) as a non-empty list of integers and a target (field "
+                             f"{fields['target_field']!r}) as an integer, so every completion would be skipped "
+                             f"(row 1: {got})"))
+    return problems
 
 
 def _fields_missing(path: str, head: list[dict], cfg, whole: bool) -> list[tuple[str, str]]:
@@ -271,8 +303,11 @@ def validate(recipe, overrides):
         click.echo(f"{key} ({spec.function}): called " + ("as TRL's GRPOTrainer calls reward functions" if convention == "trl"
                                                           else "with lowmem-grpo's convention (prompts=, rows=)"))
     from .rewards.judging import judging_notes
+    from .rewards.options import first_function_problem
 
-    for note in [*notes, *data_notes(r), *judging_notes(r)]:
+    # the first function is the one "solved" is read from (the recipe refuses what it can tell is wrong)
+    _, first = first_function_problem([f.function for f in r.rewards.functions], bool(r.environment.name))
+    for note in [*notes, *([first] if first else []), *data_notes(r), *judging_notes(r)]:
         click.echo(note)
 
 

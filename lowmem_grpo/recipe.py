@@ -193,9 +193,17 @@ def _template_problem(template: str) -> Optional[str]:
     return None
 
 
+# The bound on |weight|. Found by a red team: a weight of 1e200 made totals whose group std overflowed, so every
+# advantage was 0 (what rewards.MAX_SCORE = 1e100 prevents for the scores themselves). A score times 1e6 is at most
+# 1e106: squared and summed over a group of 256 it stays far below float64's 1.8e308; and a weight a million times
+# another's leaves that other function no say anyway.
+MAX_REWARD_WEIGHT = 1e6
+
+
 class RewardSpec(_Section):
     function: str = Field(..., description="A built-in reward (see the reward options table) or 'package.module:function'.")
-    weight: float = Field(1.0, description="Weight of this reward in the sum that makes the total reward.")
+    weight: float = Field(1.0, description="Weight of this reward in the sum that makes the total reward (within "
+                          f"+-{MAX_REWARD_WEIGHT:.0f}).")
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="The reward's options: a built-in's are checked against its schema (the reward "
         "options table); a user function gets them as keyword arguments, each one a parameter it accepts.")
@@ -205,6 +213,14 @@ class RewardSpec(_Section):
         "completion_ids, trainer_state, each dataset column by name; chat rows as message lists; None = does not apply). "
         "auto: lowmem when the function has a parameter named rows, else trl when it takes completions by keyword "
         "(else an error). Built-ins: auto or lowmem.")
+
+    @field_validator("weight")
+    @classmethod
+    def _weight_bound(cls, value: float) -> float:
+        if abs(value) > MAX_REWARD_WEIGHT:
+            raise ValueError(f"must be within +-{MAX_REWARD_WEIGHT:.0f}: a total that large overflows the advantages' "
+                             "standard deviation; rescale the weights")
+        return value
 
     @field_validator("kwargs")
     @classmethod
@@ -543,6 +559,8 @@ class TrainConfig(_Section):
     preflight: bool = Field(True, description="Before step 1, one forward/backward at the longest prompt + max_new_tokens and a full micro-batch, so an out-of-memory shows at once, with advice.")
     eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps; 0: only at the end.")
     eval_max_prompts: int = Field(200, ge=1, description="Held-out prompts used per evaluation (greedy decoding).")
+    eval_at_start: bool = Field(True, description="Evaluate the held-out set before the first step (the run's 'before' "
+                                "accuracy); false: no step-0 eval. Default true.")
     update_diagnostics_every: int = Field(
         10, ge=0, description="Every N steps, after the update, recompute the batch's log-probs (one no-grad forward, "
         "about a tenth of a step) to log how far preferred and dispreferred completions moved (docs/algorithm.md §8); "
@@ -590,14 +608,24 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _across_sections(self) -> "Recipe":
+        from .rewards.options import first_function_problem, overlong_reach_problem
+
         problems = []
+        # a completion's most tokens: with an environment, the episode's (overlong's L_max defaults to it, and its own
+        # options cannot see it)
+        longest, longest_key = (self.generation.max_new_tokens, "generation.max_new_tokens")
+        if self.environment.name:
+            longest, longest_key = self.environment.max_total_tokens, "environment.max_total_tokens"
         for i, spec in enumerate(self.rewards.functions):
-            # overlong's L_max defaults to generation.max_new_tokens, which its own options cannot see
-            buffer = spec.kwargs.get("buffer") if spec.function == "overlong" else None
-            if (isinstance(buffer, int) and spec.kwargs.get("max_length") is None
-                    and buffer >= self.generation.max_new_tokens):
-                problems.append((f"rewards.functions.{i}.kwargs.buffer", f"must be less than max_length, here "
-                                 f"generation.max_new_tokens ({self.generation.max_new_tokens}), got {buffer}"))
+            found = overlong_reach_problem(spec.kwargs, longest, longest_key) if spec.function == "overlong" else None
+            if found:
+                problems.append((f"rewards.functions.{i}.kwargs.{found[0]}", found[1]))
+        first, _ = first_function_problem([f.function for f in self.rewards.functions], bool(self.environment.name))
+        if first:   # (a note where the task's reward may be a user function's or the environment's: cli validate)
+            problems.append(("rewards.functions.0.function", first))
+        if self.environment.name and abs(self.environment.reward_weight) > MAX_REWARD_WEIGHT:
+            problems.append(("environment.reward_weight", f"must be within +-{MAX_REWARD_WEIGHT:.0f}, as a reward "
+                             f"function's weight (got {self.environment.reward_weight:g})"))
         problems += self._environment_problems()
         completions = self.train.prompts_per_step * self.generation.num_generations
         if self.algorithm.minibatches > completions:

@@ -776,7 +776,7 @@ class Trainer:
         if r.train.preflight:
             self.preflight()
         first_eval = None
-        if self.step == 0:
+        if self.step == 0 and r.train.eval_at_start:
             first_eval = self.evaluate()
             self._write_eval(first_eval)
             if first_eval:

@@ -24,7 +24,7 @@ the tokenizer next to the adapter, as TRL's does. After train(), `state` (transf
 log_history) reads the run's metrics.jsonl: an entry every logging_steps with the window's means, numbers only,
 TRL's metric names beside ours (_RunLog), the train summary last. `model` is the trained policy, and `evaluate()`
 runs the project's own greedy eval (lowmem_grpo/evaluate.py) on the eval set, returning eval_-prefixed metrics; the
-run itself evaluates only where eval_strategy asks, as TRL's does. A 4-bit NF4 `quantization_config` is read (its
+run itself evaluates only where eval_strategy asks (before the first step only with eval_on_start), as TRL's does. A 4-bit NF4 `quantization_config` is read (its
 nested quantization). transformers' TrainerCallbacks are called from the run's metrics (_CallbackSink: which
 events, and which not).
 
@@ -34,9 +34,11 @@ optimizer steps, push_to_hub, a report_to other than tensorboard or wandb), a mo
 folder: the base is loaded in 4-bit here), a reward model given by name or as a model object, a processing_class
 whose chat template (or vocabulary, or eos token) differs from the model folder's (the trainer loads the folder's),
 a dataset column that is not JSON data, a dict of datasets, a dataset that is not a datasets.Dataset,
-IterableDataset or list of dicts (a pandas DataFrame), an eval_strategy without an eval_dataset, peft options other
-than r, alpha, dropout and target modules, an 8-bit or FP4 quantization_config, a fresh train() into an output_dir
-holding a run. Training is LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers).
+IterableDataset or list of dicts (a pandas DataFrame), an eval_strategy without an eval_dataset, a peft_config
+that is not a peft.LoraConfig, LoRA options other than r, alpha, dropout and target modules, an 8-bit or FP4
+quantization_config, generation_batch_size with steps_per_generation (as TRL), bf16 with fp16 (as transformers), a
+max_steps that is not whole generation batches, a fresh train() into an output_dir holding a run, a resume with no
+checkpoint there. Training is LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers).
 Resuming a run goes through the same script (its functions are not importable from the recipe file).
 """
 
@@ -89,7 +91,7 @@ TRL_DEFAULTS: dict[str, Any] = {
     "shuffle_dataset": True, "report_to": "none", "trust_remote_code": False,
     "push_to_hub": False, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
     "disable_dropout": False, "generation_kwargs": None, "vllm_importance_sampling_cap": None,
-    "log_completions": False,
+    "log_completions": False, "logging_first_step": False, "eval_on_start": False,
 }
 # TRL 1.16's GRPOConfig defaults for TRL's own settings that are not mapped above and that scripts read without
 # setting them (trl/scripts/grpo.py: training_args.model_init_kwargs): what an unset one of them reads as (checked
@@ -139,7 +141,7 @@ GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 EARLIER_TRL: dict[str, Any] = {"max_prompt_length": None, "warmup_ratio": None}
 # Settings that change nothing about training here (logging, hub, the dataloader, what TRL's own __post_init__
 # fills in): accepted whatever their value.
-IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", "report_to", "disable_tqdm",
+IGNORED = {"run_name", "logging_dir", "logging_strategy", "report_to", "disable_tqdm",
            "remove_unused_columns", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
            "num_completions_to_print", "log_level", "log_level_replica", "accelerator_config", "debug",
@@ -148,9 +150,9 @@ IGNORED = {"run_name", "logging_dir", "logging_strategy", "logging_first_step", 
            "tf32", "gradient_checkpointing_kwargs", "model_init_kwargs", "cast_lm_head_to_fp32", "log_on_each_node",
            "per_device_eval_batch_size", "num_generations_eval",
            # transformers' Trainer does not read resume_from_checkpoint (it is for scripts: train()'s argument
-           # resumes); TRL's RepeatSampler draws with seed, not data_seed; with eval_strategy steps or epoch the run
-           # evaluates at step 0 anyway; vLLM always sleeps between rollouts on CUDA here (the README's table)
-           "resume_from_checkpoint", "data_seed", "eval_on_start", "vllm_enable_sleep_mode",
+           # resumes); TRL's RepeatSampler draws with seed, not data_seed; vLLM always sleeps between rollouts on CUDA
+           # here (the README's table)
+           "resume_from_checkpoint", "data_seed", "vllm_enable_sleep_mode",
            "log_multimodal", "log_unique_prompts"}
 # TRL's loss_type -> (algorithm.aggregation, algorithm.clip); luspo is GSPO's clip with each completion's loss
 # summed over its tokens (docs/algorithm.md §5), vespo TRL's dapo normaliser over VESPO's weight (§14.2)
@@ -266,6 +268,11 @@ def _given_settings(args) -> dict:
             value = getattr(args, f.name)
             if default is dataclasses.MISSING or value != default:
                 out[f.name] = _plain(value)
+        # TRL's __post_init__ fills in generation_batch_size from steps_per_generation or the reverse (it refuses
+        # both given): the pair says one thing, which steps_per_generation alone says (recipe_from_trl refuses both)
+        if "generation_batch_size" in out and "steps_per_generation" in out and args.generation_batch_size == \
+                args.per_device_train_batch_size * getattr(args, "world_size", 1) * args.steps_per_generation:
+            del out["generation_batch_size"]
         return out
     raise TRLCompatError(f"args: expected a GRPOConfig (this module's or TRL's) or a dict, got {type(args).__name__}")
 
@@ -354,6 +361,11 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         if not (value is None and name in ("steps_per_generation", "generation_batch_size")) and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise TRLCompatError(f"GRPOConfig: {name} must be a whole number >= 1, got {value!r}")
+    if s["generation_batch_size"] is not None and s["steps_per_generation"] is not None:
+        # TRL's GRPOConfig refuses both; here one silently won (found by a red team). TRL's own config object fills
+        # in both: _given_settings leaves out the one it derived
+        raise TRLCompatError("GRPOConfig: generation_batch_size and steps_per_generation can not be both configured "
+                             "at the same time, as in TRL: set one of them")
     if not isinstance(s["disable_dropout"], bool):
         raise TRLCompatError(f"GRPOConfig: disable_dropout must be True or False, got {s['disable_dropout']!r:.60}")
     if s["generation_kwargs"] is not None and not isinstance(s["generation_kwargs"], dict):
@@ -420,6 +432,11 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     if s["save_strategy"] not in ("steps", "epoch", "no"):
         problems.append(f"save_strategy: {s['save_strategy']!r} is not here (no metric_for_best_model): 'steps' "
                         "(save_steps), 'epoch' or 'no'")
+    if s["fp16"] and s["bf16"]:   # transformers' TrainingArguments refuses it; was run in float16 (found by a red team)
+        problems.append("bf16 and fp16: at most one of them can be True, as in transformers")
+    if s["eval_on_start"] and s["eval_strategy"] == "no":   # the run evaluates only under an eval_strategy here
+        problems.append("eval_on_start=True with eval_strategy 'no': the run evaluates only with eval_strategy 'steps' "
+                        "or 'epoch' here; call trainer.evaluate() before train() instead")
     if s["eval_strategy"] != "no" and not eval_path:   # transformers' Trainer refuses it too
         problems.append(f"eval_strategy: {s['eval_strategy']!r} needs an eval_dataset: pass eval_dataset to "
                         "GRPOTrainer, or set eval_strategy='no'")
@@ -431,6 +448,14 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     # gradient_accumulation_steps) of them per generation batch; a step here is one generation batch and those
     # updates (the schedule and warm-up count the updates). An epoch is the whole generation batches of the data
     # (TRL's RepeatSampler drops a partial one).
+    if s["max_steps"] and s["max_steps"] > 0 and s["max_steps"] % per_step:
+        # a step here is a whole generation batch: max_steps=3 at 2 updates a batch ran 4 (found by a red team)
+        lower, upper = s["max_steps"] // per_step * per_step, (s["max_steps"] // per_step + 1) * per_step
+        raise TRLCompatError(
+            f"GRPOConfig: max_steps={s['max_steps']} is not a multiple of the {per_step} optimizer updates a generation "
+            f"batch makes (num_iterations={s['num_iterations']} x steps_per_generation / gradient_accumulation_steps = "
+            f"{minibatch_count}); a run here makes whole generation batches: set max_steps to "
+            + (f"{lower} or {upper}" if lower else f"{upper}"))
     updates = s["max_steps"] if s["max_steps"] and s["max_steps"] > 0 else \
         max(1, math.ceil(s["num_train_epochs"] * max(1, train_rows // prompts_per_step) * per_step))
     steps = max(1, math.ceil(updates / per_step))
@@ -504,6 +529,8 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                       "max_grad_norm": s["max_grad_norm"]},
         "train": {"steps": steps, "prompts_per_step": prompts_per_step, "micro_batch_size": s["per_device_train_batch_size"],
                   "eval_every": evaluate_every,
+                  # transformers evaluates before the first step only with eval_on_start (default False)
+                  "eval_at_start": bool(s["eval_on_start"]),
                   # TRL evaluates every row of eval_dataset (the recipe's default: the first 200)
                   **({"eval_max_prompts": eval_rows} if eval_rows else {})},
         # save_strategy 'no': the run's last step only (save_model() exports it; TRL saves nothing)
@@ -537,6 +564,13 @@ def _lora_section(peft_config, model: str) -> dict:
     """A peft LoraConfig as the recipe's lora section (r, alpha, dropout, target modules); other options refused."""
     if peft_config is None:
         return {}
+    from peft import LoraConfig
+
+    # IA3, LoHa, LoKr, prompt tuning, a dict, even AdaLora (a LoraConfig subclass) crashed below on a field they lack
+    # or their own checks (found by a red team): only a plain LoraConfig is read
+    if type(peft_config) is not LoraConfig:
+        raise TRLCompatError(f"peft_config: {type(peft_config).__name__} is not supported: lowmem-grpo trains LoRA "
+                             "adapters only (peft.LoraConfig)")
     allowed = {"r", "lora_alpha", "lora_dropout", "target_modules", "task_type", "bias", "inference_mode",
                "base_model_name_or_path", "revision"}
     baseline = type(peft_config)()   # as peft fills it in (its own __post_init__), for a config that sets nothing
@@ -872,11 +906,14 @@ def _window_mean(window: list[dict]) -> dict:
 class _RunLog:
     """transformers' log_history of a run, from its metrics rows in order: a step's entry every output.log_every
     steps (TRL's logging_steps), its values averaged over the steps since the last (_window_mean), none forced at the
-    last step; an entry per evaluation (eval_accuracy, ...). The `state` property replays metrics.jsonl through one,
-    _CallbackSink feeds one as the run writes its rows: the two cannot disagree."""
+    last step, one after the first step with logging_first_step; an entry per evaluation (eval_accuracy, ...). The
+    `state` property replays metrics.jsonl through one, _CallbackSink feeds one as the run writes its rows: the two
+    cannot disagree."""
 
-    def __init__(self, recipe: Recipe, epoch: Callable[[int], float]):
+    def __init__(self, recipe: Recipe, epoch: Callable[[int], float], first: bool = False):
         self.every, self.updates, self.epoch = recipe.output.log_every, recipe.algorithm.updates_per_step, epoch
+        # TRL's logging_first_step (was ignored; found by a red team): after step 1, where transformers' logs update 1
+        self.first = first
         self.names = _trl_log_keys(recipe)
         self.completions = recipe.train.prompts_per_step * recipe.generation.num_generations   # a step's batch
         self.entries: list[dict] = []
@@ -888,7 +925,7 @@ class _RunLog:
         step, is_step, logs, evaluation = row["step"], _is_step_row(row), None, None
         if is_step:
             self._window.append({**_trl_values(row, self.names), **_tool_frequencies(row, self.completions)})
-            if step % self.every == 0:
+            if step % self.every == 0 or (self.first and step == 1):
                 logs = self._entry(_window_mean(self._window), step)
                 self._window = []
         if any(k.startswith("eval/") for k in row):   # as transformers names an evaluation's: eval_accuracy, ...
@@ -1053,6 +1090,7 @@ class GRPOTrainer:
             raise TRLCompatError("these arguments cannot be run here:\n" + "\n".join(lines)) from None
         self.args, self.log, self.output_dir, self._processing_class = args, log, out, processing_class
         self.train_dataset, self.eval_dataset, self.train_rows = train_dataset, eval_dataset, n
+        self._log_first = bool({**TRL_DEFAULTS, **settings}["logging_first_step"])   # (_RunLog's: not a recipe key)
         self.accelerator = _Accelerator()
         self._model = None      # the policy: loaded on first use of .model, the trained one after train()
         self._trained = False   # whether output_dir's checkpoints are this trainer's (evaluate's adapter)
@@ -1097,7 +1135,7 @@ class GRPOTrainer:
 
         per_step, r = self.recipe.algorithm.updates_per_step, self.recipe
         rows = read_metrics(self.output_dir) if self._trained else []
-        run_log = _RunLog(r, self._epoch)
+        run_log = _RunLog(r, self._epoch, self._log_first)
         for row in rows:
             run_log.add(row)
         done = max((row["step"] for row in rows), default=0)
@@ -1173,6 +1211,9 @@ class GRPOTrainer:
                 raise TRLCompatError(f"resume_from_checkpoint: {resume_from_checkpoint} is not the last checkpoint of "
                                      f"{self.output_dir} ({last or 'none'}); resuming continues from the last one: "
                                      "pass True, or move the later checkpoints out of the way")
+        if resume and last is None:   # was a fresh run, silently (found by a red team); transformers' error
+            raise TRLCompatError(f"resume_from_checkpoint: no valid checkpoint found in output directory "
+                                 f"({self.output_dir}), as in transformers: call train() without it to start the run")
         if not resume and (held := ckpt.earlier_run(self.output_dir)):
             # a fresh run there would append to that run's metrics, and save_model() and a resume would take the
             # last checkpoint, which may be the earlier run's
@@ -1190,7 +1231,7 @@ class GRPOTrainer:
         callbacks = None
         if self._callbacks and trainer.world.main:
             callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer,
-                                      _RunLog(self.recipe, self._epoch))
+                                      _RunLog(self.recipe, self._epoch, self._log_first))
             for row in read_metrics(self.output_dir) if first else []:   # log_history and window as they were
                 callbacks.run_log.add(row)
             trainer.metrics.sinks.append(callbacks)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,3 +112,64 @@ def test_exact_gives_no_reward_for_a_blank_answer_and_compares_a_number_as_one()
     said = ["100", "1e2", "0.1", "2.0", str(10**30), "2.5", "2.50", "100 apples", "3", "2.5", "100.0"]
     assert exact_reward(said, rows=[{"answer": g} for g in golds]) == [1.0] * 7 + [0.0] * 4
     assert exact_reward(["1", "true"], rows=[{"answer": True}] * 2) == [0.0, 0.0]   # (a boolean is no number here)
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by a red team: scores that are booleans or complex numbers in numpy's or torch's types; a user function
+# that changes what the next function reads
+
+@pytest.mark.parametrize("score, kind", [
+    (np.True_, "a boolean"), (np.array(False), "a boolean"), (torch.tensor(True), "a boolean"),
+    (np.complex128(1 + 5j), "a complex number"), (np.complex64(1), "a complex number"),
+    (np.array(1 + 0j), "a complex number"), (torch.tensor(1 + 2j), "a complex number"),
+])
+def test_numpy_and_torch_booleans_and_complex_scores_are_refused_as_a_bool_is(score, kind):
+    from lowmem_grpo.rewards import check_scores
+
+    with pytest.raises(RewardError, match=rf"reward 'f': score 1 is .* \({type(score).__name__}, {kind}\), expected a "
+                                          "real number or None"):
+        check_scores("f", [1.0, score], 2)
+    with pytest.raises(RewardError, match=r"score 0 is True \(bool\)"):
+        check_scores("f", [True], 1)
+
+
+def test_numpy_and_torch_real_scores_are_taken():
+    from lowmem_grpo.rewards import check_scores
+
+    assert check_scores("f", [np.float32(0.5), np.int64(2), np.array(1.5), torch.tensor(3.0), None], 5) == \
+        [0.5, 2.0, 1.5, 3.0, None]
+    assert check_scores("f", np.ones(2, dtype=np.float32), 2) == [1.0, 1.0]
+
+
+MUTATING = '''
+def mutate(completions, *, prompts, rows):
+    rows[0]["answer"] = "hacked"
+    rows[1]["tags"].append("x")
+    completions[0], prompts[0] = "x", "y"
+    return [0.0] * len(completions)
+
+def trl_mutate(completions, answer, tags, **kwargs):
+    answer[0] = "hacked"
+    tags[0].append("y")
+    completions[0] = "x"
+    return [0.0] * len(completions)
+
+def trl_read(completions, answer, tags, **kwargs):
+    return [float(c == a and t == ["t"]) for c, a, t in zip(completions, answer, tags)]
+'''
+
+
+def test_a_user_function_cannot_change_what_the_next_function_reads(tmp_path, monkeypatch):
+    (tmp_path / "mutating.py").write_text(MUTATING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"answer": "42", "tags": ["t"]}, {"answer": "42", "tags": ["t"]}]
+    specs = [RewardSpec(function="mutating:mutate"), RewardSpec(function="exact"),
+             RewardSpec(function="mutating:trl_mutate"), RewardSpec(function="mutating:trl_read"),
+             RewardSpec(function="mutating:mutate")]
+    r = Rewards(RewardsConfig(functions=specs), answer_field="answer")
+    completions, prompts = ["42", "42"], ["p", "p"]
+    res = r(completions, prompts, rows)
+    assert res.per_function["exact"].tolist() == [1.0, 1.0]       # the gold, and the completion, as they were
+    assert res.per_function["trl_read"].tolist() == [1.0, 1.0]     # TRL's columns and completions too
+    assert rows == [{"answer": "42", "tags": ["t"]}, {"answer": "42", "tags": ["t"]}]   # the dataset's rows
+    assert completions == ["42", "42"] and prompts == ["p", "p"]

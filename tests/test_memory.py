@@ -256,12 +256,16 @@ def test_estimate_cli(tmp_path, tiny_model_dir, tiny_data):
 
 
 def _config_folder(tiny_model_dir, folder, **changes):
-    """A model folder (config.json and the tokenizer, no weights: estimate reads no more) with the tiny model's
-    config.json changed: a value None deletes the key, unless given as `null=[keys]` (written as JSON null)."""
+    """A model folder (config.json, the tokenizer, and a weights file of no tensors: estimate and validate read no
+    more) with the tiny model's config.json changed: a value None deletes the key, unless given as `null=[keys]`
+    (written as JSON null)."""
     import json
     import shutil
 
+    from safetensors.torch import save_file
+
     folder.mkdir()
+    save_file({}, str(folder / "model.safetensors"))
     for f in tiny_model_dir.iterdir():
         if f.name.startswith("tokenizer"):
             shutil.copy(f, folder / f.name)
@@ -933,15 +937,19 @@ def test_estimate_sizes_every_phase_for_the_longest_prompt_training_or_held_out(
 
 
 def _model_folder(tiny_model_dir, folder, config) -> Path:
-    """A model folder holding `config` (a transformers config) as config.json and the tiny model's tokenizer."""
+    """A model folder holding `config` (a transformers config) as config.json, the tiny model's tokenizer, and a
+    weights file of no tensors (what validate reads of one: its header)."""
     import json
     import shutil
+
+    from safetensors.torch import save_file
 
     folder.mkdir()
     for f in tiny_model_dir.iterdir():
         if f.name.startswith("tokenizer"):
             shutil.copy(f, folder / f.name)
     (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    save_file({}, str(folder / "model.safetensors"))
     return folder
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import save_file
 
+from lowmem_grpo import tiny
 from lowmem_grpo.recipe import Recipe, RecipeError, field_reference, load_recipe, recipe_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,8 +249,8 @@ def _validate(recipe_path, *overrides):
 
 
 def test_validate_refuses_a_model_path_train_refuses_and_notes_a_context_too_short(tmp_path):
-    """model.name_or_path a file, or a folder without config.json or tokenizer: train refuses them at once (hub.py's
-    checks), validate said ok. A completion longer than the local model's max_position_embeddings: a note, as the
+    """model.name_or_path a file, or a folder without config.json, tokenizer or weights: train refuses them at once
+    (hub.py's checks), validate said ok. A completion longer than the local model's max_position_embeddings: a note, as the
     trainer's start-up says it. A hub id is not looked up (validate does not reach the hub)."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "1+2", "answer": "3"}\n')
@@ -263,7 +265,10 @@ def test_validate_refuses_a_model_path_train_refuses_and_notes_a_context_too_sho
     (model / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 64}')
     res = _validate(f)
     assert res.exit_code == 2 and f"model.name_or_path: {str(model)!r}: no tokenizer files" in res.output, res.output
-    (model / "tokenizer.json").write_text("{}")
+    tiny.build_tokenizer().save_pretrained(model)
+    res = _validate(f)
+    assert res.exit_code == 2 and f"model.name_or_path: {str(model)!r}: no weights file" in res.output, res.output
+    save_file({}, str(model / "model.safetensors"))   # (validate reads a weights file's header, not its tensors)
     res = _validate(f)
     assert res.exit_code == 0 and "max_position_embeddings" not in res.output, res.output
     res = _validate(f, "generation.max_new_tokens=64")

@@ -19,7 +19,7 @@ from lowmem_grpo.cli import main
 from lowmem_grpo.recipe import RecipeError, recipe_from_dict
 from lowmem_grpo.rewards import RewardError, Rewards, calling_convention, resolve
 from lowmem_grpo.rewards import code as code_module
-from lowmem_grpo.rewards.options import BUILTINS, option_names
+from lowmem_grpo.rewards.options import BUILTINS, PASSED_BY_TRAINER, option_names
 from lowmem_grpo.rewards.sandbox import SandboxLimits, SandboxResult, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,8 +169,9 @@ def test_countdown_fields_and_use_all():
     assert plain(["<answer>2 * 3</answer>"], ["p"], rows).total.tolist() == [1.0]
     strict = load({"function": "countdown", "kwargs": {"numbers_field": "nums", "target_field": "goal", "use_all": True}})
     assert strict(["<answer>2 * 3</answer>"], ["p"], rows).total.tolist() == [0.0]
-    res = load({"function": "countdown"})(["<answer>2 * 3</answer>"], ["p"], rows)   # default fields: not in the row
-    assert res.skipped == 1
+    with pytest.raises(RewardError, match="reward 'countdown' raised ValueError: countdown reward: the row has no "
+                                          r"field 'numbers' \(numbers_field; the row has: goal, nums\)"):
+        load({"function": "countdown"})(["<answer>2 * 3</answer>"], ["p"], rows)   # default fields: not in the row
 
 
 @pytest.mark.parametrize("name", ["code", "code_binary"])
@@ -206,7 +207,7 @@ def test_builtin_signature_matches_its_schema(name):
     params = inspect.signature(resolve(name)).parameters
     named = {n: p.default for n, p in params.items()
              if p.kind is p.KEYWORD_ONLY
-             and n not in ("prompts", "rows", "answer_field", "completion_ids", "max_new_tokens")}
+             and n not in ("prompts", "rows", *PASSED_BY_TRAINER)}
     schema = spec.options.model_fields
     rest = set(schema) - set(named)
     assert set(named) <= set(schema), named
@@ -220,6 +221,7 @@ def test_builtin_signature_matches_its_schema(name):
     assert ("answer_field" in params) == spec.reads_answer
     assert ("completion_ids" in params) == spec.reads_completion_ids
     assert ("max_new_tokens" in params) == spec.reads_max_new_tokens
+    assert ("max_total_tokens" in params) == spec.reads_max_new_tokens   # (with an environment on)
 
 
 def test_sandbox_limits_are_declared_once():
@@ -359,3 +361,58 @@ def test_readme_reward_options_table_is_current():
     for name, builtin in BUILTINS.items():
         assert f"`{name}`" in block
         assert all(f"| `{option}` |" in block for option in option_names(builtin.options))
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by a red team: unbounded weights; format's search, and a pattern that backtracks for hours
+
+@pytest.mark.parametrize("weight", [1e200, -1e7, 1000000.5])
+def test_a_weight_past_the_bound_is_refused(weight):
+    """A weight of 1e200 made totals whose group std overflowed: every advantage 0, nothing learned."""
+    assert problems(recipe({"function": "math"}, {"function": "format", "weight": weight})) == {
+        "rewards.functions.1.weight": "must be within +-1000000: a total that large overflows the advantages' standard "
+                                      f"deviation; rescale the weights (got {weight!r})"}
+    env = recipe({"function": "math"}, environment={"name": "python", "reward_weight": weight})
+    assert problems(env) == {"environment.reward_weight": "must be within +-1000000, as a reward function's weight "
+                                                          f"(got {weight:g})"}
+
+
+def test_a_weight_within_the_bound_keeps_advantages():
+    from lowmem_grpo.advantages import group_advantages
+
+    r = load({"function": "exact", "weight": 1e6}, {"function": "format", "weight": -1e6})
+    res = r(["42", "7", "42", "7"], ["p"] * 4, [{"answer": "42"}] * 4)
+    adv = group_advantages(res.total.view(1, 4))
+    assert res.total.tolist() == [0.0, -1e6, 0.0, -1e6] and adv.abs().min() > 0.5
+
+
+def test_format_finds_the_pattern_anywhere_unless_anchored():
+    from lowmem_grpo.rewards.format import format_reward
+
+    text = ["junk <answer>5</answer> junk"]
+    assert format_reward(text, pattern="<answer>.*</answer>") == [1.0]
+    assert format_reward(text, pattern="^<answer>.*</answer>$") == [0.0]
+    assert "anywhere in the completion" in format_reward.__doc__ and "whole match" in \
+        BUILTINS["format"].options.model_fields["pattern"].description
+
+
+def test_a_pattern_that_backtracks_without_end_skips_the_completion_with_one_warning(monkeypatch):
+    """'^(a|aa)+$' on 'a' * 40 + '!' backtracks for hours in re: the match stops at MATCH_TIMEOUT_S, the completion is
+    skipped (None), and the warning says why, once per process."""
+    import time
+    import warnings
+
+    from lowmem_grpo.rewards import format as format_module
+
+    monkeypatch.setattr(format_module, "MATCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(format_module, "_timeout_warned", False)
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match=r"format reward: the pattern '\^\(a\|aa\)\+\$' took over 0.2 s"):
+        scores = format_module.format_reward(["a" * 40 + "!", "aaaa", "a" * 40 + "!"], pattern=r"^(a|aa)+$")
+    assert scores == [None, 1.0, None] and time.monotonic() - start < 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once per process
+        assert format_module.format_reward(["a" * 40 + "!"], pattern=r"^(a|aa)+$") == [None]
+    assert format_module.format_reward(["a" * 40 + "!"], pattern=r"^(a+)+$") == [0.0]   # the red team's own
+    res = load({"function": "format", "kwargs": {"pattern": r"^(a|aa)+$"}})(["a" * 40 + "!", "aa"], ["p"] * 2, [{}] * 2)
+    assert res.skipped == 1 and res.total.tolist()[1] == 1.0

@@ -99,12 +99,25 @@ def test_no_eval(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("row", [{}, {"numbers": [1, 2]}, {"target": 3}, {"numbers": [], "target": 3},
+@pytest.mark.parametrize("row", [{"numbers": [], "target": 3}, {"numbers": None, "target": 3},
                                  {"numbers": "1 2", "target": 3}, {"numbers": [1, "2"], "target": 3},
                                  {"numbers": [1, 2], "target": 3.0}, {"numbers": [True, 2], "target": 3},
                                  {"numbers": [1, 2], "target": "3"}, None])
 def test_malformed_rows_are_skipped(row):
     assert score("<answer>1 + 2</answer>", row) is None
+
+
+@pytest.mark.parametrize("row, option, field", [({}, "numbers_field", "numbers"),
+                                                ({"target": 3}, "numbers_field", "numbers"),
+                                                ({"numbers": [1, 2]}, "target_field", "target")])
+def test_a_row_without_the_field_is_an_error_naming_it(row, option, field):
+    """A field the row does not have at all is a recipe's field name the data does not use: an error naming it, the
+    option and the row's fields, not a skip of every completion (found by a red team)."""
+    with pytest.raises(ValueError) as info:
+        score("<answer>1 + 2</answer>", row)
+    have = ", ".join(sorted(row)) or "nothing"
+    assert str(info.value) == (f"countdown reward: the row has no field {field!r} ({option}; the row has: {have}): set "
+                               f"rewards.functions[].kwargs.{option} to the row's field")
 
 
 def test_rows_required():
@@ -143,7 +156,8 @@ def test_field_names_follow_the_dataset():
     """Jiayi-Pan/Countdown-Tasks-3to4 names its numbers `nums`: the kwargs map the columns."""
     row = {"nums": [4, 6, 1], "target": 24}
     assert countdown_reward(["<answer>4 * 6 * 1</answer>"], rows=[row], numbers_field="nums") == [1.0]
-    assert countdown_reward(["<answer>4 * 6 * 1</answer>"], rows=[row]) == [None]   # no `numbers`: skip, not 0
+    with pytest.raises(ValueError, match=r"no field 'numbers' \(numbers_field; the row has: nums, target\)"):
+        countdown_reward(["<answer>4 * 6 * 1</answer>"], rows=[row])   # no `numbers`: an error, not a skip
     assert countdown_reward(["<answer>4 * 6</answer>"], rows=[{"n": [4, 6, 1], "t": 24}], numbers_field="n",
                             target_field="t", use_all=True) == [0.0]
 
@@ -174,3 +188,33 @@ def test_the_expression_after_the_reasoning_wins():
     assert score("<think>\n(25 - 5) * 4\n</think>\nI give up.") == 0.0
     assert score("<think><answer>(25 - 5) * 4</answer></think> no idea") == 0.0
     assert score("<think>\n25 * 3\n</think>\n(25 - 5) * 4\n") == 1.0
+
+
+@pytest.mark.parametrize("kwargs, key, says", [
+    ({}, "rewards.functions.0.kwargs.numbers_field",
+     "names the row field 'numbers', which none of its 3 rows has, in {path} (they have: nums, prompt, target)"),
+    ({"numbers_field": "nums", "target_field": "goal"}, "rewards.functions.0.kwargs.target_field",
+     "names the row field 'goal', which none of its 3 rows has"),
+    ({"numbers_field": "prompt"}, "rewards.functions.0.function",
+     "countdown: none of its 3 rows in {path} has numbers (field 'prompt') as a non-empty list of integers and a "
+     "target (field 'target') as an integer, so every completion would be skipped (row 1: prompt='Use 1, 2' (str), "
+     "target=3 (int))"),
+])
+def test_validate_refuses_countdown_fields_the_data_does_not_have(tmp_path, kwargs, key, says):
+    """Found by a red team: the hub's `nums` with the default numbers_field 'numbers' validated ok, and then every
+    completion was skipped without a word."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    data = tmp_path / "cd.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "Use 1, 2", "nums": [1, 2], "target": 3}) + "\n" for _ in range(3)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(json.dumps({"model": {"name_or_path": "m"}, "data": {"train_path": str(data)},
+                                  "rewards": {"functions": [{"function": "countdown", "kwargs": kwargs}]}}))
+    res = CliRunner().invoke(main, ["validate", str(recipe)])
+    assert res.exit_code == 2 and f"{key}: {says.format(path=data)}" in res.output, res.output
+    assert "Traceback" not in res.output
+    ok = dict(kwargs, numbers_field="nums", target_field="target")
+    res = CliRunner().invoke(main, ["validate", str(recipe), "--set", f"rewards.functions.0.kwargs={json.dumps(ok)}"])
+    assert res.exit_code == 0, res.output

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lowmem_grpo.recipe import RecipeError, recipe_from_dict
 from lowmem_grpo.rewards import Rewards
@@ -280,3 +281,126 @@ def test_options_in_the_reference_rows_and_readme():
         for option in option_names(BUILTINS[name].options):
             assert rows[(f"`{name}`", option)], (name, option)     # every option has a description
             assert f"| `{name}` | `{option}` |" in readme, (name, option)
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by a red team: an environment's episodes against the one turn's limit, shaping rewards listed first,
+# overlong options that can never punish, think_format under a chat template that opens the think block
+
+def env_recipe(functions, **environment) -> dict:
+    return {"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+            "rewards": {"functions": functions}, "generation": {"max_new_tokens": 16},
+            "environment": {"name": "python", "max_turns": 2, "max_total_tokens": 48, **environment}}
+
+
+def test_overlong_with_an_environment_measures_the_episode_against_max_total_tokens():
+    """generation.max_new_tokens (16) caps one turn; environment.max_total_tokens (48) the episode, model and
+    environment tokens, which is what completion_ids hold: a 22-token two-turn episode no limit cut scored -1
+    against 16; it scores 0, and an episode the limit cut (48 tokens exactly) gets its -1 from the ramp's end."""
+    rewards = Rewards.from_recipe(recipe_from_dict(env_recipe([{"function": "exact"}, {"function": "overlong"}])))
+    episodes = [[1] * 11 + [2] * 6 + [3] * 5, [1] * 48, [1] * 40]   # L_max 48, L_cache 9: ramp from 39
+    res = rewards(["7"] * 3, ["p"] * 3, [{"answer": "7"}] * 3, completion_ids=episodes, environment=[None] * 3)
+    assert res.per_function["overlong"].tolist() == [0.0, -1.0, pytest.approx(-1 / 9)]
+    assert overlong(22, 48, max_new_tokens=16, max_total_tokens=48) == [0.0, -1.0]
+    assert overlong(22, max_new_tokens=16) == [-1.0]                        # without an environment: one turn's
+    assert overlong(22, max_new_tokens=16, max_total_tokens=48, max_length=20) == [-1.0]   # an explicit L_max wins
+    with pytest.raises(ValueError, match=r"\(48, null: environment.max_total_tokens = 48\), got 48"):
+        overlong(1, max_new_tokens=16, max_total_tokens=48, buffer=48)
+
+
+@pytest.mark.parametrize("functions, where", [
+    (["overlong", "exact"], "('exact', rewards.functions.1)"),
+    (["repetition", "think_format", "countdown"], "('countdown', rewards.functions.2)"),
+    (["overlong", "tests.user_rewards:f"], "('tests.user_rewards:f', rewards.functions.1)"),
+    (["repetition"], "list the task's reward first, then the shaping ones"),
+    (["think_format", "math"], "('math', rewards.functions.1)"),
+    (["format", "overlong", "exact"], "('exact', rewards.functions.2)"),
+])
+def test_a_shaping_reward_first_is_refused(functions, where):
+    """The first function is the one "solved" is read from (a score >= 1): overlong and repetition never reach 1,
+    think_format and format score the form of a wrong answer 1."""
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+                          "rewards": {"functions": [{"function": f} for f in functions]}})
+    (key, msg), = info.value.problems
+    assert key == "rewards.functions.0.function" and f"'{functions[0]}'" in msg and where in msg, msg
+    assert 'the first function is the one "solved"' in msg
+
+
+@pytest.mark.parametrize("functions", [["format"], ["think_format"], ["format", "overlong", "repetition"],
+                                       ["exact", "overlong", "think_format"]])
+def test_a_form_only_task_or_a_task_reward_first_is_accepted(functions):
+    r = recipe_from_dict({"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+                          "rewards": {"functions": [{"function": f} for f in functions]}})
+    assert Rewards(r.rewards, answer_field="answer", max_new_tokens=8).notes == []
+
+
+def test_a_shaping_reward_first_before_a_user_function_or_an_environment_is_a_note(tmp_path, monkeypatch):
+    """Where the task's reward may be a user function's or the environment's, the order is noted (validate, and the
+    trainer's start-up lines), not refused."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo.cli import main
+
+    (tmp_path / "my_rewards.py").write_text("def score(completions, *, prompts, rows):\n"
+                                            "    return [1.0] * len(completions)\n")
+    (tmp_path / "t.jsonl").write_text('{"prompt": "p", "answer": "1"}\n')
+    for functions, env in [(["think_format", "my_rewards:score"], False), (["overlong"], True), (["format"], True)]:
+        data = env_recipe([{"function": f} for f in functions]) if env else {
+            "model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+            "rewards": {"functions": [{"function": f} for f in functions]}}
+        data["data"]["train_path"] = str(tmp_path / "t.jsonl")
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        res = CliRunner().invoke(main, ["validate", str(tmp_path / "r.yaml")])
+        assert res.exit_code == 0, res.output
+        note = f"note: rewards.functions.0: '{functions[0]}' "
+        assert note in res.output and '"solved"' in res.output, res.output
+        rewards = Rewards.from_recipe(recipe_from_dict(data))
+        assert [n for n in rewards.notes if n.startswith(note)], rewards.notes
+
+
+@pytest.mark.parametrize("kwargs, generation, environment, key, words", [
+    ({"max_length": 4096, "buffer": 512}, 1024, None, "max_length", "4096 - 512 = 3584 tokens, and none is longer "
+                                                                     "than generation.max_new_tokens (1024)"),
+    ({"max_length": 2000}, 1024, None, "max_length", "2000 - 400 = 1600 tokens (null buffer: max_length // 5)"),
+    ({}, 4, None, "buffer", "4 - 0 = 4 tokens (null buffer"),                 # a null buffer of a tiny limit: 0
+    ({"max_length": 600, "buffer": 50}, 16, 512, "max_length", "environment.max_total_tokens (512)"),
+    ({"buffer": 512}, 16, 512, "buffer", "must be less than max_length, here environment.max_total_tokens (512)"),
+    ({"buffer": 16}, 16, None, "buffer", "must be less than max_length, here generation.max_new_tokens (16)"),
+])
+def test_overlong_options_that_can_never_punish_are_refused(kwargs, generation, environment, key, words):
+    data = {"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+            "rewards": {"functions": [{"function": "exact"}, {"function": "overlong", "kwargs": kwargs}]},
+            "generation": {"max_new_tokens": generation}}
+    if environment:
+        data["environment"] = {"name": "python", "max_total_tokens": environment}
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(data)
+    (found, msg), = info.value.problems
+    assert found == f"rewards.functions.1.kwargs.{key}" and words in msg, msg
+
+
+@pytest.mark.parametrize("kwargs, generation, environment", [
+    ({"max_length": 2000, "buffer": 1000}, 1024, None),   # the ramp starts at 1000: a cut completion gets -0.024
+    ({"max_length": 600}, 16, 512), ({}, 1024, None), ({}, 5, None), ({"max_length": 10, "buffer": 0}, 16, None),
+])
+def test_overlong_options_that_can_punish_are_accepted(kwargs, generation, environment):
+    data = {"model": {"name_or_path": "m"}, "data": {"train_path": "t.jsonl"},
+            "rewards": {"functions": [{"function": "exact"}, {"function": "overlong", "kwargs": kwargs}]},
+            "generation": {"max_new_tokens": generation}}
+    if environment:
+        data["environment"] = {"name": "python", "max_total_tokens": environment}
+    recipe_from_dict(data)
+
+
+@pytest.mark.parametrize("prompt, completion, expected", [
+    ("<|Assistant|><think>\n", "reasoning</think>\n<answer>5</answer>", 1.0),   # R1-distill: the template opens it
+    ("<|Assistant|><think>\n", "<think>again</think><answer>5</answer>", 0.0),  # a second opening tag
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "<answer>5</answer>", 1.0),   # Qwen3 without thinking
+    ("<|im_start|>assistant\n", "reasoning</think>\n<answer>5</answer>", 0.0),
+    ("say <think> here<|im_start|>assistant\n", "<think>r</think><answer>5</answer>", 1.0),   # a tag mid-prompt: none
+])
+def test_think_format_reads_a_think_block_the_prompt_opened(prompt, completion, expected):
+    assert think_format_reward([completion], prompts=[prompt]) == [expected]

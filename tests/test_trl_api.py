@@ -14,7 +14,7 @@ import pytest
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import recipe_from_dict
 from lowmem_grpo.trl import (TRL_DEFAULTS, TRL_UNSET_DEFAULTS, GRPOConfig, GRPOTrainer, TRLCompatError, _given_settings,
-                              _reward_specs, _trl_log_keys, recipe_from_trl)
+                              _lora_section, _reward_specs, _trl_log_keys, recipe_from_trl)
 from test_trl_options import _trl_configs
 
 SPEC = [{"function": "m:f", "convention": "trl"}]
@@ -135,6 +135,10 @@ def test_each_setting_lands_on_its_recipe_key(settings, where, expected):
     # transformers' Trainer refuses it; was accepted, evaluating nothing
     (dict(eval_strategy="steps", eval_steps=1), "eval_strategy: 'steps' needs an eval_dataset: pass eval_dataset"),
     (dict(eval_strategy="epoch"), "eval_strategy: 'epoch' needs an eval_dataset"),
+    # transformers' TrainingArguments refuses both; was run in float16 (found by a red team)
+    (dict(bf16=True, fp16=True), "bf16 and fp16: at most one of them can be True, as in transformers"),
+    # transformers would evaluate before the first step; here the run evaluates only under an eval_strategy
+    (dict(eval_on_start=True), "eval_on_start=True with eval_strategy 'no': .*trainer.evaluate\\(\\) before train"),
 ])
 def test_what_does_not_carry_over_is_refused_by_name(settings, named):
     with pytest.raises(TRLCompatError, match=named):
@@ -528,9 +532,8 @@ def test_json_text_in_trls_dict_settings_is_read_as_trls_config_reads_it():
 
 def test_settings_that_change_nothing_in_trls_grpo_are_accepted_as_such():
     """transformers' Trainer never reads args.resume_from_checkpoint (train()'s argument resumes), TRL's sampler
-    draws with seed, not data_seed, evaluation runs at step 0 here anyway, and vLLM sleeps between rollouts."""
-    same = _recipe(data_seed=7, resume_from_checkpoint="out/checkpoint-5", eval_on_start=True,
-                   vllm_enable_sleep_mode=True)
+    draws with seed, not data_seed, and vLLM sleeps between rollouts. (eval_on_start is read: train.eval_at_start.)"""
+    same = _recipe(data_seed=7, resume_from_checkpoint="out/checkpoint-5", vllm_enable_sleep_mode=True)
     assert same == _recipe()
 
 
@@ -593,7 +596,7 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
     trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
                           eval_dataset=rows[6:], log=lambda *a: None, callbacks=[record, StopAt],
                           args=_args(tmp_path, num_iterations=2, max_steps=10, eval_strategy="steps", eval_steps=2,
-                                     logging_steps=2))
+                                     logging_steps=2, eval_on_start=True))
     assert trainer.pop_callback(StopAt) is not None and trainer.pop_callback(StopAt) is None
     trainer.add_callback(StopAt())
     out = trainer.train()
@@ -601,7 +604,7 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
     assert names[0] == "on_train_begin" and names[-1] == "on_train_end" and all(e[3] for e in record.events)
     steps = [(e[1], e[2] is not None) for e in record.events if e[0] == "on_log"]
     assert [e[1] for e in record.events if e[0] == "on_step_end"] == [2, 4]   # stopped after 2 batches of 2 updates
-    # eval_steps=logging_steps=2 updates is every step here: the step-0 eval, then each step's log (with a loss) and
+    # eval_steps=logging_steps=2 updates is every step here: the step-0 eval (eval_on_start), then each step's log (with a loss) and
     # its eval, then the train summary (train_loss, no loss)
     assert steps == [(0, False), (2, True), (2, False), (4, True), (4, False), (4, False)], steps
     assert [e[1] for e in record.events if e[0] == "on_evaluate"] == [0, 2, 4]
@@ -684,7 +687,7 @@ def test_evaluate_state_model_and_the_after_train_calls_of_trls_scripts(tiny_mod
     trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
                           eval_dataset=rows[6:], log=lambda *a: None,
                           args=_args(tmp_path, num_iterations=2, max_steps=4, logging_steps=1, save_steps=2,
-                                     eval_strategy="steps", eval_steps=2))
+                                     eval_strategy="steps", eval_steps=2, eval_on_start=True))
     before = trainer.evaluate()
     assert set(before) >= {"eval_accuracy", "eval_mean_reward", "eval_pass@1", "eval_runtime"}
     assert before["eval_prompts"] == 3
@@ -700,7 +703,7 @@ def test_evaluate_state_model_and_the_after_train_calls_of_trls_scripts(tiny_mod
     assert {"reward", "learning_rate", "rewards/digit_reward/mean", "loss"} <= set(steps[0])
     evals = [e for e in state.log_history if "eval_accuracy" in e]
     assert evals[0]["step"] == 0 and evals[0] is state.log_history[0]   # evaluate() before train() comes first
-    assert [e["step"] for e in evals[1:]] == [0, 2, 4, 4]   # the run's (start, eval_steps, end), then evaluate()'s
+    assert [e["step"] for e in evals[1:]] == [0, 2, 4, 4]   # the run's (eval_on_start, eval_steps, end), then evaluate()'s
     assert "test_accuracy" in state.log_history[-1]
     assert isinstance(trainer.model, PeftModel) and trainer.processing_class is not None
     assert out.metrics["train_loss"] == out.training_loss and out.metrics["epoch"] > 0
@@ -915,3 +918,106 @@ def test_under_torchrun_a_generation_batch_is_every_processs_as_in_trl():
     assert step(2, per_device_train_batch_size=2, generation_batch_size=8) == (4, 2, 2)
     with pytest.raises(TRLCompatError, match=r"must be a multiple of per_device_train_batch_size \(2\) x 2 processes"):
         step(2, per_device_train_batch_size=2, generation_batch_size=6)
+
+
+# -- fourth audit (a red team): what TRL or transformers refuse or honour, and lowmem_grpo.trl did not ---------------
+
+
+@pytest.mark.parametrize("kind", ["IA3Config", "LoHaConfig", "LoKrConfig", "AdaLoraConfig", "PromptTuningConfig", "dict"])
+def test_a_peft_config_that_is_not_a_plain_lora_config_is_refused_naming_its_class(kind):
+    """IA3 crashed with AttributeError 'r', LoHa/LoKr with 'lora_alpha', AdaLoRA (a LoraConfig subclass) with its own
+    ValueError, prompt tuning was refused as 'num_virtual_tokens not supported', a dict was a TypeError."""
+    import peft
+
+    made = {"IA3Config": lambda: peft.IA3Config(task_type="CAUSAL_LM"),
+            "LoHaConfig": lambda: peft.LoHaConfig(r=4, target_modules=["q_proj"]),
+            "LoKrConfig": lambda: peft.LoKrConfig(r=4, target_modules=["q_proj"]),
+            "AdaLoraConfig": lambda: peft.AdaLoraConfig(init_r=4, total_step=10, target_modules=["q_proj"]),
+            "PromptTuningConfig": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+            "dict": lambda: {"r": 4, "lora_alpha": 8}}[kind]()
+    with pytest.raises(TRLCompatError, match=rf"^peft_config: {kind} is not supported: lowmem-grpo trains LoRA adapters "
+                                             r"only \(peft\.LoraConfig\)$"):
+        _lora_section(made, "m")
+    lora = _lora_section(peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj"]), "m")
+    assert lora == {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_generation_batch_size_with_steps_per_generation_is_refused_as_trl_refuses_it(tmp_path):
+    """Both set was accepted and trained another batch than either says; TRL's GRPOConfig raises. TRL's own config
+    object fills in both from the one given: that one is read, not refused."""
+    trl = pytest.importorskip("trl")
+    named = "generation_batch_size and steps_per_generation can not be both configured at the same time, as in TRL"
+    with pytest.raises(TRLCompatError, match=named):
+        _recipe(generation_batch_size=32, steps_per_generation=4)
+    with pytest.raises(TRLCompatError, match=named):
+        recipe_from_trl(_given_settings(GRPOConfig("out", generation_batch_size=16, steps_per_generation=2)),
+                        model="m", train_path="t", reward_specs=SPEC, train_rows=4)
+    with pytest.raises(ValueError, match="can not be both configured at the same time"):
+        trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, generation_batch_size=32, steps_per_generation=4)
+    for given in (dict(steps_per_generation=4), dict(generation_batch_size=32), dict()):
+        theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **given)
+        assert theirs.generation_batch_size and theirs.steps_per_generation   # (TRL's __post_init__ filled both)
+        d, ours = (recipe_from_trl(settings, model="m", train_path="t", reward_specs=SPEC, train_rows=64)
+                   for settings in (_given_settings(theirs), given))
+        assert (d["train"], d["algorithm"]) == (ours["train"], ours["algorithm"]), given
+
+
+def test_a_max_steps_of_part_of_a_generation_batch_is_refused_naming_the_nearest_whole_ones():
+    """max_steps=3 at steps_per_generation=2 ran 4 updates (state.max_steps 4); transformers stops at exactly
+    max_steps, which a run of whole generation batches cannot."""
+    with pytest.raises(TRLCompatError, match=r"max_steps=3 is not a multiple of the 2 optimizer updates a generation "
+                                             r"batch makes .*set max_steps to 2 or 4$"):
+        _recipe(max_steps=3, steps_per_generation=2)
+    with pytest.raises(TRLCompatError, match=r"max_steps=1 is not a multiple of the 4 .*set max_steps to 4$"):
+        _recipe(max_steps=1, num_iterations=2, steps_per_generation=4, gradient_accumulation_steps=2)
+    assert _recipe(max_steps=4, steps_per_generation=2)["train"]["steps"] == 2
+    assert _recipe(max_steps=3)["train"]["steps"] == 3   # one update a generation batch: any max_steps
+
+
+def test_resuming_with_no_checkpoint_is_transformers_error_not_a_fresh_run(tiny_model_dir, tmp_path):
+    """train(resume_from_checkpoint=True) (or output_dir's path) with nothing to resume trained from scratch."""
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=[{"prompt": "1+1="}],
+                          args=_args(tmp_path), log=lambda *a: None)
+    for resume in (True, str(tmp_path / "out")):
+        with pytest.raises(TRLCompatError, match=r"^resume_from_checkpoint: no valid checkpoint found in output "
+                                                 r"directory \(.*out\), as in transformers"):
+            trainer.train(resume_from_checkpoint=resume)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_logging_first_step_logs_after_the_first_step_too(tiny_model_dir, tmp_path):
+    """It was ignored: transformers' DefaultFlowCallback logs at global step 1 with it (here: after the first step,
+    its window that step alone), then every logging_steps."""
+    def run(name, **settings):
+        record = _recorder()
+        trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], callbacks=[record],
+                              train_dataset=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)],
+                              args=_args(tmp_path / name, max_steps=3, logging_steps=2, **settings), log=lambda *a: None)
+        trainer.train()
+        rows = {r["step"]: r for r in read_metrics(tmp_path / name / "out") if "loss" in r}
+        return trainer.state.log_history, record, rows
+    history, record, rows = run("first", logging_first_step=True)
+    assert [e["step"] for e in history] == [1, 2, 3]   # step 1, step 2 (its window: step 2 alone), the summary
+    assert (history[0]["loss"], history[1]["loss"]) == (rows[1]["loss"], rows[2]["loss"])
+    assert record.logs == [{k: v for k, v in e.items() if k != "step"} for e in history]   # on_log as log_history
+    history, _, _ = run("default")
+    assert [e["step"] for e in history] == [2, 3]   # transformers' default: no entry at the first step
+
+
+def test_the_run_evaluates_before_the_first_step_only_with_eval_on_start(tiny_model_dir, tmp_path):
+    """With eval_strategy 'steps' the run evaluated at step 0 too, where transformers does only with eval_on_start
+    (default False): the recipe's train.eval_at_start (true by default, the CLI's 'before' accuracy) carries it."""
+    from lowmem_grpo.recipe import TrainConfig
+
+    assert TrainConfig().eval_at_start is True
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+
+    def evaluated(name, **settings):
+        trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
+                              eval_dataset=rows[6:], log=lambda *a: None,
+                              args=_args(tmp_path / name, max_steps=2, eval_strategy="steps", eval_steps=1, **settings))
+        assert trainer.recipe.train.eval_at_start is bool(settings.get("eval_on_start"))
+        trainer.train()
+        return [r["step"] for r in read_metrics(tmp_path / name / "out") if "eval/accuracy" in r]
+    assert evaluated("default") == [1, 2]
+    assert evaluated("on_start", eval_on_start=True) == [0, 1, 2]

@@ -26,6 +26,7 @@ options and the user functions' conventions) does not import it.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ from ..user_code import import_named
 from .conventions import (CONVENTIONS, TRL_PASSED, _keywords, _parameters, _required_columns,  # noqa: F401
                           calling_convention, signature_problems, trl_signature_problems)
 from .options import BUILTINS as _SPECS
-from .options import option_problems
+from .options import first_function_problem, option_problems
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +90,10 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
             continue
         if isinstance(s, bool) or not isinstance(s, (int, float)) and not hasattr(s, "__float__"):
             raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}), expected a number or None")
+        kind = _not_real(s)
+        if kind:   # numpy's and torch's bools and complex numbers have __float__ too (found by a red team)
+            raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}, {kind}), expected a real "
+                              "number or None")
         try:  # e.g. a numpy array of several numbers has __float__ but refuses it (found by fuzzing)
             v = float(s)
         except (TypeError, ValueError, OverflowError) as exc:
@@ -100,6 +105,19 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
                               "the advantages' standard deviation; rescale the reward")
         out.append(v)
     return out
+
+
+def _not_real(s) -> Optional[str]:
+    """'a boolean' or 'a complex number' for a score of that kind that float() would take (a numpy bool is 1.0, a
+    complex its real part with a ComplexWarning), as a Python bool is refused; else None."""
+    if isinstance(s, complex):   # (numpy's complex128 is one)
+        return "a complex number"
+    dtype = getattr(s, "dtype", None)   # numpy scalars and 0-d arrays: dtype.kind; torch: torch.bool, is_complex
+    if getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool":
+        return "a boolean"
+    if getattr(dtype, "kind", None) == "c" or getattr(dtype, "is_complex", False):
+        return "a complex number"
+    return None
 
 
 @dataclass
@@ -150,6 +168,27 @@ def function_problems(cfg: RewardsConfig, conventions: Optional[dict] = None,
 # Calling the functions
 # ----------------------------------------------------------------------------------------------------
 
+def _own_copies(values):
+    """A copy of a batch's argument for one user function: deep, so that a function that changes a row, a chat message
+    or a list in it changes nothing the next function reads, nor the dataset's rows (found by a red team: a function
+    that set rows[0]['answer'] changed the next function's reference answer, and the dataset's). Token id lists are
+    copied one level down (ints: a deep copy of every id would cost seconds a step on long completions); a value that
+    cannot be deep-copied is copied one level down too (a row as dict(row), as rollout/turns.py's _own_row does)."""
+    if isinstance(values, list) and all(isinstance(v, list) and all(type(t) is int for t in v) for v in values):
+        return [list(v) for v in values]
+    try:
+        return copy.deepcopy(values)
+    except Exception:
+        if not isinstance(values, list):
+            return values
+        return [dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v for v in values]
+
+
+# TRL's arguments each TRL-shaped function shares with the others rather than getting its own copy: the logging
+# callbacks, and each episode's environment instance (the reward's to read; a copy could not hold what it holds)
+_SHARED = ("log_metric", "log_extra", "environments")
+
+
 @dataclass
 class _Raised:
     """What a reward function raised (kept apart from what it returned)."""
@@ -197,18 +236,22 @@ class Rewards:
 
     answer_field: the row field holding the reference answer (the recipe's data.answer_field), passed to
     the built-ins that read it. max_new_tokens: generation.max_new_tokens, passed to the built-ins that read
-    it. prompt_field: data.prompt_field, the one dataset column TRL-shaped functions do not get by name
-    (they get it as prompts=). Rewards.from_recipe passes all three, and what TRL-shaped functions' trainer_state
+    it, and max_total_tokens: environment.max_total_tokens with an environment on. prompt_field:
+    data.prompt_field, the one dataset column TRL-shaped functions do not get by name (they get it as prompts=). Rewards.from_recipe passes them all, and what TRL-shaped functions' trainer_state
     reads (train.steps, the updates a step makes, train.prompts_per_step); the trainer sets train_rows, the train set's size,
     once it has loaded it."""
 
     def __init__(self, cfg: RewardsConfig, *, answer_field: str, max_new_tokens: Optional[int] = None,
                  prompt_field: str = "prompt", environment_weight: Optional[float] = None,
-                 max_steps: Optional[int] = None, updates_per_step: int = 1, prompts_per_step: int = 0):
+                 max_steps: Optional[int] = None, updates_per_step: int = 1, prompts_per_step: int = 0,
+                 max_total_tokens: Optional[int] = None):
         if not isinstance(answer_field, str) or not answer_field:
             raise RewardError(f"answer_field must be a non-empty row field name (data.answer_field), got {answer_field!r}")
         self.cfg = cfg
         self.answer_field, self.max_new_tokens, self.prompt_field = answer_field, max_new_tokens, prompt_field
+        # environment.max_total_tokens with an environment on (else None): overlong's default L_max then, since a
+        # completion's token ids are its whole episode, which that limits (docs/algorithm.md §19)
+        self.max_total_tokens = max_total_tokens
         self.max_steps = max_steps or 0          # trainer_state.max_steps of TRL-shaped functions
         # TRL's trainer_state counts optimizer updates; a step here makes algorithm.updates_per_step of them
         self.updates_per_step = updates_per_step
@@ -241,6 +284,9 @@ class Rewards:
             self.conventions[label], self._index[label] = convention, i
         if problems:
             raise RewardError("\n".join(problems))
+        _, first = first_function_problem([spec.function for spec in cfg.functions], environment_weight is not None)
+        if first:   # (the recipe refuses the orders it can tell are wrong)
+            self.notes.append(first)
 
     @classmethod
     def from_recipe(cls, recipe) -> "Rewards":
@@ -250,7 +296,8 @@ class Rewards:
                    max_new_tokens=recipe.generation.max_new_tokens, prompt_field=recipe.data.prompt_field,
                    environment_weight=env.reward_weight if env is not None and env.name else None,
                    max_steps=recipe.train.steps, updates_per_step=recipe.algorithm.updates_per_step,
-                   prompts_per_step=recipe.train.prompts_per_step)
+                   prompts_per_step=recipe.train.prompts_per_step,
+                   max_total_tokens=env.max_total_tokens if env is not None and env.name else None)
 
     def _load(self, label: str, spec, fn: Callable, max_new_tokens: Optional[int]) -> tuple[dict, str, list]:
         """(the kwargs it is called with, its convention, (key, message) problems) of one recipe entry."""
@@ -284,6 +331,8 @@ class Rewards:
                 found.append(("function", f"reward {spec.function!r} reads generation.max_new_tokens, which was not "
                                           "given (Rewards(..., max_new_tokens=))"))
             kwargs["max_new_tokens"] = max_new_tokens
+            if self.max_total_tokens is not None:
+                kwargs["max_total_tokens"] = self.max_total_tokens
         if getattr(builtin, "reads_completion_ids", False):
             self._wants_ids.add(label)
         if builtin.startup and not found:   # e.g. the code rewards refuse a weak sandbox here, at load
@@ -412,6 +461,8 @@ class Rewards:
                     raise RewardError(f"reward {name!r} reads the completions' token ids, and this call passed "
                                       "none (Rewards(...)(..., completion_ids=))")
                 extra["completion_ids"] = completion_ids
+            if name not in self._builtins:   # a user function gets its own copies (_own_copies)
+                completions, prompts, rows = list(completions), list(prompts), _own_copies(rows)
             return fn, (completions,), {"prompts": prompts, "rows": rows, **kwargs, **extra}
         where = f"rewards.functions.{self._index[name]}"
         clash = sorted(set(kwargs) & set(trl_args))
@@ -427,7 +478,7 @@ class Rewards:
                               f"prompts=) or one of its kwargs")
         accepts = self._accepts.get(name)   # without **kwargs: only what it names (TRL would pass it all)
         passed = trl_args if accepts is None else {k: v for k, v in trl_args.items() if k in accepts}
-        return fn, (), {**passed, **kwargs}
+        return fn, (), {**{k: v if k in _SHARED else _own_copies(v) for k, v in passed.items()}, **kwargs}
 
     def _is_trl(self, name: str) -> bool:
         return self.conventions.get(name) == "trl"   # (a function put in .functions by hand is lowmem-grpo's)

@@ -12,7 +12,9 @@ expression — scores 1.0 when
 else 0.0. A trailing '= <number>' (as in '(25 - 5) * 4 = 80') is ignored, and so is formatting that does not change
 the arithmetic: $...$ or backticks around the expression, a final period, \\left( \\right), and ×, ·, \\times, \\cdot
 for * (÷, \\div for /). After a closing </think>, only what follows it is read. A malformed row (numbers not a
-non-empty list of integers, target not an integer) gives None: skip, not 0.
+non-empty list of integers, target not an integer) gives None: skip, not 0. A row without the field at all is an
+error naming it (the recipe's numbers_field / target_field name no field of the data: every completion would be
+skipped); `lowmem-grpo validate` checks a local file's first rows for both.
 
 The expression is never passed to eval(): it is parsed with ast.parse(mode='eval') and walked by an
 evaluator that accepts only BinOp (Add, Sub, Mult, Div), UnaryOp (USub) and integer constants, so
@@ -133,6 +135,17 @@ def _row(row, numbers_field: str = "numbers", target_field: str = "target") -> O
     return list(numbers), target
 
 
+def missing_field(row, numbers_field: str = "numbers", target_field: str = "target") -> Optional[tuple[str, str]]:
+    """(option, field) of the first of the two fields a row (a mapping) does not have at all; None when it has both.
+    Not a malformed value (that row is skipped): a field name the data does not use."""
+    if not isinstance(row, dict):
+        return None
+    for option, name in (("numbers_field", numbers_field), ("target_field", target_field)):
+        if name not in row:
+            return option, name
+    return None
+
+
 def score_expression(expression: Optional[str], numbers: list[int], target: int, use_all: bool = False) -> float:
     """1.0 if `expression` follows the rules and equals `target`, else 0.0."""
     if not expression:
@@ -152,12 +165,17 @@ def score_expression(expression: Optional[str], numbers: list[int], target: int,
 def countdown_reward(completions, *, prompts=None, rows=None, use_all: bool = False, numbers_field: str = "numbers",
                      target_field: str = "target") -> list[Optional[float]]:
     """1.0 when the completion's final expression reaches the row's target by the rules, 0.0 when not,
-    None when the row is malformed. `numbers_field` / `target_field`: the row's field names (the hub's
-    Jiayi-Pan/Countdown-Tasks-3to4 calls its numbers `nums`)."""
+    None when the row is malformed; a ValueError naming a field the row does not have. `numbers_field` /
+    `target_field`: the row's field names (the hub's Jiayi-Pan/Countdown-Tasks-3to4 calls its numbers `nums`)."""
     if rows is None:
         raise ValueError("countdown reward needs the dataset rows (numbers and target)")
     out: list[Optional[float]] = []
     for completion, row in zip(completions, rows):
+        absent = missing_field(row, numbers_field, target_field)
+        if absent:   # a field name the data does not use skipped every completion, silently (found by a red team)
+            raise ValueError(f"countdown reward: the row has no field {absent[1]!r} ({absent[0]}; the row has: "
+                             f"{', '.join(sorted(map(str, row))) or 'nothing'}): set rewards.functions[].kwargs."
+                             f"{absent[0]} to the row's field")
         parsed = _row(row, numbers_field, target_field)
         if parsed is None:
             out.append(None)

@@ -4,18 +4,44 @@ from __future__ import annotations
 
 import numbers
 import re
+import warnings
 from decimal import Decimal
+from typing import Optional
 
 DEFAULT_PATTERN = r"^\s*-?\d+\s*$"   # a bare integer answer
 
 
-def format_reward(completions, *, prompts=None, rows=None, pattern: str = DEFAULT_PATTERN) -> list[float]:
-    """1.0 when the whole completion matches `pattern` (a regular expression, DOTALL), else 0.0.
+# Seconds one completion's match may take. A pattern with nested quantifiers ('^(a|aa)+$') backtracks for hours on
+# some texts (found by a red team: one hung a training step), and Python's re cannot be interrupted; the `regex`
+# module (a dependency of transformers, so always installed) matches as re does and stops at a timeout. A match
+# takes microseconds otherwise, so this only ever ends a runaway one; that completion is skipped, not scored 0
+# (the pattern, not the model, failed), with a warning, once per process.
+MATCH_TIMEOUT_S = 1.0
+_timeout_warned = False
+
+
+def format_reward(completions, *, prompts=None, rows=None, pattern: str = DEFAULT_PATTERN) -> list[Optional[float]]:
+    """1.0 when `pattern` (a regular expression, DOTALL) matches anywhere in the completion (re.search: anchor it
+    with ^...$ for a whole-completion match), else 0.0; None (skip) where the match ran past MATCH_TIMEOUT_S.
 
     The default accepts a bare integer answer; a reasoning recipe would use e.g.
     '^<think>.*</think>\\s*<answer>.*</answer>$'."""
-    rx = re.compile(pattern, re.DOTALL)
-    return [1.0 if rx.search(c) else 0.0 for c in completions]
+    import regex   # (here, not at the top: rewards/options.py reads DEFAULT_PATTERN without it)
+
+    global _timeout_warned
+    rx = regex.compile(pattern, regex.DOTALL)
+    out: list[Optional[float]] = []
+    for c in completions:
+        try:
+            out.append(1.0 if rx.search(c, timeout=MATCH_TIMEOUT_S) else 0.0)
+        except TimeoutError:
+            out.append(None)
+            if not _timeout_warned:
+                _timeout_warned = True
+                warnings.warn(f"[lowmem-grpo] format reward: the pattern {pattern!r} took over {MATCH_TIMEOUT_S:g} s "
+                              "on a completion (catastrophic backtracking, e.g. nested quantifiers such as (a|aa)+): "
+                              "such completions are skipped, not scored; rewrite the pattern", stacklevel=2)
+    return out
 
 
 def exact_reward(completions, *, prompts=None, rows=None, answer_field: str = "answer") -> list[float | None]:

@@ -7,7 +7,8 @@ options table is generated from these schemas (scripts/gen_recipe_reference.py).
 The reference answer is not an option of any reward: `math` and `exact` read the row field named by
 data.answer_field, which `Rewards(..., answer_field=)` passes to them, so a recipe names it once. Likewise
 `overlong` is passed each completion's token ids (completion_ids=) and generation.max_new_tokens
-(max_new_tokens=) by the trainer: neither is an option (the Builtin flags below say who gets what).
+(max_new_tokens=), with an environment environment.max_total_tokens too (max_total_tokens=), by the trainer: none
+is an option (the Builtin flags below say who gets what).
 
 This module stays light (pydantic and the standard library; the reward modules it reads defaults from
 import nothing heavier at module level), so validating a recipe does not import torch or math-verify.
@@ -54,15 +55,19 @@ class MathOptions(_Options):
 
 
 class FormatOptions(_Options):
-    pattern: str = Field(DEFAULT_PATTERN, description="Regular expression (DOTALL) the completion must match for 1.0; "
-                         "the default accepts a bare integer.")
+    pattern: str = Field(DEFAULT_PATTERN, description="Regular expression (DOTALL) found anywhere in the completion "
+                         "for 1.0 (anchor it with ^...$ for a whole match); the default accepts a bare integer. A match "
+                         "that runs past 1 s (catastrophic backtracking) skips the completion, with a warning.")
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, value: str) -> str:
+        import regex   # what format_reward matches with (for its timeout); here only: this module stays light
+
         try:
             re.compile(value, re.DOTALL)
-        except re.error as exc:
+            regex.compile(value, regex.DOTALL)
+        except (re.error, regex.error) as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
 
@@ -131,7 +136,9 @@ class OverlongOptions(_Options):
 
     max_length: Optional[int] = Field(
         None, ge=1, description="L_max, in tokens: past it a completion scores -1; null: generation.max_new_tokens "
-        "(a completion cut there has exactly L_max tokens, so it gets its -1 from the buffer's last token).")
+        "(a completion cut there has exactly L_max tokens, so it gets its -1 from the buffer's last token). With an "
+        "environment a completion's length is its whole episode's (model and environment tokens), and null is "
+        "environment.max_total_tokens, the limit on those.")
     buffer: Optional[int] = Field(
         None, ge=0, description="L_cache, in tokens: the score falls linearly from 0 to -1 over the last buffer "
         f"tokens before L_max; must be less than max_length; null: L_max // {_shaping.BUFFER_DIVISOR} (DAPO: 4096 of 20480).")
@@ -148,7 +155,9 @@ class OverlongOptions(_Options):
 
 class ThinkFormatOptions(_Options):
     think_tag: str = Field(_shaping.DEFAULT_THINK_TAG, description="Tag of the reasoning block, which comes first "
-                           "(`<think>...</think>` by default); 1.0 needs each tag exactly once.")
+                           "(`<think>...</think>` by default); 1.0 needs each tag exactly once. A think block that "
+                           "the prompt ends in (a chat template that opens it, or writes it empty) counts as the "
+                           "completion's.")
     # validate_default: a think_tag set to 'answer' must clash with the default answer_tag too
     answer_tag: str = Field(_shaping.DEFAULT_ANSWER_TAG, validate_default=True, description="Tag of the answer block "
                             "(`<answer>...</answer>` by default), which must follow the reasoning block with nothing "
@@ -185,7 +194,9 @@ class Builtin:
     reads_answer: bool = False    # called with answer_field=data.answer_field
     startup: Optional[str] = None  # 'module:function' called with the kwargs when loaded: lines to log; raises to refuse
     reads_completion_ids: bool = False  # called with completion_ids= (each completion's token id list)
-    reads_max_new_tokens: bool = False  # called with max_new_tokens=generation.max_new_tokens
+    # called with max_new_tokens=generation.max_new_tokens, and with an environment on also with
+    # max_total_tokens=environment.max_total_tokens
+    reads_max_new_tokens: bool = False
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -216,7 +227,73 @@ PASSED_BY_TRAINER = {
                                                "trainer: it is not an option"),
     "max_new_tokens": ("reads_max_new_tokens", "is passed max_new_tokens by the trainer (generation.max_new_tokens): "
                                                "set it there, not in this reward's kwargs"),
+    "max_total_tokens": ("reads_max_new_tokens", "is passed max_total_tokens by the trainer with an environment on "
+                                                 "(environment.max_total_tokens): set it there, not in this reward's "
+                                                 "kwargs"),
 }
+
+
+def overlong_reach_problem(kwargs: dict, longest: int, longest_key: str) -> Optional[tuple[str, str]]:
+    """(option, message) when `overlong` with these options (valid on their own) cannot punish a completion of at
+    most `longest` tokens, which recipe key `longest_key` sets (generation.max_new_tokens, or with an environment
+    environment.max_total_tokens): a buffer as long as a null max_length, or a ramp that starts at `longest` or past
+    it, so that every completion scores 0 (found by a red team: max_length 4096, buffer 512 and max_new_tokens 1024
+    validated, and the reward never moved). None when it can punish some completion."""
+    max_length, buffer = kwargs.get("max_length"), kwargs.get("buffer")
+    if not isinstance(max_length, (int, type(None))) or not isinstance(buffer, (int, type(None))):
+        return None   # (option_problems said so)
+    limit = longest if max_length is None else max_length
+    if buffer is not None and buffer >= limit:   # (with a null max_length: its own check cannot see the bound)
+        return "buffer", f"must be less than max_length, here {longest_key} ({longest}), got {buffer}"
+    cache = limit // _shaping.BUFFER_DIVISOR if buffer is None else buffer
+    if limit - cache < longest:
+        return None
+    null = f" (null buffer: max_length // {_shaping.BUFFER_DIVISOR})" if buffer is None else ""
+    return ("max_length" if max_length is not None else "buffer",
+            f"reward 'overlong' punishes only a completion longer than max_length - buffer = {limit} - {cache} = "
+            f"{limit - cache} tokens{null}, and none is longer than {longest_key} ({longest}): it would score 0 every "
+            f"time; lower max_length (null: {longest_key}) or raise buffer")
+
+
+# Built-ins that judge how a completion is written, not whether it is right. "Solved" (success_rate, eval accuracy,
+# pass@k) is read from the first function alone (diagnostics.solved: a score >= 1), so one of these first makes it
+# wrong (found by a red team): NEVER_SOLVED never score 1 (nothing would count as solved), FORM_ONLY score 1 for
+# the form alone (a well-formatted wrong answer would count). `format` alone can be a task of its own (the answer's
+# form is what is trained): so it, and think_format, are refused first only before a built-in that judges answers.
+NEVER_SOLVED = ("overlong", "repetition")
+FORM_ONLY = ("think_format", "format")
+
+
+def first_function_problem(functions: list[str], environment: bool = False) -> tuple[Optional[str], Optional[str]]:
+    """(error, note) about the recipe's first reward function as the one "solved" is read from (`functions`: the
+    recipe's rewards.functions[].function; `environment`: whether an environment gives rewards too, which may be
+    the task's): an error for a shaping reward first where the task's reward can be listed first, a note where
+    that reward may be a user function or the environment's; (None, None) when the first one can say solved."""
+    if not functions or functions[0] not in NEVER_SOLVED + FORM_ONLY:
+        return None, None
+    first = functions[0]
+    why = (f"'{first}' is a shaping reward that never scores 1, and the first function is the one \"solved\" "
+           "(success_rate, eval accuracy, pass@k: a score >= 1) is read from, so nothing would count as solved"
+           if first in NEVER_SOLVED else
+           f"'{first}' judges the form alone, and the first function is the one \"solved\" (success_rate, eval "
+           "accuracy, pass@k: a score >= 1) is read from, so a well-formatted wrong answer would count as solved")
+    if first in NEVER_SOLVED:
+        others = [i for i, f in enumerate(functions) if f not in NEVER_SOLVED + FORM_ONLY]
+    else:   # after a form-only reward a user function may be one more shaping reward: a note, below
+        others = [i for i, f in enumerate(functions) if f in BUILTINS and f not in NEVER_SOLVED + FORM_ONLY]
+    if others:
+        i = others[0]
+        return f"{why}: list the task's reward ({functions[i]!r}, rewards.functions.{i}) first", None
+    users = [i for i, f in enumerate(functions) if f not in BUILTINS]
+    if users:
+        return None, (f"note: rewards.functions.0: {why}; if rewards.functions.{users[0]} "
+                      f"({functions[users[0]]}) is the task's reward, list it first")
+    if environment:
+        return None, (f"note: rewards.functions.0: {why}, not from the environment's reward (the primary reward "
+                      "only with rewards.functions: [])")
+    if first in NEVER_SOLVED:
+        return f"{why}: list the task's reward first, then the shaping ones", None
+    return None, None   # a form-only task (`format` with its pattern, think_format): its form is what "solved" means
 
 
 def option_names(model: type[BaseModel]) -> list[str]:

@@ -10,7 +10,8 @@
 Put them after a correctness reward in rewards.functions. The first function is the primary reward:
 "solved" (success_rate, held-out accuracy, pass@k) is read from it alone (lowmem_grpo/diagnostics.py,
 `solved`), so a shaping reward listed first would make a well-formatted wrong answer count as solved,
-and one that never reaches 1 (overlong, repetition) would make nothing count.
+and one that never reaches 1 (overlong, repetition) would make nothing count: a recipe that does so is
+refused, or noted where the task's reward may be a user function's (rewards/options.py, first_function_problem).
 
 The reward modules' options and their checks live in rewards/options.py; the functions below check their
 arguments again because they can be called directly. This module imports only the standard library.
@@ -35,10 +36,16 @@ TAG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 # overlong
 
 def overlong_limits(max_length: Optional[int], buffer: Optional[int],
-                    max_new_tokens: Optional[int]) -> tuple[int, int]:
+                    max_new_tokens: Optional[int], max_total_tokens: Optional[int] = None) -> tuple[int, int]:
     """(L_max, L_cache) of DAPO's soft overlong punishment from the reward's options: a null max_length is
-    the trainer's generation.max_new_tokens, a null buffer a fifth of L_max (rounded down)."""
-    if max_length is None:
+    the trainer's generation.max_new_tokens, or environment.max_total_tokens (max_total_tokens) with an environment
+    on; a null buffer a fifth of L_max (rounded down)."""
+    if max_length is None and max_total_tokens is not None:
+        # with an environment a completion is its whole episode, model and environment tokens, which
+        # environment.max_total_tokens limits (generation.max_new_tokens limits one turn): found by a red team, a
+        # short two-turn episode scored -1 against the one turn's limit
+        max_length, source = max_total_tokens, f"null: environment.max_total_tokens = {max_total_tokens}"
+    elif max_length is None:
         if max_new_tokens is None:
             raise ValueError("overlong reward: max_length is null and no max_new_tokens was passed "
                              "(the trainer passes generation.max_new_tokens)")
@@ -70,7 +77,7 @@ def overlong_score(length: int, max_length: int, buffer: int) -> float:
 
 def overlong_reward(completions, *, prompts=None, rows=None, completion_ids: Optional[Sequence[Sequence[int]]] = None,
                     max_new_tokens: Optional[int] = None, max_length: Optional[int] = None,
-                    buffer: Optional[int] = None) -> list[float]:
+                    buffer: Optional[int] = None, max_total_tokens: Optional[int] = None) -> list[float]:
     """DAPO's soft overlong punishment (Yu et al. 2025, §3.4), in [-1, 0], from each completion's length in
     tokens (len(completion_ids[i]), as the trainer passes them).
 
@@ -78,7 +85,10 @@ def overlong_reward(completions, *, prompts=None, rows=None, completion_ids: Opt
     L_cache is `buffer` (null: L_max // 5). A completion the sampler cut at max_new_tokens has exactly
     L_max tokens, so with max_length = max_new_tokens it is never past L_max: it gets its -1 from the
     ramp's last token, and the -1 branch (L > L_max) is reached only with a max_length below
-    max_new_tokens.
+    max_new_tokens. With an environment a completion is the whole episode (its completion_ids: the model's
+    turns and the environment's observations) and the trainer passes environment.max_total_tokens, the limit on
+    those same tokens, as max_total_tokens: the null max_length is that, so an episode a limit cut mid-turn has
+    exactly L_max tokens (docs/algorithm.md §19).
 
     A shaping reward: list it after a correctness reward, since the first function is the one "solved" is
     read from (lowmem_grpo/diagnostics.py, `solved`)."""
@@ -86,7 +96,7 @@ def overlong_reward(completions, *, prompts=None, rows=None, completion_ids: Opt
         raise ValueError("overlong reward needs completion_ids (each completion's token ids; the trainer passes them)")
     if len(completion_ids) != len(completions):
         raise ValueError(f"overlong reward: {len(completion_ids)} completion_ids for {len(completions)} completions")
-    limit, buffer = overlong_limits(max_length, buffer, max_new_tokens)
+    limit, buffer = overlong_limits(max_length, buffer, max_new_tokens, max_total_tokens)
     return [overlong_score(len(ids), limit, buffer) for ids in completion_ids]
 
 
@@ -117,11 +127,25 @@ def has_think_answer_format(text: str, think_tag: str = DEFAULT_THINK_TAG, answe
     return _think_answer_pattern(think_tag, answer_tag).fullmatch(text) is not None
 
 
+def prompt_think_opening(prompt, think_tag: str = DEFAULT_THINK_TAG) -> str:
+    """The think block a prompt ends in, which the completion continues: '<think>\\n' where the chat template opened it
+    (DeepSeek-R1-distill's), '<think>\\n\\n</think>\\n\\n' where it wrote an empty one (Qwen3 without thinking); ''
+    for any other prompt."""
+    if not isinstance(prompt, str):
+        return ""
+    at = prompt.rfind(f"<{think_tag}>")
+    if at < 0 or not re.fullmatch(rf"<{think_tag}>\s*(?:</{think_tag}>\s*)?", prompt[at:]):
+        return ""
+    return prompt[at:]
+
+
 def think_format_reward(completions, *, prompts=None, rows=None, think_tag: str = DEFAULT_THINK_TAG,
                         answer_tag: str = DEFAULT_ANSWER_TAG) -> list[float]:
     """1.0 when the completion is exactly <think>...</think> followed by <answer>...</answer> (whitespace
     allowed around and between the blocks, nothing else outside them, each tag once), else 0.0. The blocks'
-    contents are not judged (an empty think block is allowed).
+    contents are not judged (an empty think block is allowed). Where the prompt ends in a think block the chat
+    template opened, or wrote empty (prompt_think_opening), the completion is read after it, as the assistant's
+    turn is: else such a template's completions would all score 0 (found by a red team).
 
     A shaping reward: list it after a correctness reward, since the first function is the one "solved" is
     read from (lowmem_grpo/diagnostics.py, `solved`)."""
@@ -129,7 +153,9 @@ def think_format_reward(completions, *, prompts=None, rows=None, think_tag: str 
     check_tag_name("answer_tag", answer_tag)
     if think_tag == answer_tag:
         raise ValueError(f"think_format reward: answer_tag must differ from think_tag, got {answer_tag!r} for both")
-    return [1.0 if has_think_answer_format(c, think_tag, answer_tag) else 0.0 for c in completions]
+    openings = [prompt_think_opening(p, think_tag) for p in prompts] if prompts is not None else [""] * len(completions)
+    return [1.0 if has_think_answer_format(o + c, think_tag, answer_tag) else 0.0
+            for o, c in zip(openings, completions)]
 
 
 # --------------------------------------------------------------------------------------------------
