@@ -181,15 +181,19 @@ def test_a_worker_whose_agent_is_killed_is_stopped_as_by_ctrl_c(tmp_path):
     """torchrun's agent killed with SIGKILL cannot stop its workers, which ran on as orphans holding the run folder
     (found by a red team): a worker that sees its parent gone Ctrl-Cs itself (it finishes its step, checkpoints it).
     Here: a parent starts a child that watches it, and exits; the child gets SIGINT."""
-    mark = tmp_path / "interrupted"
+    mark, ready = tmp_path / "interrupted", tmp_path / "watching"
     child = ("import signal, sys, time\n"
              "from lowmem_grpo import distributed\n"
              "distributed.stop_when_orphaned(poll_s=0.05)\n"
+             f"open({str(ready)!r}, 'w').close()\n"
              "try:\n"
              "    time.sleep(60)\n"
              "except KeyboardInterrupt:\n"
              f"    open({str(mark)!r}, 'w').write('SIGINT')\n")
-    parent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(2)")
+    # the parent exits once the child watches it (importing torch under load took longer than a fixed 2 s wait)
+    parent = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              f"end = time.monotonic() + 50\n"
+              f"while not os.path.exists({str(ready)!r}) and time.monotonic() < end: time.sleep(0.05)")
     subprocess.run([sys.executable, "-c", parent], timeout=60, check=True)
     end = time.monotonic() + 30
     while not mark.exists():

@@ -279,7 +279,7 @@ def test_damaged_checkpoints_and_folders_are_named_errors(tiny_model_dir, tiny_d
 
 @pytest.mark.slow(15)
 def test_no_judged_row_is_no_accuracy_not_zero(tiny_model_dir, tiny_data, tmp_path):
-    """countdown on rows without numbers skips every completion: 0 judged of 4 is no accuracy (None in the
+    """A reward that skips every completion (user_rewards:skip_all): 0 judged of 4 is no accuracy (None in the
     summary and metrics, not 0.0, which read as a model that got all wrong), and every line that prints it says
     why (the trainer's log, `train`'s summary, `eval`'s)."""
     from click.testing import CliRunner
@@ -289,7 +289,7 @@ def test_no_judged_row_is_no_accuracy_not_zero(tiny_model_dir, tiny_data, tmp_pa
     from lowmem_grpo.recipe import recipe_from_dict
 
     why = "none: no row could be judged, the reward skipped all 4 completions"
-    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": [{"function": "countdown"}]},
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", rewards={"functions": [{"function": "user_rewards:skip_all"}]},
                     train={"steps": 1, "eval_max_prompts": 4})
     recipe = write_recipe(tmp_path / "r.yaml", d)
     res = CliRunner().invoke(main, ["train", str(recipe)])
