@@ -245,6 +245,10 @@ def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, st
     log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {report['adapter']}")
     if merged:
         log(f"[lowmem-grpo] merged model -> {report['merged']} (max |logit diff| vs base + adapter: {report['max_logit_diff']:.2e})")
+        if recipe.model.load_in_4bit:   # (a red team: the quickstart's merged model scored 18.0% where the run had 19.0%)
+            log("[lowmem-grpo] note: the merged model is the adapter on the full-precision base; the run trained and "
+                "evaluated it on the 4-bit base, so its answers can differ a little from the run's (`lowmem-grpo eval "
+                "--adapter` scores what the run trained)")
     return report
 
 

@@ -121,7 +121,9 @@ class Trainer:
         if start_ckpt is not None and (problem := resume_rules.adapter_problem(start_ckpt, recipe.lora)):
             raise TrainingError(problem)
         with library_bars(self.world.main and use_bar(recipe.output.progress)):   # ("Loading weights")
-            self.model, self.tokenizer = load_policy(recipe.model, recipe.lora,
+            # the anchored path: peft writes it into every adapter_config.json, where a relative one read as a hub id
+            # from anywhere else (a red team's find: plain peft could not load the export's adapter)
+            self.model, self.tokenizer = load_policy(anchored(recipe).model, recipe.lora,
                                                      adapter_path=str(start_ckpt / "adapter") if start_ckpt else None)
         if check_logit_head(self.model) is None:   # the kernel's log-probs are the model's own, or a refusal
             self.log("[lowmem-grpo] note: the model's forward returned no logits to check the chunked log-probs "

@@ -221,3 +221,42 @@ def test_an_out_the_export_cannot_be_renamed_onto_is_refused(run, tmp_path, monk
         res = export(run, out, "--adapter-only")
         assert res.exit_code == 2 and "is a mount point or the current folder" in res.output, res.output
         assert list(here.iterdir()) == [] and hidden(tmp_path) == []
+
+
+def test_a_run_on_a_relative_base_path_records_the_absolute_one_in_its_adapter(tiny_model_dir, tiny_data, tmp_path,
+                                                                             monkeypatch):
+    """peft writes the model path it was given into adapter_config.json: a relative one ('base') was a hub id to peft
+    anywhere else, and eval warned that the export was trained on another model (a red team's find). The trainer
+    loads the anchored path (recipe.yaml's), so the checkpoint's and the export's adapters name the folder whole."""
+    import json
+
+    from conftest import QUIET
+    from lowmem_grpo.recipe import recipe_from_dict
+    from lowmem_grpo.train import Trainer
+
+    monkeypatch.chdir(tiny_model_dir.parent)
+    d = recipe_dict(tiny_model_dir.name, tiny_data, tmp_path / "run", train={"steps": 1, "preflight": False},
+                    output={"save_every": 1})
+    d["data"]["eval_path"] = ""
+    Trainer(recipe_from_dict(d), **QUIET).fit()
+    saved = json.loads((ckpt.latest(tmp_path / "run") / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "exp"), "--adapter-only"])
+    assert res.exit_code == 0, res.output
+    exported = json.loads((tmp_path / "exp" / "adapter" / "adapter_config.json").read_text())
+    assert exported["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+
+
+def test_the_export_of_a_4bit_run_says_its_merged_model_is_on_the_full_precision_base(run, tmp_path):
+    """A red team scored the quickstart's merged model 18.0% against the run's 19.0%: the merge is onto the
+    full-precision base, the run's adapter was trained on the 4-bit one. A 4-bit run's export says so."""
+    import yaml
+
+    note = "note: the merged model is the adapter on the full-precision base"
+    res = export(run, tmp_path / "full")
+    assert res.exit_code == 0 and note not in res.output, res.output
+    d = yaml.safe_load((run / "recipe.yaml").read_text())
+    d["model"]["load_in_4bit"] = True
+    (run / "recipe.yaml").write_text(yaml.safe_dump(d))
+    res = export(run, tmp_path / "nf4")
+    assert res.exit_code == 0 and note in res.output, res.output

@@ -260,7 +260,7 @@ def test_validate_refuses_a_model_path_train_refuses_and_notes_a_context_too_sho
     f.write_text(yaml.safe_dump({"model": {"name_or_path": str(model)}, "data": {"train_path": str(data)},
                                  "generation": {"max_new_tokens": 8}}))
     res = _validate(f)
-    assert res.exit_code == 2 and "model.name_or_path: the folder has no config.json, so it is no model folder (it " \
+    assert res.exit_code == 2 and f"model.name_or_path: {str(model)!r}: the folder has no config.json, so it is no model folder (it " \
                                   "is empty)" in res.output, res.output
     (model / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 64}')
     res = _validate(f)
@@ -275,8 +275,11 @@ def test_validate_refuses_a_model_path_train_refuses_and_notes_a_context_too_sho
     assert res.exit_code == 0 and ("note: generation.max_new_tokens=64 alone comes to the model's "
                                    "max_position_embeddings=64 (its config.json) or past it") in res.output, res.output
     res = _validate(f, f"model.name_or_path={model / 'config.json'}")
-    assert res.exit_code == 2 and "model.name_or_path: no such model folder" in res.output, res.output
-    assert _validate(f, "model.name_or_path=no-such/model").exit_code == 0
+    assert res.exit_code == 2 and f"model.name_or_path: {str(model / 'config.json')!r}: no such model folder" in \
+        res.output, res.output
+    res = _validate(f, "model.name_or_path=no-such/model")
+    assert res.exit_code == 0 and "note: model.name_or_path 'no-such/model' is a hub id, not checked here" in \
+        res.output, res.output
 
 
 @pytest.mark.parametrize("row,says", [
@@ -373,17 +376,17 @@ def test_validate_notes_a_template_that_gives_the_answer_and_a_system_prompt_no_
     f = tmp_path / "r.yaml"
     f.write_text(yaml.safe_dump({"model": {"name_or_path": "no-such/model"}, "data": {"train_path": str(text)}}))
     res = _validate(f)
-    assert res.exit_code == 0 and "note:" not in res.output, res.output
+    assert res.exit_code == 0 and "note: data." not in res.output, res.output
     leak = ("note: data.template '{prompt} = {answer}' writes the reference answer (data.answer_field 'answer') into "
             "the prompt, which math judges against it: the model is given the answer")
     res = _validate(f, "data.template={prompt} = {answer}")
     assert res.exit_code == 0 and leak in res.output, res.output
     res = _validate(f, "data.template={prompt} = {answer!r}", "rewards.functions=[{function: exact}]")
     assert "writes the reference answer" in res.output and "which exact judges" in res.output, res.output
-    assert "note:" not in _validate(f, "data.template={prompt} = {answer}", "rewards.functions=[{function: format}]").output
+    assert "note: data." not in _validate(f, "data.template={prompt} = {answer}", "rewards.functions=[{function: format}]").output
     ignored = ("note: data.system_prompt is set, but no prompt gets it: it goes with data.chat_template: true, or first "
                "in a prompt of chat messages, and these rows are text with data.chat_template false")
     res = _validate(f, "data.system_prompt=Be brief")
     assert res.exit_code == 0 and ignored in res.output, res.output
-    assert "note:" not in _validate(f, "data.system_prompt=Be brief", "data.chat_template=true").output
-    assert "note:" not in _validate(f, "data.system_prompt=Be brief", f"data.train_path={chat}").output
+    assert "note: data." not in _validate(f, "data.system_prompt=Be brief", "data.chat_template=true").output
+    assert "note: data." not in _validate(f, "data.system_prompt=Be brief", f"data.train_path={chat}").output
