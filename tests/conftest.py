@@ -95,6 +95,13 @@ def write_recipe(path: Path, d: dict) -> Path:
 QUIET = dict(log=lambda *a: None)
 
 
+def chat_tokenizer(template: str):
+    """The tiny character tokenizer with `template` as its chat template (jinja, as a model folder's)."""
+    tok = tiny.build_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
 def central_differences(f, x: list, h: float = 1e-6) -> list:
     """d sum(f(x)) / d x_k for every k, by central differences: the gradient a hand-written formula implies."""
     out = []

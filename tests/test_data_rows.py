@@ -11,6 +11,7 @@ from fractions import Fraction
 
 import pytest
 
+from conftest import chat_tokenizer
 from lowmem_grpo import data, tiny
 from lowmem_grpo.data import DataError, PromptSet, chars_within, prompt_set, prompt_sets
 from lowmem_grpo.recipe import DataConfig
@@ -290,9 +291,7 @@ TURNS_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.name is define
 
 @pytest.fixture(scope="module")
 def chat_tok():
-    t = tiny.build_tokenizer()
-    t.chat_template = TURNS_TEMPLATE
-    return t
+    return chat_tokenizer(TURNS_TEMPLATE)
 
 
 def _chat_rows(tmp_path, *prompts):

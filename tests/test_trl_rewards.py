@@ -16,7 +16,7 @@ import yaml
 from click.testing import CliRunner
 
 import trl_style_rewards
-from conftest import QUIET, recipe_dict
+from conftest import QUIET, chat_tokenizer, recipe_dict
 from lowmem_grpo import tiny
 from lowmem_grpo.cli import main
 from lowmem_grpo.data import DataError, PromptSet, split_rows
@@ -33,9 +33,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}*{{ m['co
 
 @pytest.fixture(scope="module")
 def chat_tok():
-    tok = tiny.build_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return chat_tokenizer(CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
