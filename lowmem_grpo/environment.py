@@ -50,7 +50,7 @@ import json
 from math import isfinite
 from typing import Any, Optional
 
-from .user_code import import_named, short_repr
+from .user_code import MAX_SCORE, import_named, short_repr
 from .user_code import kwargs_type_problems as check_kwarg_types
 
 # Built-in environments by short name -> 'module:Class'.
@@ -343,8 +343,8 @@ def checked_step(env, model_text: str) -> tuple[Optional[str], Optional[float], 
             reward = float(reward)
         except (TypeError, ValueError, OverflowError):
             raise EnvOutputError(f"step() returned reward {short_repr(reward)}, not a number; allowed: a number or None") from None
-        if not isfinite(reward):
-            raise EnvOutputError(f"step() returned reward {reward}; allowed: a finite number or None")
+        if not isfinite(reward) or abs(reward) > MAX_SCORE:   # (beyond it: as a reward function's score, a red team)
+            raise EnvOutputError(f"step() returned reward {reward:g}; allowed: a number within +-{MAX_SCORE:g}, or None")
     if not _is_bool(done):
         raise EnvOutputError(f"step() returned done {short_repr(done)} ({type(done).__name__}); allowed: True or False")
     return observation, reward, bool(done)
@@ -382,9 +382,9 @@ def checked_final_reward(env) -> Optional[float]:
     if out is None:
         return None
     value = _finite(out)
-    if value is None:
-        raise EnvOutputError(f"final_reward() returned {short_repr(out)} ({type(out).__name__}); allowed: a finite "
-                             "number or None")
+    if value is None or abs(value) > MAX_SCORE:   # (its square overflowed the group's std as a score's did)
+        raise EnvOutputError(f"final_reward() returned {short_repr(out)} ({type(out).__name__}); allowed: a number "
+                             f"within +-{MAX_SCORE:g}, or None")
     return value
 
 

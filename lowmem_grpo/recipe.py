@@ -194,7 +194,7 @@ def _template_problem(template: str) -> Optional[str]:
 
 
 # The bound on |weight|. Found by a red team: a weight of 1e200 made totals whose group std overflowed, so every
-# advantage was 0 (what rewards.MAX_SCORE = 1e100 prevents for the scores themselves). A score times 1e6 is at most
+# advantage was 0 (what user_code.MAX_SCORE = 1e100 prevents for the scores themselves). A score times 1e6 is at most
 # 1e106: squared and summed over a group of 256 it stays far below float64's 1.8e308; and a weight a million times
 # another's leaves that other function no say anyway.
 MAX_REWARD_WEIGHT = 1e6

@@ -13,6 +13,12 @@ import typing
 from typing import Any, Callable, Optional
 
 
+# The largest magnitude a reward (a reward function's score, an environment's step or final reward) may have: its
+# square and a group's sum of squares stay finite in float64 (max ~1.8e308); past it, the advantages' std overflowed
+# and nothing was learned (found by audits)
+MAX_SCORE = 1e100
+
+
 def short_repr(value, n: int = 60) -> str:
     """A user-supplied value (a reward's output, an environment's, a dataset field) for an error message: its
     repr, cut to n characters."""

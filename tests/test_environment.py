@@ -200,6 +200,24 @@ def test_step_outputs_checked():
 
     assert checked_step(Env(("a", np.float64(0.5), np.bool_(True))), "") == ("a", 0.5, True)
     assert checked_step(Env([None, 2, False]), "") == (None, 2.0, False)
+    # beyond a reward score's bound (MAX_SCORE) an episode's reward overflowed the group's std (a red team's find)
+    from lowmem_grpo.environment import EnvOutputError, checked_final_reward
+    from lowmem_grpo.rewards import MAX_SCORE
+
+    assert checked_step(Env(("a", MAX_SCORE, True)), "")[1] == MAX_SCORE
+    with pytest.raises(EnvOutputError, match=r"step\(\) returned reward 1e\+200; allowed: a number within \+-1e\+100"):
+        checked_step(Env(("a", 1e200, True)), "")
+
+    class Final:
+        def __init__(self, value):
+            self.value = value
+
+        def final_reward(self):
+            return self.value
+
+    assert checked_final_reward(Final(-MAX_SCORE)) == -MAX_SCORE
+    with pytest.raises(EnvOutputError, match=r"final_reward\(\) returned -1e\+200 \(float\); allowed: a number within"):
+        checked_final_reward(Final(-1e200))
 
 
 def test_counters_take_numpy_numbers_and_refuse_the_rest():

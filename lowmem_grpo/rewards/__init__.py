@@ -34,7 +34,7 @@ from math import ceil, isfinite  # (not `import math`: the submodule rewards.mat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..user_code import import_named
+from ..user_code import MAX_SCORE, import_named  # (MAX_SCORE: imported from here by tests and scripts too)
 from .conventions import (CONVENTIONS, TRL_PASSED, _keywords, _parameters, _required_columns,  # noqa: F401
                           calling_convention, signature_problems, trl_signature_problems)
 from .options import BUILTINS as _SPECS
@@ -66,7 +66,6 @@ def resolve(name: str) -> Callable:
     return fn
 
 
-MAX_SCORE = 1e100   # a score's square and a group's sum of squares stay finite in float64 (max ~1.8e308)
 
 
 def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
