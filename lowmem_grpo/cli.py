@@ -233,6 +233,7 @@ def _countdown_problems(path: str, head: list[dict], r, whole: bool) -> list[tup
     first rows; `whole`: all of them) has, or none of whose rows it can score: every completion would be skipped
     (found by a red team: the hub's `nums` with the default 'numbers' validated ok, then nothing was scored)."""
     from .rewards.countdown import _row
+    from .rewards.options import CountdownOptions
 
     have = set().union(*(map(str, row) for row in head))
     shown = ", ".join(sorted(have)[:12]) + (f" and {len(have) - 12} more" if len(have) > 12 else "")
@@ -241,8 +242,8 @@ def _countdown_problems(path: str, head: list[dict], r, whole: bool) -> list[tup
     for i, spec in enumerate(r.rewards.functions):
         if spec.function != "countdown":
             continue
-        fields = {"numbers_field": spec.kwargs.get("numbers_field", "numbers"),
-                  "target_field": spec.kwargs.get("target_field", "target")}
+        fields = {option: spec.kwargs.get(option, CountdownOptions.model_fields[option].default)   # (the schema's)
+                  for option in ("numbers_field", "target_field")}
         absent = [(option, name) for option, name in fields.items() if name not in have]
         problems += [(f"rewards.functions.{i}.kwargs.{option}", f"names the row field {name!r}, which none of {rows} "
                       f"has, in {path} (they have: {shown}): set it to the data's field")

@@ -660,8 +660,12 @@ def micro_batch_completions(recipe, processes: int = 1) -> int:
     """The completions a micro-batch holds at most: train.micro_batch_size, or fewer where one process's share of a
     step's completions is smaller (batch.pack never fills one past them; a larger micro_batch_size was counted as
     given, found by a red team)."""
-    prompts = max(1, recipe.train.prompts_per_step // processes)
-    return min(recipe.train.micro_batch_size, prompts * recipe.generation.num_generations)
+    return min(recipe.train.micro_batch_size, process_prompts(recipe, processes) * recipe.generation.num_generations)
+
+
+def process_prompts(recipe, processes: int = 1) -> int:
+    """The prompts one process samples a step: train.prompts_per_step shared among the processes (§21)."""
+    return max(1, recipe.train.prompts_per_step // processes)
 
 
 def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int = 1) -> Workload:
@@ -670,11 +674,10 @@ def workload_from_recipe(recipe, prompt_tokens: int, device: str, processes: int
     r = recipe
     eval_prompts = r.train.eval_max_prompts if (r.data.eval_path or r.data.eval_fraction) else 0
     targets = ("all-linear",) if r.lora.target_modules == "all-linear" else tuple(r.lora.target_modules)
-    prompts = max(1, r.train.prompts_per_step // processes)
     return Workload(
         quantized=r.model.load_in_4bit, double_quant=r.model.double_quant,
         compute_bytes=DTYPE_BYTES[r.model.compute_dtype], lora_r=r.lora.r, lora_targets=targets,
-        optimizer=r.optimizer.name, prompts_per_step=prompts,
+        optimizer=r.optimizer.name, prompts_per_step=process_prompts(r, processes),
         num_generations=r.generation.num_generations, micro_batch_size=micro_batch_completions(r, processes),
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens(r),
         chunk_tokens=r.train.logprob_chunk_tokens, chunk_vocab=r.train.logprob_chunk_vocab,

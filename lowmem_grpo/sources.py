@@ -552,10 +552,10 @@ def open_source(path: str, limit: Optional[int] = None):
         except ValueError as exc:
             raise DataError(f"{path}: {exc}") from None
     # ~ is the shell's: a recipe's path reaches here as written (found by a red team; model paths were expanded)
-    elif _saved_with_save_to_disk(Path(path).expanduser()) == "Dataset":
-        src = _ArrowSource(path, _load_from_disk(Path(path).expanduser(), path))
+    elif _saved_with_save_to_disk(local := Path(path).expanduser()) == "Dataset":
+        src = _ArrowSource(path, _load_from_disk(local, path))
     else:
-        src = _open_file(Path(path).expanduser(), path, limit)   # (a JSONL or CSV index holds `limit` rows at most)
+        src = _open_file(local, path, limit)   # (a JSONL or CSV index holds `limit` rows at most)
     return src if limit is None or limit >= len(src) else Subset(src, np.arange(max(0, limit)))
 
 
