@@ -46,10 +46,26 @@ class NewerFormat(TrainerStateError):
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """path's content replaced whole or not at all (a crash mid-write leaves the old file)."""
+    """path's content replaced whole or not at all (a crash mid-write leaves the old file), flushed to disk before
+    the rename (else a power cut can leave it empty: a run's recipe.yaml, which resume and export need). A failed
+    write (a full disk) leaves no temp file; the same text is not written again (a plain resume on a full disk)."""
+    path = Path(path)
+    try:
+        if path.is_file() and path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
     tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:
@@ -101,9 +117,15 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, extra: Optional[
     travel with it: exports copy the folder). A failed write (a full disk): CheckpointWriteError, its partial
     folder removed."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
     tmp = root / f".tmp-{PREFIX}{step:06d}"
+    if not Path(run_dir).is_dir():   # (made again, it held checkpoints alone: no recipe.yaml, so no resume, no export)
+        raise CheckpointWriteError(f"could not write the checkpoint {final}: the run folder {run_dir} is gone (deleted "
+                                   "or moved while the run trained?)", final, FileNotFoundError(str(run_dir)))
+    try:
+        root.mkdir(exist_ok=True)
+    except OSError as exc:   # (a full disk, a read-only one)
+        raise CheckpointWriteError(_write_failure(final, root.parent, exc, run_dir), final, exc) from exc
     for stale in root.glob(".tmp-*"):  # saves cut short by a crash (kill -9 mid-save)
         shutil.rmtree(stale, ignore_errors=True)
     for stale in root.glob(".old-*"):  # deletions cut short by a crash
@@ -358,6 +380,28 @@ def safetensors_problem(path: Path) -> Optional[str]:
     except Exception as exc:  # safetensors raises its own error types
         return str(exc)
     return None
+
+
+def trainer_state_file_problem(path: Path) -> Optional[str]:
+    """Why a trainer_state.pt is not a whole file (missing, or cut short: torch's zip archive without its end), or
+    None; read from its ends only, so that resume says it before loading any model (torch.load said "OSError:
+    [Errno 22] Invalid argument", after the model had loaded). What is inside is load_trainer_state's to check."""
+    import zipfile
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != b"PK\x03\x04":   # not torch's zip format (an old pickle-format save): torch.load judges it
+            return None if head else "an empty file (a write cut short)"
+        with zipfile.ZipFile(path) as z:
+            size = path.stat().st_size
+            cut = [i.filename for i in z.infolist() if i.header_offset + i.compress_size > size]
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, zipfile.BadZipFile, ValueError) as exc:
+        return f"truncated or corrupt: {exc} (a copy or a write cut short?)"
+    return f"truncated: {cut[0]} runs past its end" if cut else None
 
 
 def adapter_problem(folder: Path) -> Optional[str]:

@@ -24,10 +24,11 @@ def _user_errors() -> tuple:
     from .rewards import RewardError
     from .rollout.base import EngineError
     from .memory import MemoryModelError
+    from .sinks import SinkError
     from .train import TrainingError
 
     return (RecipeError, DataError, EngineError, EnvError, EvalError, ExportError, ModelLoadError, RewardError,
-            TrainingError, MemoryModelError, DistributedError)
+            TrainingError, MemoryModelError, DistributedError, SinkError)
 
 
 SET_HELP = ("Override a recipe field, e.g. --set train.steps=10 or --set rewards.functions.0.weight=2 (an entry of a "
@@ -111,7 +112,8 @@ def data_problems(r, rows: int = DATA_ROWS_CHECKED) -> list[tuple[str, str]]:
             continue
         missing = _fields_missing(path, head, r.data, whole=whole)
         problems += missing + _countdown_problems(path, head, r, whole)
-        bad = [(i, why) for i, row in read if (why := _row_problem(row, r.data, require_answer))]
+        reset_fills = bool(r.environment.name)
+        bad = [(i, why) for i, row in read if (why := _row_problem(row, r.data, require_answer, reset_fills))]
         if bad and not missing and r.data.on_bad_row == "error":   # training stops at the first
             i, why = bad[0]
             line = source.line(i)
@@ -164,7 +166,7 @@ def data_notes(r, rows: int = DATA_ROWS_CHECKED) -> list[str]:
     return notes
 
 
-def _row_problem(row, cfg, require_answer: bool) -> Optional[str]:
+def _row_problem(row, cfg, require_answer: bool, reset_fills: bool = False) -> Optional[str]:
     """Why training refuses this row of a data file, or None: the checks of data.py's PromptSet before it tokenizes
     the prompt (a row that cannot be read, data.check_fields, data.chat_messages for chat messages,
     data.fill_template for text)."""
@@ -178,7 +180,7 @@ def _row_problem(row, cfg, require_answer: bool) -> Optional[str]:
     try:
         check_fields(row, cfg, require_answer)
         prompt = row[cfg.prompt_field]
-        chat_messages(prompt, cfg) if is_chat(prompt) else fill_template(row, cfg)
+        chat_messages(prompt, cfg, reset_fills) if is_chat(prompt) else fill_template(row, cfg)
     except DataError as exc:
         return str(exc)
     return None
@@ -397,7 +399,11 @@ def export(run_dir, out_dir, dtype, adapter_only, step, overwrite):
     """Write the LoRA adapter and a merged standalone Hugging Face model."""
     from .export import export_run
 
-    _run(lambda: export_run(run_dir, out_dir, dtype=dtype, merged=not adapter_only, step=step, overwrite=overwrite))
+    try:
+        _run(lambda: export_run(run_dir, out_dir, dtype=dtype, merged=not adapter_only, step=step, overwrite=overwrite))
+    except KeyboardInterrupt:   # export_run leaves nothing half-written (its temporary folder goes): say so
+        click.echo(f"interrupted (Ctrl-C): --out {out_dir} is as it was before this export", err=True)
+        sys.exit(130)   # as a shell reports a process that SIGINT ended
 
 
 GiB = 2 ** 30

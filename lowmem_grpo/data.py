@@ -148,9 +148,10 @@ class PromptSet:
 
     def __init__(self, path: str, cfg: DataConfig, tokenizer, limit: Optional[int] = None,
                  rows: Optional[list] = None, source=None, require_answer: bool = True, held_out: bool = False,
-                 context_tokens: Optional[int] = None):
+                 context_tokens: Optional[int] = None, reset_fills: bool = False):
         self.path, self.cfg, self.tokenizer = path, cfg, tokenizer
         self.context_tokens = context_tokens
+        self.reset_fills = reset_fills   # an environment's reset() may fill an empty last user message (chat_messages)
         self.require_answer = require_answer   # False: no reward reads data.answer_field, so rows may lack it
         self.held_out = held_out   # True: a row found bad after start-up leaves the set (never replaced)
         if source is None:
@@ -288,7 +289,7 @@ class PromptSet:
         prompt = row[cfg.prompt_field]
         chat = None
         if is_chat(prompt):   # a conversational row: the messages as they are
-            chat = chat_messages(row[cfg.prompt_field], cfg)
+            chat = chat_messages(row[cfg.prompt_field], cfg, self.reset_fills)
             text = _chat_text(tokenizer, chat, f"the prompt field {cfg.prompt_field!r} holds chat messages, which",
                               cfg.chat_template_kwargs)
             ids = tokenizer(_text_problem(text, cfg), add_special_tokens=False)["input_ids"]
@@ -469,16 +470,38 @@ def answer_problem(value, field: str) -> None:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+def hold_to_engine_context(sets: list, engine: Optional[int], model: Optional[int], engine_name: str,
+                           max_prompt_tokens: int) -> Optional[str]:
+    """Where the rollout engine takes fewer tokens than the model's config gives (vLLM defaults a LongRoPE model to
+    its pretraining length, and caps any at the tokenizer's model_max_length), the prompt sets (None: absent) are
+    held to the engine's context as to the model's: a longer prompt is a bad row, not an EngineError mid-run (found
+    by a red team). DataError if a row checked at start-up is already too long; else a note, or None."""
+    sets = [s for s in sets if s is not None]
+    if engine is None or (model is not None and engine >= model) or not sets:
+        return None
+    longest = max(len(s.longest_prompt()) for s in sets)
+    where = f"generation.engine={engine_name} takes {engine} tokens for this model" + \
+        (f" (its config: {model})" if model else "")
+    if longest >= engine:
+        raise DataError(f"{where}, and the longest prompt is {longest} tokens: set data.max_prompt_tokens below "
+                        f"{engine} (with data.on_bad_row=skip, longer rows are skipped)")
+    for s in sets:
+        s.context_tokens = engine
+    return f"{where}: a prompt of {engine} tokens or more is a bad row" if max_prompt_tokens >= engine else None
+
+
 def is_chat(value) -> bool:
     """A prompt field given as chat messages: a list holding a mapping (or an empty list: no prompt at all,
     reported as such). A list of plain values (Countdown's numbers) is a value for data.template like any other."""
     return isinstance(value, (list, tuple)) and (not value or any(isinstance(m, dict) for m in value))
 
 
-def chat_messages(value, cfg: DataConfig) -> list[dict]:
+def chat_messages(value, cfg: DataConfig, reset_fills: bool = False) -> list[dict]:
     """A row's prompt given as chat messages, checked, as the chat template gets them: data.system_prompt first
     when set and the row has no system message. Rendered by the tokenizer's chat template alone (whatever
-    data.chat_template says), so data.template must be its default. DataError naming what is wrong."""
+    data.chat_template says), so data.template must be its default. reset_fills: the run has an environment, whose
+    reset() may give the first message in place of an empty last user message (TRL's placeholder, trl.py's
+    EMPTY_PROMPT; rollout/turns.py refuses an episode whose reset() leaves it empty). DataError naming what is wrong."""
     field = cfg.prompt_field
     if cfg.template != "{prompt}":
         raise DataError(f"the prompt field {field!r} holds chat messages, which the tokenizer's chat template renders "
@@ -497,12 +520,12 @@ def chat_messages(value, cfg: DataConfig) -> list[dict]:
         if not isinstance(content, str):
             raise DataError(f"{where} ({role}) has content {type(content).__name__ if content is not None else 'missing'}"
                             f"{'' if content is None else ' ' + repr(content)[:40]}, expected text (a str)")
-        # a blank turn, as a blank text prompt: nothing said. Not an assistant turn that only calls tools, nor a
-        # last user message of no text at all: the slot an environment's reset() fills (TRL's placeholder,
-        # trl.py's EMPTY_PROMPT)
-        if not content.strip() and not (role == "assistant" and m.get("tool_calls")) \
-                and not (role == "user" and content == "" and j == len(value) - 1):
-            raise DataError(f"{where} ({role}) is empty")
+        # a blank turn, as a blank text prompt: nothing said. Not an assistant turn that only calls tools, nor,
+        # with an environment, a last user message of no text at all: the slot its reset() fills
+        slot = role == "user" and content == "" and j == len(value) - 1
+        if not content.strip() and not (role == "assistant" and m.get("tool_calls")) and not (slot and reset_fills):
+            raise DataError(f"{where} ({role}) is empty" + (" (an empty last user message is the slot an environment's "
+                            "reset() fills, and this run has none)" if slot else ""))
         # Arrow and Parquet merge the messages' structs, giving each every key of any with None ('name': None), which
         # a template renders as 'name=None'; TRL drops them (remove_none_values). Found by a red team.
         messages.append(_without_none(m))
@@ -669,7 +692,7 @@ def split_rows(rows: list, cfg: DataConfig) -> tuple[list, list]:
 
 
 def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_answer: bool = True,
-                for_eval: bool = False, context_tokens: Optional[int] = None) -> dict:
+                for_eval: bool = False, context_tokens: Optional[int] = None, reset_fills: bool = False) -> dict:
     """{split: PromptSet or None} for each asked split: 'train', the training set; 'test', the held-out set
     (None when the recipe has none): `data.eval_path`, else the `data.eval_fraction` split of
     `data.train_path`, whose source is opened once for both. `require_answer`, `context_tokens`: as PromptSet's
@@ -692,23 +715,25 @@ def prompt_sets(cfg: DataConfig, tokenizer, which=("train", "test"), require_ans
     for w in which:
         if w == "test" and cfg.eval_path:
             out[w] = _named(lambda: PromptSet(cfg.eval_path, cfg, tokenizer, require_answer=require_answer,
-                                              held_out=True, context_tokens=context_tokens), "data.eval_path")
+                                              held_out=True, context_tokens=context_tokens, reset_fills=reset_fills),
+                            "data.eval_path")
         elif w not in sources:
             out[w] = None
         else:
             label = cfg.train_path + (f" ({'held-out' if w == 'test' else 'training'} part, data.eval_fraction="
                                       f"{cfg.eval_fraction})" if split else "")
             out[w] = _named(lambda: PromptSet(label, cfg, tokenizer, source=sources[w], require_answer=require_answer,
-                                              held_out=for_eval or w == "test", context_tokens=context_tokens),
-                            "data.train_path")
+                                              held_out=for_eval or w == "test", context_tokens=context_tokens,
+                                              reset_fills=reset_fills), "data.train_path")
     return out
 
 
 def prompt_set(cfg: DataConfig, tokenizer, which: str, require_answer: bool = True,
-               for_eval: bool = False, context_tokens: Optional[int] = None) -> "PromptSet | None":
+               for_eval: bool = False, context_tokens: Optional[int] = None,
+               reset_fills: bool = False) -> "PromptSet | None":
     """One split of prompt_sets."""
     return prompt_sets(cfg, tokenizer, (which,), require_answer=require_answer, for_eval=for_eval,
-                       context_tokens=context_tokens)[which]
+                       context_tokens=context_tokens, reset_fills=reset_fills)[which]
 
 
 def _named(fn, field: str):

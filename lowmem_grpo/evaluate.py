@@ -34,7 +34,7 @@ import torch
 from .diagnostics import solved
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import completion_texts, prompt_text, score
+from .rollout.turns import completion_texts, context_tokens as engine_context, prompt_text, score
 
 
 class EvalError(Exception):
@@ -342,7 +342,7 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     Under torchrun (`world`, docs/algorithm.md §21) each process takes a contiguous share of the prompts,
     samples with its own stream, and process 0 writes the whole."""
     from . import distributed
-    from .data import DataError, prompt_drift, prompt_set
+    from .data import DataError, hold_to_engine_context, prompt_drift, prompt_set
     from .model import context_tokens
     from .rewards import Rewards
 
@@ -365,7 +365,14 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
 
     with library_bars(use_bar("auto") and world.main):   # transformers' loading bar: on a terminal only
         model, tok = _load(recipe, adapter_dir, model_dir)
-    pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer, context_tokens=context_tokens(model))
+    if model_dir and recipe.model.load_in_4bit and world.main:
+        # The merged model's weights are the 4-bit base's dequantized plus the adapter's product: quantizing them
+        # again measures a third model, neither the trained one nor the one written (found by a red team)
+        log(f"note: --model {model_dir} is loaded in 4-bit (NF4), as the recipe's model.load_in_4bit says: its "
+            "figures are of the model quantized again, not of its full-precision weights; --set "
+            "model.load_in_4bit=false evaluates those (the trained policy itself: --adapter RUN)")
+    pset = prompt_set(recipe.data, tok, split, require_answer=rewards.reads_answer, context_tokens=context_tokens(model),
+                      reset_fills=bool(recipe.environment.name))
     if pset is None:
         raise DataError("--split test: the recipe has no held-out set; set data.eval_path or data.eval_fraction "
                         "(or use --split train)")
@@ -391,6 +398,13 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     batch = min(wave or EVAL_BATCH, EVAL_BATCH)
     engine_cfg = EngineConfig.from_recipe(recipe, wave)
     engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, world)), model, tok)
+    try:
+        if (note := hold_to_engine_context([pset], engine_context(engine), context_tokens(model),
+                                           recipe.generation.engine, recipe.data.max_prompt_tokens)) and world.main:
+            log(f"note: {note}")
+    except DataError:
+        engine.close()
+        raise
     errors = None   # with an environment: its episodes' errors, counted (_EnvErrors)
     try:
         rollout = errors = _EnvErrors(_episodes(recipe, engine, tok, pset)) if recipe.environment.name else None

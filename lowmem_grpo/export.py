@@ -14,9 +14,12 @@ there is cleaned up by the next export into the same --out (clear_leftovers).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -160,14 +163,39 @@ def _commit(staging: Path, out_dir: Path, replace: bool) -> None:
         ckpt.fsync_dir(out_dir.parent)
         return
     aside = side_path(out_dir, ASIDE)
-    os.replace(out_dir, aside)
-    try:
-        os.replace(staging, out_dir)
-    except BaseException:
-        os.replace(aside, out_dir)
-        raise
+    with _signals_held():   # a Ctrl-C between the two renames left no export at --out, and the new one deleted
+        os.replace(out_dir, aside)
+        try:
+            os.replace(staging, out_dir)
+        except BaseException:
+            os.replace(aside, out_dir)
+            raise
     ckpt.fsync_dir(out_dir.parent)
     shutil.rmtree(aside, ignore_errors=True)   # (a crash here leaves it: clear_leftovers removes it)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM held back until the block is done, then handled as they would have been (found by a red
+    team: a Ctrl-C between --overwrite's two renames left --out missing, the earlier export set aside, and the
+    finished new one was removed). Python handlers, not a signal mask: the kernel hands a process's signal to any
+    thread that does not block it (torch's, tqdm's), and Python runs its handler in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():   # (only there can handlers be set; nor does a
+        yield                                                       # signal interrupt another thread's code)
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)   # (None: not set from Python)
+        for sig in dict.fromkeys(caught):
+            if callable(previous[sig]):
+                previous[sig](sig, None)   # (Python's own for SIGINT: KeyboardInterrupt)
+            elif previous[sig] == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)   # (SIGTERM's default: the process ends, as it would have)
 
 
 def export_run(run_dir, out_dir, dtype: str = "float32", merged: bool = True, step: Optional[int] = None,
@@ -288,7 +316,8 @@ def _probe_ids(tokenizer, vocab_size: int, data_cfg=None) -> list[torch.Tensor]:
     for path in (getattr(data_cfg, "eval_path", ""), getattr(data_cfg, "train_path", "")):
         if path and Path(path).is_file():
             try:
-                return [torch.tensor([e.prompt_ids]) for e in PromptSet(path, data_cfg, tokenizer, limit=4).examples]
+                return [torch.tensor([e.prompt_ids]) for e in PromptSet(path, data_cfg, tokenizer, limit=4,
+                                                                                 reset_fills=True).examples]
             except DataError:
                 pass
     g = torch.Generator().manual_seed(0)

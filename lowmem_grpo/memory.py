@@ -868,7 +868,8 @@ def longest_prompt(recipe, tokenizer=None) -> tuple[int, str]:
         found = []
         for path, held_out in ((recipe.data.train_path, False), (recipe.data.eval_path, True)):
             if path:
-                ps = PromptSet(path, recipe.data, tokenizer, held_out=held_out)  # a large source: its start-up sample
+                ps = PromptSet(path, recipe.data, tokenizer, held_out=held_out,   # a large source: its start-up sample
+                               reset_fills=bool(recipe.environment.name))
                 sample = f" (of the {ps.checked:,} rows checked)" if ps.checked < len(ps.source) else ""
                 found.append((len(ps.longest_prompt()), f"longest prompt in {path}{sample}"))
         tokens, where = max(found, key=lambda f: f[0])

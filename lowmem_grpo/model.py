@@ -19,7 +19,7 @@ import torch
 
 from .hub import model_path_problem, tokenizer_files_problem, weights_problem
 from .internals import bnb_internals, quiet_bitsandbytes_kernels_warning
-from .recipe import LORA_LINEARS, LoraConfig, ModelConfig
+from .recipe import LoraConfig, ModelConfig
 
 # Before bitsandbytes is first imported (by peft, or by transformers loading a 4-bit model), which is when
 # it logs that the optional `kernels` package is absent: a line that reads as an error, and is not one.
@@ -420,10 +420,15 @@ def disable_dropout(model) -> int:
 
 def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_path: Optional[str] = None):
     """model.backend: unsloth. Unsloth's FastLanguageModel (its kernels, its 4-bit loading) with peft LoRA
-    adapters, as (peft model, tokenizer) like load_policy. NVIDIA GPU only: Unsloth refuses to import
-    without one. UNTESTED (no GPU was available when this was written); the CPU suite checks only the
-    error below. The result is a peft model, so reference_mode, the chunked log-probs and the vLLM engine
-    (which calls its q/k/v... modules) apply unchanged in principle."""
+    adapters, as (peft model, tokenizer) like load_policy, and under load_policy's rules: the tokenizer is
+    load_tokenizer's (its checks, pad token and left padding; Unsloth's own tokenizer is not used, as Unsloth
+    flips its padding side between training and generation), the tokenizer must fit the embedding and the model
+    must have a stop token (vocabulary_problem, stop_token_problem), 'all-linear' is every linear layer but the
+    LM head (linear_names, what peft's 'all-linear' takes), and a recipe setting Unsloth cannot honour is refused
+    (_unsloth_setting_problem). NVIDIA GPU only: Unsloth refuses to import without one. The glue is checked on CPU
+    against a stand-in `unsloth` module (tests/test_unsloth_backend.py), read from Unsloth 2026.7.x; Unsloth itself
+    has never run here. The result is a peft model, so reference_mode (Unsloth's LoRA kernels skip disabled
+    adapters), the chunked log-probs and the vLLM engine apply unchanged in principle."""
     if not torch.cuda.is_available():
         raise ModelLoadError("model.backend=unsloth needs an NVIDIA GPU (Unsloth refuses to import without one); "
                              "use model.backend: transformers")
@@ -432,22 +437,92 @@ def load_unsloth_policy(model_cfg: ModelConfig, lora_cfg: LoraConfig, adapter_pa
     except Exception as exc:  # ImportError, or Unsloth's own refusal to run on this machine
         raise ModelLoadError(f"model.backend=unsloth is not available ({type(exc).__name__}: {exc}); install it on a GPU "
                              "machine with pip install -e '.[unsloth]', or use model.backend: transformers") from None
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=model_cfg.name_or_path, load_in_4bit=model_cfg.load_in_4bit, dtype=DTYPES[model_cfg.compute_dtype],
-        trust_remote_code=model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(model_cfg)
+    if problem := _unsloth_setting_problem(model_cfg):
+        raise ModelLoadError(problem)
+    folder = Path(model_cfg.name_or_path).expanduser()
+    if folder.is_dir() and (problem := weights_problem(folder)):
+        raise ModelLoadError(f"model.name_or_path={model_cfg.name_or_path!r}: cannot load the model: {problem}")
+    # "unsloth": Unsloth's checkpointing, which keeps the checkpointed layer inputs in host memory (for a context
+    # under 512 tokens Unsloth uses plain checkpointing instead)
+    checkpointing = "unsloth" if model_cfg.gradient_checkpointing else False
+    loading = dict(model_name=model_cfg.name_or_path, load_in_4bit=model_cfg.load_in_4bit,
+                   dtype=DTYPES[model_cfg.compute_dtype], trust_remote_code=model_cfg.trust_remote_code,
+                   use_gradient_checkpointing=checkpointing,
+                   use_exact_model_name=True)   # not Unsloth's pre-quantized copy of a hub model: the one named
+    if (positions := _unsloth_positions(model_cfg)) is not None:
+        loading["max_seq_length"] = positions
+    base, _ = FastLanguageModel.from_pretrained(**loading)
+    if problem := vocabulary_problem(base, tokenizer) or stop_token_problem(base, tokenizer):
+        raise ModelLoadError(f"model.name_or_path={model_cfg.name_or_path!r}: {problem}")
     if adapter_path:
-        model = load_adapter(model, adapter_path, model_cfg.name_or_path)
+        model = load_adapter(base, adapter_path, model_cfg.name_or_path)
+        # what Unsloth's own from_pretrained does with a saved adapter: its LoRA kernels and checkpointing
+        model = FastLanguageModel.patch_peft_model(model, use_gradient_checkpointing=checkpointing)
     else:
-        targets = list(LORA_LINEARS) if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
+        targets = linear_names(base) if lora_cfg.target_modules == "all-linear" else list(lora_cfg.target_modules)
         model = FastLanguageModel.get_peft_model(
-            model, r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
-            target_modules=targets, use_gradient_checkpointing="unsloth" if model_cfg.gradient_checkpointing else False)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+            base, r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout, bias="none",
+            target_modules=targets, use_gradient_checkpointing=checkpointing, random_state=_unsloth_random_state())
+    _keep_checkpointing_through_generate(model)
     if model_cfg.disable_dropout:
         disable_dropout(model)
     return model, tokenizer
+
+
+def _unsloth_setting_problem(cfg: ModelConfig) -> Optional[str]:
+    """A model setting that Unsloth's loader would silently not apply, or None."""
+    if cfg.load_in_4bit and not cfg.double_quant:
+        return ("model.double_quant=false is not available with model.backend=unsloth: Unsloth's 4-bit loading always "
+                "quantizes the scales a second time and takes no setting for it; set model.double_quant: true, or use "
+                "model.backend: transformers")
+    if cfg.load_in_4bit and cfg.quantize_experts and _routed_experts(cfg):
+        return ("model.quantize_experts=true is not available with model.backend=unsloth: only the transformers path "
+                "stores a mixture's routed experts in NF4 and freezes them (lowmem_grpo/experts4bit.py); Unsloth loads "
+                "them its own way and may put LoRA on them. Set model.quantize_experts: false to train this mixture "
+                "of experts through Unsloth, or use model.backend: transformers")
+    return None
+
+
+def _unsloth_positions(cfg: ModelConfig) -> Optional[int]:
+    """Unsloth's max_seq_length for this model: its config's max_position_embeddings (None where it names none).
+    Unsloth (FastLlamaModel.from_pretrained, 2026.7) truncates a forward's input to max_seq_length, and for a
+    max_seq_length past max_position_embeddings it raises max_position_embeddings and stretches RoPE linearly,
+    in place of the model's own scaling. Its default, 2048, did the one to a longer model and the other to a
+    shorter one. With the model's own positions, neither happens."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, *_CONFIG_CHECK_ERRORS) as exc:
+        raise _cannot_load(cfg, "its config", exc) from None
+    most = getattr(text_config(config), "max_position_embeddings", None)
+    return most if isinstance(most, int) and not isinstance(most, bool) and most > 0 else None
+
+
+def _unsloth_random_state() -> int:
+    """Unsloth's get_peft_model reseeds every generator (transformers.set_seed) with its random_state, 3407 unless
+    given: the adapters would start alike whatever the recipe's seed. Drawn from torch's stream instead, which the
+    trainer has seeded from the recipe's seed, as the transformers path's adapters are."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
+def _keep_checkpointing_through_generate(model) -> None:
+    """Unsloth's generate (unsloth_fast_generate) switches the model to inference, which turns gradient
+    checkpointing off in every module, and turns it back on only when the model was in training mode: the rollouts
+    run in eval mode (eval_mode), so training would go on without checkpointing after the first rollout. The
+    modules' flags are put back after each call, whatever it did."""
+    generate = model.generate
+
+    def generate_keeping_checkpointing(*args, **kwargs):
+        flags = [(m, m.gradient_checkpointing) for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            for module, flag in flags:
+                module.gradient_checkpointing = flag
+
+    model.generate = generate_keeping_checkpointing
 
 
 @contextlib.contextmanager
@@ -653,8 +728,15 @@ def takes_shared_prompts(model, row_width: int) -> bool:
     of at most `row_width` tokens: the attention implementation must take a per-query mask, and positions must
     come from position ids. And no layer may keep a narrower sliding window: transformers applies a given
     per-query mask as it is, window or not, so a completion would see further back than the model does."""
+    if loaded_by_unsloth(model):   # its training forward drops the attention mask that layout needs
+        return False
     window = sliding_window(model)
     return attention_kind(model) in ("sdpa", "eager") and (window is None or window >= row_width)
+
+
+def loaded_by_unsloth(model) -> bool:
+    """Whether Unsloth loaded the model (model.backend: unsloth): its loader records its version in the config."""
+    return getattr(getattr(_base(model), "config", None), "unsloth_version", None) is not None
 
 
 def sliding_window(model) -> Optional[int]:

@@ -67,7 +67,8 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder/hub (only for models you trust).")
     backend: Literal["transformers", "unsloth"] = Field(
         "transformers", description="Load through transformers + bitsandbytes + peft, or Unsloth's FastLanguageModel "
-        "(NVIDIA GPU and the unsloth extra only; untested: never run on a GPU).")
+        "(NVIDIA GPU and the unsloth extra only; never run on a GPU: its glue is tested on CPU against a stand-in; "
+        "double_quant false and quantize_experts on a mixture of experts are refused).")
 
     @field_validator("name_or_path")
     @classmethod
@@ -84,7 +85,7 @@ class ModelConfig(_Section):
 
 
 # The linear layers of a Llama-style decoder layer: what 'all-linear' adapts there (the memory model counts
-# these; Unsloth's loader takes names, not 'all-linear').
+# these).
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -109,9 +109,11 @@ def recipe_change_problem(run_dir: Path, recipe: Recipe) -> Optional[str]:
 
 def adapter_problem(checkpoint: Path, lora) -> Optional[str]:
     """Why the checkpoint's adapter cannot be loaded for the recipe's `lora` section (damaged, or another
-    shape), or None."""
+    shape), or its trainer_state.pt is not a whole file, or None: checked before any model is loaded."""
     if problem := ckpt.adapter_problem(checkpoint / "adapter"):
         return damaged(checkpoint, problem)
+    if problem := ckpt.trainer_state_file_problem(checkpoint / "trainer_state.pt"):
+        return damaged(checkpoint, f"{checkpoint / 'trainer_state.pt'}: {problem}")
     if problem := ckpt.adapter_mismatch(checkpoint / "adapter", lora):
         return (f"cannot resume from {checkpoint}: {problem}. Was recipe.yaml edited? A resumed run keeps these: "
                 "put them back, or start a new run.")
@@ -128,7 +130,8 @@ def read_trainer_state(checkpoint: Path, recipe: Recipe, loop_fields: set, param
     except ckpt.TrainerStateError as exc:
         raise ResumeError(damaged(checkpoint, f"trainer_state.pt: {exc}")) from None
     except Exception as exc:  # torch.load of a cut file: EOFError, RuntimeError, UnpicklingError, ...
-        raise ResumeError(damaged(checkpoint, f"trainer_state.pt: {type(exc).__name__}: {exc}")) from None
+        raise ResumeError(damaged(checkpoint, f"trainer_state.pt: unreadable, truncated or corrupt "
+                                              f"({type(exc).__name__}: {exc})")) from None
     made_with = saved.get("extra", {}).get("fixed")   # (older checkpoints: recipe.yaml's word only)
     if isinstance(made_with, dict):   # the run folder itself may move: output.dir is where it is now
         changed = resume_changes({k: v for k, v in made_with.items() if k != "output.dir"}, fixed_values(recipe), log)

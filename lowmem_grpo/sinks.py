@@ -10,12 +10,20 @@ JSONL (RUN/metrics.jsonl, RUN/samples.jsonl) always; TensorBoard (RUN/tensorboar
 for (`output.tensorboard`); Weights & Biases when `output.wandb_project` is set. `open_sinks` picks them
 from the recipe; an explicitly requested sink that is not installed, or one that cannot be opened, is a SinkError
 naming the field.
+
+A write that fails (a full disk), or a run folder deleted or moved while the run trains, is a SinkError too: one
+sentence naming the file and the checkpoint kept (a red team's find: a full disk ended the run in three chained OSError
+tracebacks; a deleted run folder was trained on to the end, its metrics written into a deleted file and its
+checkpoints into a new bare folder that neither --resume nor export accepted).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -58,20 +66,105 @@ class Sink:
 
 class JsonlSink(Sink):
     def __init__(self, run_dir: Path, resume_step: Optional[int]):
-        self.metrics = MetricsWriter(run_dir, resume_step=resume_step)
-        self.samples_path = Path(run_dir) / "samples.jsonl"
-        if resume_step is not None:  # tables of steps to be re-run go
-            truncate_after(self.samples_path, resume_step)
+        self.run_dir = Path(run_dir)
+        self.samples_path = self.run_dir / "samples.jsonl"
+        self.metrics: Optional[MetricsWriter] = None
+        writing = self.run_dir / "metrics.jsonl"
+        try:
+            self.metrics = MetricsWriter(run_dir, resume_step=resume_step)
+            writing = self.samples_path
+            if resume_step is not None:  # tables of steps to be re-run go
+                truncate_after(self.samples_path, resume_step)
+        except OSError as exc:   # a resume on a full disk: the trimmed copy of metrics.jsonl could not be written
+            for name in ("metrics.jsonl", "samples.jsonl"):   # (truncate_after's temp copy, cut short)
+                _unlink(self.run_dir / f"{name}.tmp")
+                _unlink(self.run_dir / f".tmp-{name}")
+            if self.metrics is not None:
+                self.metrics.close()
+            raise SinkError(f"cannot write {writing} ({_os_reason(exc, self.run_dir)}); nothing was trained: fix that "
+                            "(free some space there), then run the same command again") from None
+        self.folder = _identity(self.run_dir)
+        self.broken = False
 
     def write(self, row: dict) -> None:
-        self.metrics.write(row)
+        self._write(self.metrics.path, lambda: self.metrics.write(row), row.get("step"))
 
     def samples(self, step: int, records: list[dict]) -> None:
-        with open(self.samples_path, "a") as f:
-            f.write(json_line({"step": step, "samples": records}))
+        def append():
+            with open(self.samples_path, "a") as f:
+                f.write(json_line({"step": step, "samples": records}))
+
+        self._write(self.samples_path, append, step)
+
+    def _write(self, path: Path, write: Callable[[], None], step) -> None:
+        """write(), or a SinkError where the run folder is gone or the write failed."""
+        if (gone := self._folder_gone()) is not None:
+            self.broken = True
+            raise SinkError(f"the run folder {self.run_dir} {gone} while the run trained: stopped at step {step}, "
+                            "as nothing more of it could be kept there" + (
+                                ". If it was moved, continue the run from its new place: lowmem-grpo train --resume "
+                                "NEW_FOLDER" if "moved" in gone else ""))
+        try:
+            write()
+        except OSError as exc:
+            self.broken = True
+            raise SinkError(f"cannot write {path} ({_os_reason(exc, self.run_dir)}): the run stopped at step {step}; "
+                            + _kept(self.run_dir)) from None
+
+    def _folder_gone(self) -> Optional[str]:
+        """How the run folder went since the sink opened, or None while it is there."""
+        try:
+            if os.fstat(self.metrics._file.fileno()).st_nlink == 0:
+                return "was deleted (its metrics.jsonl with it)"
+            here = _identity(self.run_dir)
+        except FileNotFoundError:
+            return "was deleted or moved"
+        except OSError:   # (cannot tell: the write says what is wrong)
+            return None
+        return None if here == self.folder else "was deleted or moved (another folder is at its path now)"
 
     def close(self) -> None:
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        except OSError:   # (only after a failed write: every row is flushed as it is written)
+            if not self.broken:
+                raise
+
+
+def _identity(folder: Path) -> tuple:
+    st = os.stat(folder)
+    return st.st_dev, st.st_ino
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def _os_reason(exc: OSError, run_dir: Path) -> str:
+    """An OSError as a reason: its text, and on a full disk the space left there."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            reason += f"; {shutil.disk_usage(run_dir).free // 1024} KiB free on that filesystem"
+        except OSError:
+            pass
+    return reason
+
+
+def _kept(run_dir: Path) -> str:
+    """What a run stopped by a failed write keeps, and how to go on."""
+    from . import checkpoint as ckpt
+    from .distributed import launched_size
+    from .resume import resume_command
+
+    last = ckpt.latest(run_dir)
+    if last is None:
+        return "no checkpoint was written yet: fix that (free some space there), then start the run again"
+    return (f"its last checkpoint, {last}, is kept: fix that (free some space there), then resume with: "
+            f"{resume_command(run_dir, launched_size())}")
 
 
 def samples_markdown(records: list[dict]) -> str:
@@ -92,24 +185,42 @@ class TensorBoardSink(Sink):
         # the first (found by a red team: without it the server showed a re-run step twice)
         self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"),
                                     purge_step=0 if resume_step is None else resume_step + 1)
+        self.folder, self.broken = Path(run_dir) / "tensorboard", False
 
     def write(self, row: dict) -> None:
         step = int(row["step"])
-        for k, v in scalars(row).items():
-            self.writer.add_scalar(k, v, step)
-        rates = [x for x in row.get("success_rate/per_prompt") or [] if x is not None]
-        if rates:
-            import numpy as np
+        with self._failing(step):
+            for k, v in scalars(row).items():
+                self.writer.add_scalar(k, v, step)
+            rates = [x for x in row.get("success_rate/per_prompt") or [] if x is not None]
+            if rates:
+                import numpy as np
 
-            self.writer.add_histogram("success_rate/per_prompt", np.asarray(rates), step)
-        self.writer.flush()
+                self.writer.add_histogram("success_rate/per_prompt", np.asarray(rates), step)
+            self.writer.flush()
 
     def samples(self, step: int, records: list[dict]) -> None:
-        self.writer.add_text("samples", samples_markdown(records), step)
-        self.writer.flush()
+        with self._failing(step):
+            self.writer.add_text("samples", samples_markdown(records), step)
+            self.writer.flush()
+
+    @contextlib.contextmanager
+    def _failing(self, step: int):
+        """A failed write of the events file (a full disk, a deleted folder) as a SinkError, not tensorboard's
+        traceback."""
+        try:
+            yield
+        except OSError as exc:
+            self.broken = True
+            raise SinkError(f"output.tensorboard: cannot write {self.folder} ({_os_reason(exc, self.folder.parent)}): "
+                            f"the run stopped at step {step}; {_kept(self.folder.parent)}") from None
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError:   # (after a failed write; a folder deleted meanwhile: events lost, the run's metrics.jsonl says)
+            if not self.broken:
+                raise
 
 
 class WandbSink(Sink):
@@ -164,18 +275,29 @@ class Sinks(Sink):
     def __init__(self, sinks: list[Sink]):
         self.sinks = sinks
         self.closed = False
+        self.failed = False   # a write failed (a SinkError): the run is ending on that error, which close keeps
 
     @property
     def names(self) -> list[str]:
         return [type(s).__name__ for s in self.sinks]
 
     def write(self, row: dict) -> None:
-        for s in self.sinks:
-            s.write(row)
+        with self._failing():
+            for s in self.sinks:
+                s.write(row)
 
     def samples(self, step: int, records: list[dict]) -> None:
-        for s in self.sinks:
-            s.samples(step, records)
+        with self._failing():
+            for s in self.sinks:
+                s.samples(step, records)
+
+    @contextlib.contextmanager
+    def _failing(self):
+        try:
+            yield
+        except SinkError:
+            self.failed = True
+            raise
 
     def step_begin(self, step: int) -> None:
         for s in self.sinks:
@@ -190,8 +312,14 @@ class Sinks(Sink):
         if self.closed:
             return
         self.closed = True
-        for s in self.sinks:
-            s.close()
+        first = None
+        for s in self.sinks:   # each of them, whatever one raises; after a failed write, quietly (a red team's find:
+            try:               # a deleted run folder's SinkError was replaced by TensorBoard's traceback from close)
+                s.close()
+            except Exception as exc:
+                first = first or exc
+        if first is not None and not self.failed:
+            raise first
 
 
 def tensorboard_available() -> bool:

@@ -42,7 +42,7 @@ from . import resume as resume_rules
 from .advantages import group_advantages, normalize_then_sum_advantages
 from .batch import (SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, minibatches, pack,
                     trained_completions)
-from .data import PROMPT_RECORD, batch_indices, prompt_record, prompt_sets
+from .data import PROMPT_RECORD, batch_indices, hold_to_engine_context, prompt_record, prompt_sets
 from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
 from .evaluate import accuracy_text, combine_greedy
@@ -64,8 +64,8 @@ from .rewards import Rewards
 from .rewards.judging import judging_notes
 from .rollout import make_engine
 from .rollout.base import EVAL_BATCH, EngineConfig, SamplingParams
-from .rollout.turns import (TurnLimits, completion_texts, model_tokens, prompt_ids, prompt_text, runner, score,
-                            segments)
+from .rollout.turns import (TurnLimits, completion_texts, context_tokens as engine_context, model_tokens, prompt_ids,
+                            prompt_text, runner, score, segments)
 from .sinks import SinkError, Sinks, open_sinks
 
 
@@ -146,7 +146,8 @@ class Trainer:
         # eval_set: data.eval_path, or data.eval_fraction's held-out split (None when neither is set). Rows
         # need data.answer_field only when a reward reads it.
         sets = prompt_sets(recipe.data, self.tokenizer, require_answer=self.rewards.reads_answer,
-                           context_tokens=context_tokens(self.model))   # (a prompt that fills it: a bad row)
+                           context_tokens=context_tokens(self.model),   # (a prompt that fills it: a bad row)
+                           reset_fills=self.env is not None)
         self.train_set, self.eval_set = sets["train"], sets["test"]
         self.rewards.train_rows = len(self.train_set)   # TRL-shaped rewards' trainer_state.epoch
         for note in self.rewards.notes + judging_notes(recipe):  # e.g. the code sandbox's active protections
@@ -161,6 +162,7 @@ class Trainer:
         self.engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, self.world)),
                                   self.model, self.tokenizer)
         try:
+            self._hold_rows_to_engine_context()
             self.check_sampler_agreement()
             self._init_loop(start_ckpt)
         except BaseException:
@@ -220,7 +222,11 @@ class Trainer:
         path, text = self.run_dir / "recipe.yaml", recipe_to_yaml(anchored(r))
         if start_ckpt is not None and path.is_file() and path.read_text() != text:
             self.log(f"[lowmem-grpo] {path} now holds this resume's settings")
-        ckpt.write_text_atomic(path, text)
+        try:
+            ckpt.write_text_atomic(path, text)
+        except OSError as exc:   # (a full disk between the lock and this write: a red team's find)
+            raise TrainingError(f"cannot write {path} ({exc.strerror or exc}): free some space there, then run the "
+                                "same command again") from None
 
     def _restore_rng(self, states: list) -> None:
         """Each process's RNG state as the checkpoint kept it; from a run of another process count, process
@@ -653,6 +659,12 @@ class Trainer:
         if note := context_note(self.model.config, prompt, self.recipe, "the longest, training or held-out"):
             self.log(f"[lowmem-grpo] note: {note}")
 
+    def _hold_rows_to_engine_context(self) -> None:
+        if note := hold_to_engine_context([self.train_set, self.eval_set], engine_context(self.engine),
+                                          context_tokens(self.model), self.recipe.generation.engine,
+                                          self.recipe.data.max_prompt_tokens):
+            self.log(f"[lowmem-grpo] note: {note}")
+
     def whole_run_memory_model(self) -> tuple[ModelShape, Workload]:
         """memory_model at the longest prompt, training or held-out: what every phase of the run is sized for."""
         sets = [s for s in (self.train_set, self.eval_set) if s is not None]
@@ -855,6 +867,8 @@ class Trainer:
                              keep_last=self.recipe.output.keep_last, rng=rng,
                              adapter_files={PROMPT_RECORD: record} if record else None)
         except ckpt.CheckpointWriteError as exc:   # a full disk: one clear line, and how to go on
+            if not self.run_dir.is_dir():   # deleted or moved mid-run: no space to free (found by a red team)
+                raise TrainingError(f"step {self.step}: {exc}") from None
             last = ckpt.latest(self.run_dir)
             raise TrainingError(f"step {self.step}: {exc}. " + (
                 f"Free some space there, then resume with: {self.resume_command}" if last

@@ -3,7 +3,8 @@
     python scripts/quickstart.py [--seed N] [--rebuild]
 
 1. Builds a small Qwen2-architecture model and a character tokenizer locally (no download), and gives it
-   a short supervised pass on two-number addition until it gets some problems right (about 15-45%).
+   a short supervised pass on two-number addition until it gets some problems right (about 15-50%), on problems
+   that neither GRPO nor the held-out eval uses (tiny.warm_start_split).
    That base is saved to runs/quickstart/base and reused on later runs (--rebuild to redo it).
 2. Trains it with GRPO through the real path (4-bit NF4 base via bitsandbytes, LoRA via peft, reference =
    adapters off) with recipes/quickstart.yaml, rewarding a correct sum.
@@ -39,12 +40,14 @@ def build_base(base_dir: Path, data_dir: Path, log) -> None:
     model = tiny.build_model(tok, tiny.TinyModelSpec(), seed=0)
     log(f"[quickstart] warm-starting a {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M-parameter model on addition ...")
     t0 = time.time()
-    acc, steps = tiny.warm_start(model, tok, train_rows, train_rows[:200], target=(0.30, 0.50), check_every=50,
-                                 log=lambda *a: None)
+    pool, probe = tiny.warm_start_split(train_rows + test_rows)   # (problems neither GRPO nor the eval sees)
+    acc, steps = tiny.warm_start(model, tok, pool, probe, target=(0.30, 0.50), check_every=25, log=lambda *a: None)
     held_out = tiny.greedy_accuracy(model, tok, test_rows)
     log(f"[quickstart] warm start: {steps} steps in {time.time() - t0:.0f}s, held-out accuracy {100 * held_out:.1f}%")
-    if not 0.05 <= held_out <= 0.50:
-        sys.exit(f"[quickstart] warm start left held-out accuracy at {100 * held_out:.1f}%, outside 5-50%; rerun with --rebuild")
+    # (the probe's reading swings by up to 10 points between checks near its target: a base may land past 50%)
+    if not 0.05 <= held_out <= 0.70:
+        sys.exit(f"[quickstart] warm start left held-out accuracy at {100 * held_out:.1f}%, outside 5-70%: the warm "
+                 "start did not work on this machine; please report it with the output of this command")
     with library_bars(use_bar("auto")):   # (transformers' "Writing model shards" bar: a terminal's, not a log's)
         model.save_pretrained(base_dir)
     tok.save_pretrained(base_dir)

@@ -41,8 +41,10 @@ def _training(shapes=((4, 8), (8, 4))):
     return params, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
 
-def _save(run, step, model=None, **kw):
+def _save(run, step, model=None, mkdir=True, **kw):
     params, opt, sched = _training(**kw)
+    if mkdir:
+        run.mkdir(parents=True, exist_ok=True)   # (the trainer makes its run folder: a save does not make it again)
     path = ckpt.save(run, step, model or FakeAdapter(), opt, sched, extra={"loop": {"nonfinite_run": 0}})
     return path, params
 
@@ -247,3 +249,69 @@ def test_bad_held_out_rows_skipped_at_start_up_are_said(tiny_model_dir, tiny_dat
     noted = [line for line in said if "held-out rows" in line]
     assert len(noted) == 1 and noted[0].startswith(
         "[lowmem-grpo] skipped 7 bad held-out rows (first: row 1: missing field 'answer'"), said
+
+
+# -- the disk and the filesystem ---------------------------------------------------------------------------
+
+def test_a_save_into_a_run_folder_that_went_is_refused_and_does_not_make_it_again(tmp_path):
+    """A red team's find: with the run folder deleted (or moved) mid-run, save made run/checkpoints/ again, and the run
+    finished into a bare folder of checkpoints that neither --resume nor export accepted (no recipe.yaml)."""
+    run = tmp_path / "run"
+    _save(run, 1)
+    shutil.rmtree(run)
+    with pytest.raises(ckpt.CheckpointWriteError, match=rf"could not write the checkpoint {run}/checkpoints/step-000002:"
+                                                        rf" the run folder {run} is gone \(deleted or moved"):
+        _save(run, 2, mkdir=False)
+    assert not run.exists()
+
+
+def test_write_text_atomic_flushes_and_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    """recipe.yaml (what resume and export read) was renamed into place unflushed, so a power cut could leave it
+    empty; a write that failed (a full disk) left its .tmp- file behind; a plain resume wrote the same text again."""
+    path = tmp_path / "recipe.yaml"
+    synced = []
+    real_fsync = ckpt.os.fsync
+    monkeypatch.setattr(ckpt.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    ckpt.write_text_atomic(path, "a: 1\n")
+    assert path.read_text() == "a: 1\n" and len(synced) == 2   # the file, then its folder
+    ckpt.write_text_atomic(path, "a: 1\n")
+    assert len(synced) == 2   # the same text: not written again
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.write_text_atomic(path, "a: 2\n")
+    assert path.read_text() == "a: 1\n" and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def _lora_checkpoint(run, step):
+    """A checkpoint whose adapter folder passes adapter_problem (a lora.r=4, alpha=8 adapter's config)."""
+    import json
+
+    path, _ = _save(run, step)
+    (path / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    return path
+
+
+@pytest.mark.parametrize("cut", ["half", "last_bytes", "empty"])
+def test_a_truncated_trainer_state_is_refused_naming_the_file_before_any_model_loads(tiny_model_dir, tiny_data,
+                                                                                     tmp_path, monkeypatch, cut):
+    """A red team's find: a cut trainer_state.pt (a copy cut short, a disk) was found only after the model had
+    loaded (minutes, for a large one), as "trainer_state.pt: OSError: [Errno 22] Invalid argument"."""
+    from lowmem_grpo import resume, train
+    from lowmem_grpo.recipe import LoraConfig
+
+    run = tmp_path / "run"
+    path = _lora_checkpoint(run, 2)
+    assert resume.adapter_problem(path, LoraConfig(r=4, alpha=8)) is None   # a whole one passes
+    state = path / "trainer_state.pt"
+    data = state.read_bytes()
+    state.write_bytes({"half": data[: len(data) // 2], "last_bytes": data[:-10], "empty": b""}[cut])
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("the model loaded first"))
+    d = recipe_dict(tiny_model_dir, tiny_data, run)
+    with pytest.raises(TrainingError, match=rf"^cannot resume from {path}: {state}: (truncated or corrupt|an empty "
+                                            rf"file).*\. Move that folder out of {run / 'checkpoints'} to resume from "
+                                            "the checkpoint before it"):
+        Trainer(recipe_from_dict(d), run_dir=run, resume=True, **QUIET)

@@ -340,10 +340,15 @@ def test_a_chat_prompt_with_nothing_to_answer_is_a_bad_row(tmp_path, chat_tok, p
 
 def test_an_empty_last_user_message_is_the_slot_an_environment_fills(tmp_path, chat_tok):
     """TRL's prompt for a row an environment_factory's reset() gives (trl.py's EMPTY_PROMPT): its text is appended to
-    the last message, so a last user message of no text at all is no blank prompt (spaces are)."""
+    the last message, so a last user message of no text at all is no blank prompt (spaces are) in a run with an
+    environment; in one without, nothing fills it, and the model was asked nothing (found by a red team)."""
     f = _chat_rows(tmp_path, [_m("user", "")], [_m("system", "s"), _m("user", "")])
-    assert [e.prompt_text for e in _open(f, chat_tok).examples] == ["<|user|>\n<|assistant|>",
-                                                                     "<|system|>s\n<|user|>\n<|assistant|>"]
+    ps = PromptSet(str(f), DataConfig(train_path=str(f)), chat_tok, reset_fills=True)
+    assert [e.prompt_text for e in ps.examples] == ["<|user|>\n<|assistant|>", "<|system|>s\n<|user|>\n<|assistant|>"]
+    with pytest.raises(DataError, match=r"row 1: the prompt field's message prompt\[0\] \(user\) is empty \(an empty "
+                                        r"last user message is the slot an environment's reset\(\) fills, and this run "
+                                        r"has none\)"):
+        _open(f, chat_tok)
 
 
 def test_none_keys_that_arrow_gives_chat_messages_are_dropped(tmp_path, chat_tok):

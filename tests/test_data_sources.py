@@ -117,6 +117,21 @@ def _rows(n_distinct: int, repeats: int = 1):
     return [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "copy": c} for i in range(n_distinct) for c in range(repeats)]
 
 
+def test_the_quickstarts_warm_start_probes_problems_it_neither_trains_on_nor_holds_out():
+    """The probe that stops the quickstart's warm start measures generalisation, and GRPO trains on problems the warm
+    start never saw (tiny.warm_start_split): a probe of training rows stopped it on a memorising base
+    (docs/benchmarks.md, quickstart)."""
+    from lowmem_grpo import tiny
+
+    train, held = tiny.split_addition_data(n_train=2000, n_test=200, seed=1234)
+    pool, probe = tiny.warm_start_split(train + held)
+    pool_p, probe_p, seen = ({r["prompt"] for r in rows} for rows in (pool, probe, train + held))
+    assert len(probe_p) == 200 and len(pool_p) == len(pool) and pool_p.isdisjoint(probe_p)
+    assert seen.isdisjoint(pool_p | probe_p) and len(pool_p | probe_p | seen) == 100 * 100
+    assert all(eval(r["prompt"][:-1]) == int(r["answer"]) for r in pool + probe)
+    assert tiny.warm_start_split(train + held) == (pool, probe)   # seeded
+
+
 def test_split_is_seeded_disjoint_and_complete():
     rows = _rows(200, repeats=3)  # every prompt three times: a row-level split would leak prompts
     cfg = DataConfig(train_path="x.jsonl", eval_fraction=0.1, split_seed=4)

@@ -258,6 +258,21 @@ def test_a_constructor_reset_or_counters_that_never_returns_ends_its_episode(how
         assert c.env.turns == (4 if how == "counters_hang" else 0)
 
 
+def test_a_row_awaiting_resets_message_that_reset_leaves_empty_is_that_episodes_error():
+    """A chat row ending with an empty user message (TRL's placeholder) is accepted in a run with an environment, for
+    reset() to fill: a reset() that gives no message left the model asked nothing. That episode's counted error; a
+    row with a question of its own runs as before."""
+    placeholder = Example({"prompt": [{"role": "user", "content": ""}], "answer": "2"}, "", [TOK.bos_token_id],
+                          messages=[{"role": "user", "content": ""}])
+    asked = Example({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}, "1+1=",
+                    [TOK.bos_token_id] + ids("1+1="), messages=[{"role": "user", "content": "1+1="}])
+    out = run_episodes(FakeEngine("12"), TOK, [placeholder, asked], SamplingParams(n=1, max_new_tokens=8), factory(),
+                       LIMITS)
+    assert "the row's last user message is empty, the slot reset()'s first message fills, and reset() returned none" \
+        in out[0].env.error and out[0].env.turns == 0
+    assert out[1].env.error is None and out[1].env.turns >= 1
+
+
 def test_reset_gets_its_own_copy_of_the_row():
     """The example's row is shared by its n episodes and read by the reward functions afterwards: an
     environment that changes the row it is given changes only its copy."""

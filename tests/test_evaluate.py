@@ -124,6 +124,11 @@ def test_eval_of_an_exported_merged_model(tiny_model_dir, tiny_data, tmp_path):
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert summary["model"] == str(tmp_path / "exp" / "merged") and summary["adapter"] is None
     assert summary["n"] == 8 and "pass@1" in summary
+    assert "quantized again" not in p.stdout
+    # The recipe's 4-bit load quantizes the merged weights again: said, with the setting that avoids it
+    p = _cli("eval", str(recipe), "--model", str(tmp_path / "exp" / "merged"), "--out", str(tmp_path / "ev4"))
+    assert p.returncode == 0, p.stderr
+    assert "quantized again" in p.stdout and "model.load_in_4bit=false" in p.stdout
 
 
 @pytest.mark.slow(20)

@@ -260,3 +260,58 @@ def test_the_export_of_a_4bit_run_says_its_merged_model_is_on_the_full_precision
     (run / "recipe.yaml").write_text(yaml.safe_dump(d))
     res = export(run, tmp_path / "nf4")
     assert res.exit_code == 0 and note in res.output, res.output
+
+
+class Interrupted(Exception):
+    """What this test's SIGINT handler raises (not a KeyboardInterrupt, which would end the pytest session)."""
+
+
+def test_a_ctrl_c_between_overwrites_renames_is_handled_after_them(run, tmp_path, monkeypatch):
+    """A red team's find: a Ctrl-C right after --overwrite set the earlier export aside, before the new one was
+    renamed into place, left no export at --out, and the finished new one was deleted with the staging folder."""
+    import signal
+
+    from lowmem_grpo import export as export_mod
+
+    out = tmp_path / "exp"
+    assert export(run, out, "--adapter-only").exit_code == 0
+    real, calls = os.replace, []
+
+    def replace_then_ctrl_c(src, dst):
+        real(src, dst)
+        calls.append(Path(dst).name)
+        if len(calls) == 1:   # the earlier export was just set aside: the Ctrl-C comes now
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    monkeypatch.setattr(export_mod.os, "replace", replace_then_ctrl_c)
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        with pytest.raises(Interrupted):
+            export_mod.export_run(run, out, merged=False, overwrite=True, log=lambda *a: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    monkeypatch.undo()
+    assert calls[:2] == [f".exp.{export_mod.ASIDE}-{os.getpid()}", "exp"]   # both renames ran before the Ctrl-C
+    assert sorted(p.name for p in out.iterdir()) == ["adapter"] and not ckpt.adapter_problem(out / "adapter")
+    res = export(run, out, "--overwrite", "--adapter-only")   # what the Ctrl-C left beside it is cleaned up
+    assert res.exit_code == 0 and hidden(tmp_path) == [], res.output
+
+
+def test_ctrl_c_during_export_says_out_is_as_it_was_and_exits_130(tmp_path, monkeypatch):
+    """click said "Aborted!" and exit 1; export leaves --out as it was (its temporary folder goes: the kill -9 and
+    overwrite tests above), which is what a user needs to hear."""
+    from click.testing import CliRunner
+
+    from lowmem_grpo import export as export_module
+    from lowmem_grpo.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "export_run", interrupted)
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "exp")])
+    assert result.exit_code == 130, result.output
+    assert f"interrupted (Ctrl-C): --out {tmp_path / 'exp'} is as it was before this export" in result.output

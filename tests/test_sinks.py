@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import io
 import itertools
 import json
+import shutil
 import sys
 import types
 
@@ -14,9 +16,9 @@ import pytest
 
 from conftest import recipe_dict
 from lowmem_grpo import sinks
-from lowmem_grpo.metrics import json_line, read_metrics, text_ends
+from lowmem_grpo.metrics import json_line, read_metrics, read_metrics_file, text_ends
 from lowmem_grpo.progress import Progress, library_bars, use_bar
-from lowmem_grpo.recipe import recipe_from_dict
+from lowmem_grpo.recipe import OutputConfig, recipe_from_dict
 from lowmem_grpo.train import Trainer, TrainingError
 
 
@@ -354,3 +356,162 @@ def test_reward_functions_named_like_the_totals_keys_get_labels_of_their_own(mon
     row = diag.rollout_stats(result, torch.tensor([2, 2]), torch.tensor([False, False]), 2, torch.zeros(1, 2))
     assert (row["reward/mean"], row["reward/skipped"]) == (0.5, 0)   # the total's: math's only (the rest weigh 0)
     assert (row["reward/mean_1"], row["reward/std_2"], row["reward/skipped_3"]) == (5.0, 7.0, 3.0)
+
+
+# -- the disk and the filesystem: a failed write, or a run folder that went, is one SinkError ------------------------
+
+DISK_FULL = "No space left on device"
+
+
+def _checkpoint(run, step):
+    """What checkpoint.latest takes for a complete checkpoint."""
+    folder = run / "checkpoints" / f"step-{step:06d}"
+    (folder / "adapter").mkdir(parents=True)
+    (folder / "trainer_state.pt").write_bytes(b"")
+
+
+class FullDiskFile:
+    """A metrics file on a disk that fills up: a write lands half, then fails, and so does every flush and the close
+    (Python's buffered file retries what it holds), as on a full tmpfs."""
+
+    def __init__(self, real):
+        self.real, self.full = real, False
+
+    def write(self, text):
+        if self.full:
+            self.real.write(text[: len(text) // 2])
+            self.real.flush()
+            raise OSError(errno.ENOSPC, DISK_FULL)
+        return self.real.write(text)
+
+    def flush(self):
+        if self.full:
+            raise OSError(errno.ENOSPC, DISK_FULL)
+        self.real.flush()
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def close(self):
+        self.real.close()
+        if self.full:
+            raise OSError(errno.ENOSPC, DISK_FULL)
+
+
+def test_a_full_disk_while_appending_metrics_is_one_sink_error_naming_the_file_and_the_checkpoint(tmp_path,
+                                                                                                  monkeypatch):
+    """A red team's find: a full disk at a metrics row ended the run in three chained OSError tracebacks (the write,
+    then the close of the file, twice), with nothing said of the checkpoint kept or how to go on."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _checkpoint(run, 2)
+    sink = sinks.JsonlSink(run, None)
+    sink.metrics._file = file = FullDiskFile(sink.metrics._file)
+    sink.write({"step": 1})
+    file.full = True
+
+    class Other(sinks.Sink):   # a sink on the same full disk: its close fails too
+        def write(self, row):
+            pass
+
+        def close(self):
+            raise OSError(errno.ENOSPC, DISK_FULL)
+
+    both = sinks.Sinks([sink, Other()])
+    with pytest.raises(sinks.SinkError) as err:
+        both.write({"step": 3, "loss": 0.5})
+    assert str(err.value) == (f"cannot write {run / 'metrics.jsonl'} ({DISK_FULL}; "
+                              f"{shutil.disk_usage(run).free // 1024} KiB free on that filesystem): the run stopped at "
+                              f"step 3; its last checkpoint, {run / 'checkpoints' / 'step-000002'}, is kept: fix that "
+                              f"(free some space there), then resume with: lowmem-grpo train --resume {run}")
+    both.close()   # the error above is the one the run ends on: no second one from the closes
+    assert read_metrics_file(run / "metrics.jsonl") == ([{"step": 1}], 1)   # the torn last line is skipped
+
+    # samples.jsonl likewise; a run with no checkpoint yet says to start again
+    shutil.rmtree(run / "checkpoints")
+    sink = sinks.JsonlSink(run, None)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, DISK_FULL, str(run / "samples.jsonl"))
+
+    monkeypatch.setattr(sinks, "open", full, raising=False)
+    with pytest.raises(sinks.SinkError, match=rf"cannot write {run / 'samples.jsonl'} \({DISK_FULL}; .*\): the run "
+                                              r"stopped at step 4; no checkpoint was written yet: .* start the run again"):
+        sink.samples(4, [{"completion": "1"}])
+    monkeypatch.undo()
+    sink.close()
+    # with no failed write, a failing close is not hidden
+    with pytest.raises(OSError):
+        sinks.Sinks([Other()]).close()
+
+
+def test_a_resume_on_a_full_disk_is_one_sink_error_and_leaves_metrics_as_they_were(tmp_path, monkeypatch):
+    """A resume trims metrics.jsonl through a temp copy: on a full disk that copy failed with a traceback, and the
+    empty metrics.jsonl.tmp stayed in the run folder (a red team's find, on a full tmpfs)."""
+    import pathlib
+
+    run = tmp_path / "run"
+    run.mkdir()
+    text = "".join(json_line({"step": s, "loss": 0.1}) for s in range(1, 5))
+    (run / "metrics.jsonl").write_text(text)
+    real = pathlib.Path.write_text
+
+    def full_for_temp_copies(self, data, *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            real(self, data[:10], *args, **kwargs)
+            raise OSError(errno.ENOSPC, DISK_FULL)   # (as the close of a full tmpfs's file: no file name)
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_for_temp_copies)
+    with pytest.raises(sinks.SinkError, match=rf"^cannot write {run / 'metrics.jsonl'} \({DISK_FULL}; \d+ KiB free on "
+                                              r"that filesystem\); nothing was trained: .* run the same command again"):
+        sinks.open_sinks(run, OutputConfig(tensorboard=False), {}, 2)
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == text
+    monkeypatch.undo()
+    s = sinks.open_sinks(run, OutputConfig(tensorboard=False), {}, 2)
+    s.close()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+@pytest.mark.parametrize("how", ["deleted", "moved", "replaced"])
+def test_a_run_folder_that_goes_mid_run_is_one_sink_error(tmp_path, how):
+    """A red team's find: a run folder deleted (or moved) mid-run was trained on to the end, its metrics written
+    into the deleted file, its checkpoints into a new bare folder that neither --resume nor export accepted."""
+    run = tmp_path / "run"
+    run.mkdir()
+    s = sinks.open_sinks(run, OutputConfig(tensorboard=False), {}, None)
+    s.write({"step": 1})
+    if how == "deleted":
+        shutil.rmtree(run)
+    else:
+        run.rename(tmp_path / "moved")
+        if how == "replaced":
+            run.mkdir()
+    with pytest.raises(sinks.SinkError, match=rf"^the run folder {run} was deleted.* while the run trained: stopped at "
+                                              r"step 2, as nothing more of it could be kept there") as err:
+        s.write({"step": 2})
+    assert str(err.value).endswith(". If it was moved, continue the run from its new place: lowmem-grpo train --resume "
+                                   "NEW_FOLDER") == (how != "deleted")
+    s.close()
+    assert how != "deleted" or not run.exists()
+    if how != "deleted":   # the moved folder holds the rows written before
+        assert [r["step"] for r in read_metrics(tmp_path / "moved")] == [1]
+
+
+def test_a_full_disk_under_tensorboard_is_one_sink_error(tmp_path):
+    """The TensorBoard writer's failed write was an OSError traceback, and its close raised one again."""
+    tb = sinks.TensorBoardSink(tmp_path, None)
+    tb.writer.close()
+
+    class FullWriter:
+        def add_scalar(self, *args):
+            raise OSError(errno.ENOSPC, DISK_FULL)
+
+        flush = close = add_text = add_scalar
+
+    tb.writer = FullWriter()
+    with pytest.raises(sinks.SinkError, match=rf"^output.tensorboard: cannot write {tmp_path / 'tensorboard'} "
+                                              rf"\({DISK_FULL}; .*\): the run stopped at step 5; no checkpoint"):
+        tb.write({"step": 5, "loss": 1.0})
+    tb.close()

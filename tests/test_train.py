@@ -319,6 +319,34 @@ def test_a_prompt_and_completion_past_the_models_context_are_noted(tiny_model_di
         assert bool(noted) == said, lines
 
 
+def test_rows_are_held_to_an_engines_context_shorter_than_the_models(tiny_model_dir, tiny_data, tmp_path, monkeypatch):
+    """Found by a red team: vLLM may take fewer tokens than the model's config gives (a LongRoPE model's pretraining
+    length, a tokenizer's model_max_length); rows were checked against the config alone, and a longer prompt
+    stopped the run mid-way. Start-up refuses data whose longest prompt does not fit, and otherwise holds the rows
+    to the engine's context (here the transformers engine, told to take 20 or 7 tokens; the longest prompt is 7)."""
+    from lowmem_grpo.data import DataError
+    from lowmem_grpo.evaluate import run_eval
+    from lowmem_grpo.rollout.hf import HFEngine
+
+    lines = []
+    monkeypatch.setattr(HFEngine, "context_tokens", lambda self: 20)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"preflight": False})
+    trainer = Trainer(recipe_from_dict(d), log=lines.append)
+    try:
+        assert any("takes 20 tokens for this model (its config: 64): a prompt of 20 tokens or more is a bad row" in line
+                   for line in lines), lines
+        with pytest.raises(DataError, match="prompt is 21 tokens, which fills the model's context"):
+            trainer.train_set.render_row({"prompt": "1" * 17 + "+1=", "answer": "2"})
+    finally:
+        trainer.close()
+    monkeypatch.setattr(HFEngine, "context_tokens", lambda self: 7)
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run2", train={"preflight": False})
+    with pytest.raises(DataError, match="takes 7 tokens .*longest prompt is 7 tokens: set data.max_prompt_tokens below 7"):
+        Trainer(recipe_from_dict(d), **QUIET)
+    with pytest.raises(DataError, match="takes 7 tokens .*longest prompt is 7 tokens"):   # and `eval`, as the trainer
+        run_eval(recipe_from_dict(d), name="r", out_dir=str(tmp_path / "ev"), log=lambda *a: None)
+
+
 def test_a_prompt_that_fills_the_models_context_is_a_bad_row_in_training_and_eval(tiny_model_dir, tmp_path):
     """Found by a red team: a prompt of max_position_embeddings (64) tokens or more was only noted, then vLLM
     refused it mid-run with a 70-line traceback (transformers decoded past the model's positions). The trainer and

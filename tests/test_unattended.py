@@ -586,3 +586,57 @@ def test_a_full_disk_at_a_checkpoint_is_one_error_with_the_resume_command(tiny_m
                                             rf"Free some space there, then resume with: lowmem-grpo train --resume {run}"):
         t.fit()
     assert ckpt.latest(run).name == "step-000001"
+
+
+@pytest.mark.parametrize("how, tensorboard", [("deleted", "auto"), ("moved", False)])
+def test_a_run_folder_that_goes_mid_run_stops_the_run_and_is_not_made_again(tiny_model_dir, tiny_data, tmp_path,
+                                                                            monkeypatch, how, tensorboard):
+    """A red team's find: a run folder deleted (rm -rf) or moved (mv) mid-run was trained on to the end, exit 0: its
+    metrics went into the deleted file, its checkpoints into a new bare folder at the old path that neither --resume
+    nor export accepted (no recipe.yaml). Now the next metrics row stops it, and nothing is made at the old path;
+    a moved run resumes from its new place."""
+    import shutil
+
+    from lowmem_grpo.sinks import SinkError
+
+    run = tmp_path / "run"
+    d = recipe_dict(tiny_model_dir, tiny_data, run, train={"steps": 4, "preflight": False, "eval_at_start": False},
+                    output={"save_every": 1, "tensorboard": tensorboard})   # (off: it went on without a word)
+    d["data"]["eval_path"] = ""
+    real = ckpt.save
+
+    def save_then_the_folder_goes(run_dir, step, *args, **kwargs):
+        path = real(run_dir, step, *args, **kwargs)
+        if step == 1:
+            shutil.rmtree(run) if how == "deleted" else run.rename(tmp_path / "moved")
+        return path
+
+    monkeypatch.setattr(ckpt, "save", save_then_the_folder_goes)
+    t = Trainer(recipe_from_dict(d), **QUIET)
+    with pytest.raises(SinkError, match=rf"^the run folder {run} was deleted.* while the run trained: stopped at step 2"):
+        t.fit()
+    assert not run.exists()
+    if how == "moved":
+        monkeypatch.undo()
+        moved = tmp_path / "moved"
+        from lowmem_grpo.recipe import load_recipe
+
+        resumed = Trainer(load_recipe(moved / "recipe.yaml"), run_dir=moved, resume=True, **QUIET)   # (as --resume)
+        assert resumed.step == 1
+        resumed.close()
+
+
+def test_a_sink_error_mid_run_is_one_line_and_exit_2(capsys):
+    """A full disk under metrics.jsonl, or the run folder gone mid-run, is a SinkError raised from inside the loop:
+    the CLI printed it as the last line of a traceback (found by a red team). One line, exit 2, as other user errors."""
+    from lowmem_grpo.cli import _run
+    from lowmem_grpo.sinks import SinkError
+
+    def step():
+        raise SinkError("cannot write RUN/metrics.jsonl (No space left on device): the run stopped at step 3")
+
+    with pytest.raises(SystemExit) as exit_:
+        _run(step)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == "error: cannot write RUN/metrics.jsonl (No space left on device): the run " \
+                                          "stopped at step 3\n"

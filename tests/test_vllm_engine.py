@@ -649,3 +649,43 @@ def test_a_mixture_of_experts_is_refused_before_vllm_builds_anything(V_, tmp_pat
     finally:
         V_.vllm.LLM = real
     assert not built
+
+
+@pytest.mark.slow(20)
+def test_a_yarn_models_context_is_the_trainers_and_its_logprobs_match_past_the_pretraining_length(V_, tmp_path):
+    """Found by a red team: vLLM 0.32 takes a YaRN config's max_position_embeddings as already scaled, so a config that
+    leaves it at the pretraining length (128 here, factor 4) took 128 tokens where the data (model.context_limit)
+    accepted 512, and a longer prompt stopped the run mid-way. The engine now takes 512, and its log-probs at
+    positions past 128 equal the trainer's (the same YaRN rotary embedding on both sides)."""
+    import json
+
+    from lowmem_grpo import tiny
+    from lowmem_grpo.batch import completion_logprobs, pack
+    from lowmem_grpo.model import context_tokens
+
+    tok = tiny.build_tokenizer()
+    tiny.build_model(tok, tiny.TinyModelSpec(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                                             intermediate_size=128, max_position_embeddings=128)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                           "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model, tok = _lora_model(tmp_path)
+    assert context_tokens(model) == 512
+    engine = V_.VLLMEngine(model, tok, EngineConfig("vllm", kv_cache_memory_bytes=32 << 20))
+    try:
+        assert engine.context_tokens() == 512
+        rng = random.Random(0)
+        prompts = [[tok.bos_token_id] + [rng.randint(3, 20) for _ in range(n - 1)] for n in (300, 500)]
+        torch.manual_seed(0)
+        out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, temperature=1.0))
+    finally:
+        engine.close()
+    batches = pack([prompts[c.prompt_index] for c in out], [c.token_ids for c in out], torch.zeros(len(out)), 1024,
+                   "token_mean", 8, tok.pad_token_id, sampler_logprobs=[c.logprobs for c in out])
+    with torch.no_grad():
+        model.eval()
+        trainer = completion_logprobs(model, batches[0], 1.0, 1024, 1024)
+    assert (trainer - batches[0].logp_sampler).abs().max().item() < 1e-4

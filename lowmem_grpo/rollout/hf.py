@@ -29,7 +29,7 @@ import torch
 from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
                           MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from ..model import context_tokens as model_context, eval_mode, stop_token_ids
+from ..model import context_tokens as model_context, eval_mode, loaded_by_unsloth, stop_token_ids
 from .base import Completion, SamplingParams, wave_plan
 
 
@@ -191,6 +191,10 @@ class HFEngine:
                 for p in prompts]
         kwargs = dict(max_new_tokens=max(1, max(room)), pad_token_id=pad, eos_token_id=list(eos) or None,
                       num_return_sequences=params.n, use_cache=True, **_NEUTRAL)
+        if context is not None and loaded_by_unsloth(self.model):
+            # Unsloth's generate refuses a padded width + max_new_tokens past the model's positions (2026.7): the
+            # batch's rows then end where its longest prompt's room does
+            kwargs["max_new_tokens"] = max(1, min(kwargs["max_new_tokens"], context - width))
         recorder, stops = None, None
         pad_counts = [width - len(p) for p in prompts for _ in range(params.n)]   # rows: prompt i at [i*n, (i+1)*n)
         if params.stop:

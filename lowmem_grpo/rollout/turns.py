@@ -139,9 +139,19 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable], time
                 raise EnvOutputError(f"reset()'s first message cannot be rendered as a prompt: {exc}") from None
             ep.prompt_ids, ep.prompt_text, ep.own_prompt = list(rendered.prompt_ids), rendered.prompt_text, True
             ep.prompt_messages = getattr(rendered, "messages", None)
+        elif _awaits_reset(example):
+            raise EnvOutputError("the row's last user message is empty, the slot reset()'s first message fills, and "
+                                 "reset() returned none")
     except EnvOutputError as exc:
         ep.end(error=str(exc))
     return ep
+
+
+def _awaits_reset(example) -> bool:
+    """The example's chat prompt ends with an empty user message (TRL's placeholder row, data.chat_messages):
+    the model would be asked nothing unless reset() gives the message."""
+    last = (getattr(example, "messages", None) or [{}])[-1]
+    return last.get("role") == "user" and last.get("content") == ""
 
 
 def _own_row(row: dict) -> dict:

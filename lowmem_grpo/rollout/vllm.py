@@ -95,7 +95,7 @@ from vllm.model_executor.layers.quantization.base_config import (  # noqa: E402
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding  # noqa: E402
 
 from ..internals import InternalsError, fence_error, names_used, peft_internals, raise_if_broken  # noqa: E402
-from ..model import _base, disable_cpu_4bit_repack, eval_mode, stop_token_ids  # noqa: E402
+from ..model import _base, context_limit, disable_cpu_4bit_repack, eval_mode, stop_token_ids  # noqa: E402
 from .base import DEFAULT_KV_CACHE_BYTES, Completion, EngineConfig, EngineError, SamplingParams  # noqa: E402
 
 
@@ -576,6 +576,7 @@ def _write_model_folder(model, tokenizer=None) -> tuple[str, bool]:
     for key in ("quantization_config", "_pre_quantization_dtype"):
         cfg.pop(key, None)
     cfg["use_cache"] = True
+    _yarn_context(cfg, context_limit(_base(model).config))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, default=str)
     saved = False
@@ -586,6 +587,20 @@ def _write_model_folder(model, tokenizer=None) -> tuple[str, bool]:
         except Exception:  # a tokenizer that cannot be saved: generation works, stop strings are refused
             saved = False
     return path, saved
+
+
+def _yarn_context(cfg: dict, most: Optional[int]) -> None:
+    """A YaRN config's context for vLLM as the trainer counts it (model.context_limit: factor x the pretraining
+    length). vLLM 0.32 takes a YaRN config's max_position_embeddings as already scaled, so on a config that leaves it
+    at the pretraining length (Qwen2.5's documented YaRN recipe does) it refused prompts the data had accepted, an
+    EngineError mid-run (found by a red team). Its YaRN rotary embedding reads only `factor` and
+    original_max_position_embeddings, so raising max_position_embeddings in the folder it builds from changes
+    nothing else."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn" \
+            and "original_max_position_embeddings" in rope:
+        if most and most > cfg.get("max_position_embeddings", 0):
+            cfg["max_position_embeddings"] = most
 
 
 def _model_dtype(model) -> torch.dtype:
