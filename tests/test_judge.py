@@ -10,15 +10,21 @@ the harness's memory still cannot pass a test it fails; and what remains for tes
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import marshal
+import os
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
-from lowmem_grpo.rewards import code
+from lowmem_grpo.rewards import code, code_io
 from lowmem_grpo.rewards.code import (classify_tests, count_judging, decode_value, judge_value, judging,
                                       run_tests)
+from lowmem_grpo.rewards.sandbox import SandboxLimits
 
 OUTSIDE = ["assert f(1) == 2", "assert f(1) != 2", "assert 2 == f(1)", "assert f(1) < 3.5", "assert f(1) in ['a', 'b']",
            "assert 'a' in f(1)", "assert f(1) not in (1, 2)", "assert f() is None", "assert f() is not True",
@@ -398,6 +404,55 @@ def test_a_test_that_swallows_its_timeout_is_cut_off_by_the_reporter():
                     timeout=0.5, total_timeout=30)
     assert run.passed == [True, False, False] and run.details[1:] == ["_TestTimeout", "not_run"]
     assert time.monotonic() - start < 10     # the reporter gave up at 0.5 + 0.2 s, not at the 30 s wall clock
+
+
+@contextlib.contextmanager
+def one_cpu_shared_with(spinners: int):
+    """This process, and the programs it judges, on one CPU with `spinners` busy processes, each in a session of its
+    own (the scheduler shares a CPU equally between sessions where autogroup applies, between threads elsewhere): a
+    program judged meanwhile gets at most 1 / (spinners + 1) of a CPU, however idle the machine."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    procs = []
+    try:
+        os.sched_setaffinity(0, {cpu})   # (inherited by what this process starts)
+        for _ in range(spinners):
+            procs.append(subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"], start_new_session=True))
+        deadline = time.monotonic() + 60
+        while any(psutil.Process(p.pid).cpu_times().user < 0.05 for p in procs):   # spinning, past their start-up
+            assert time.monotonic() < deadline, "the busy processes did not start"
+            time.sleep(0.02)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize("namespaces", [pytest.param(True, id="namespaces"), pytest.param(False, id="no-namespaces")])
+def test_a_solution_waiting_for_the_cpu_is_not_failed_as_a_timeout(monkeypatch, namespaces):
+    """Found by a red team: every time limit was wall-clock time, so a correct solution taking 0.3 s of a 0.6 s limit,
+    judged while two busy processes shared its CPU (the trainer's load, or the programs judged beside it), got at most
+    a third of it and failed every test as a timeout, scored as a wrong answer. A step's time is now the wall clock
+    less the time the program (and the harness) waited for a CPU, up to LOAD_ALLOWANCE x the limit (raised here to
+    keep the test far from it on a loaded machine). A solution that needs more than its limit, of CPU or asleep,
+    still fails: the harness's own waiting is not forgiven (the relay, polling, waits for the CPU too). (With
+    namespaces the harness reads the waiting of a process it forked only because that makes itself dumpable: the
+    sandbox's /proc hides the others; without, the host's shows it.)"""
+    monkeypatch.setattr(code, "LOAD_ALLOWANCE", 10.0)
+    monkeypatch.setattr(code_io, "LOAD_ALLOWANCE", 10.0)
+    burn = "import time\ndef f(x, seconds):\n    t = time.thread_time()\n    while time.thread_time() - t < seconds:\n" \
+           "        pass\n    return x * 2\ndef g(x, seconds):\n    time.sleep(seconds)\n    return x * 2\n"
+    program = burn + "x, seconds, how = input().split()\nprint((f if how == 'burn' else g)(int(x), float(seconds)))\n"
+    with one_cpu_shared_with(2):
+        limits = SandboxLimits(namespaces=namespaces)
+        run = run_tests(burn, ["assert f(1, 0.3) == 2", "assert f(2, 0.3) == 4", "assert f(3, 0.9) == 6",
+                               "assert g(4, 0.8) == 8"], timeout=0.6, limits=limits)
+        io = code_io.run_cases(program, [("1 0.3 burn\n", "2\n"), ("3 0.9 burn\n", "6\n"), ("4 0.8 sleep\n", "8\n")],
+                               timeout=0.6, limits=limits, allow_weak_sandbox=not namespaces)
+    assert run.passed == [True, True, False, False] and run.details[2:] == ["_TestTimeout"] * 2, run.details
+    assert io == [True, False, False]
 
 
 def test_counter_and_subclasses_that_compare_like_their_base_still_pass():

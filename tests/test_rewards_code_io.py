@@ -304,9 +304,10 @@ def test_the_cases_run_in_one_program_are_judged_as_each_in_its_own():
 
 def test_what_a_case_leaves_running_cannot_reach_the_next():
     """A program that leaves a process behind (its own process group, so the group kill misses it) gets nothing into
-    the next case's output: it holds only its own case's pipes, and every process of the run is non-dumpable (the
-    relaying program makes itself so before it forks), so none can open another's descriptors. With the cases'
-    processes made dumpable again, this test fails (the second case's output gets the 9)."""
+    the next case's output: it holds only its own case's pipes, and it is killed before the next case starts. (Under
+    hidepid each case's process makes itself dumpable, so that the relay can read how long it waited for a CPU: a
+    process of the run's uid may then open its /proc entries, descriptors included, but none of an earlier case is
+    left to.)"""
     program = ("import os, sys, time\nn = int(input())\n"
                "print(n, flush=True)\n"
                "if n == 1:\n    os.close(1)\n"   # (what it leaves then holds no output of its own case)

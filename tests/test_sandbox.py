@@ -150,7 +150,7 @@ def test_environment_is_minimal_and_identity_unprivileged(namespaces):
                      "'pid': os.getpid(), 'cwd': os.getcwd()}))", 10, namespaces=namespaces)
     import json
     info = json.loads(res.stdout)
-    assert info["env"] == ["HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"]
+    assert info["env"] == ["HOME", "LANG", "LC_ALL", "MALLOC_ARENA_MAX", "PATH", "TMPDIR"]   # (the last: sandbox.py)
     if "uid" in res.protections:
         assert SANDBOX_UID_BASE <= info["uid"] < SANDBOX_UID_BASE + SANDBOX_UID_SPAN or info["uid"] == 65534
     if "pidns" in res.protections:
@@ -187,6 +187,35 @@ def test_output_cap_can_truncate_instead_of_killing():
 def test_memory_limit():
     res = run_python("b = bytearray(512 * 2**20)\nprint('allocated')", 20, memory_mb=256)
     assert "allocated" not in res.stdout and "MemoryError" in res.stderr
+
+
+def test_threads_are_not_refused_for_address_space_they_only_reserve():
+    """Found by a red team: glibc's malloc gives each thread that allocates an arena of its own (up to 8 per CPU),
+    each reserving 64 MiB of address space, which RLIMIT_AS counts: 20 threads holding 100 KB each could not start
+    ("can't start new thread") under memory_mb=1024 while using ~25 MB. The program runs with MALLOC_ARENA_MAX=2 now."""
+    prog = """
+import threading
+n = 20
+barrier = threading.Barrier(n + 1, timeout=10)
+held = []
+def hold():
+    held.append(bytearray(100_000))   # below malloc's mmap threshold: from this thread's arena
+    barrier.wait()
+threads = []
+try:
+    for _ in range(n):
+        threads.append(threading.Thread(target=hold))
+        threads[-1].start()
+    barrier.wait()
+except (RuntimeError, MemoryError, threading.BrokenBarrierError) as exc:
+    barrier.abort()
+    print('failed', type(exc).__name__)
+for t in threads:
+    t.join()
+print(len(held))
+"""
+    res = run_python(prog, 30, memory_mb=512)
+    assert res.ok and res.stdout.split() == ["20"], (res.stdout, res.stderr[-500:])
 
 
 def test_file_size_limit():

@@ -40,14 +40,20 @@ it reads anything:
    neither ptrace it nor open its /proc entries: memory, descriptors), deletes its source file, forks
    the *solver*, then reads the job (a random nonce, the solution, the tests' sources) from stdin; it
    alone holds the pipe to the trainer and writes "<nonce> <i> value <data>|pass|fail <why>";
-2. the solver points stdin/stdout/stderr at /dev/null, keeps only its two pipes to the reporter, runs
-   the solution, then each test when the reporter asks for it (compiled by the reporter), with a fresh
-   random key per test, under a SIGALRM limit (`timeout`); it replies "<key> value <data>|pass|fail <why>";
+2. the solver makes itself dumpable again (so that the reporter may read its /proc/<pid>/schedstat), points
+   stdin/stdout/stderr at /dev/null, keeps only its two pipes to the reporter, runs the solution, then each test
+   when the reporter asks for it (compiled by the reporter), with a fresh random key per test, under a SIGALRM
+   limit (`timeout`); it replies "<key> value <data>|pass|fail <why>";
 3. the reporter attributes a reply to test i only if it carries test i's key and it reads it before test i's
    deadline, which holds where the solution ignores its alarm: `timeout` + 0.2 s, plus 20 ns per byte of
    the compiled test sent and 100 ns per byte of the reply (encoded off the clock), from before the solver
    gets the step, so a solver that stops the reporter gains no time; past it the solver is killed and the
    remaining tests fail. It exits when the tests are done (threads the solution left running do not hold it up).
+
+Every step's `timeout` (the solver's alarm and the reporter's deadline, and code_io's cases) is wall-clock time
+less the time the program's main thread waited for a CPU (`Clock`), up to LOAD_ALLOWANCE x
+`timeout`: a machine loaded by the trainer or by the programs judged beside it does not fail a correct solution
+as a timeout, while sleeping, looping and computing count as before (docs/sandbox.md, "Time limits under load").
 
 So printing "PASS", exiting early, closing stdout, printing forever, catching the timeout, writing fake
 report lines to every descriptor, or finding the nonce score nothing: the nonce and the trainer's pipe
@@ -83,6 +89,11 @@ _MAX_SAME_HASH = 16      # elements of one decoded set (keys of one dict) that m
 # slack past `timeout`, plus what grows with data the solver must move, never with the time a test takes to
 # compile (found by a red team: 1 us per byte of source let a call with 3 MB of arguments take 3.5 s of a 1 s limit).
 _GRACE_S = 0.2           # past a step's own limit, the reporter stops waiting for the solver
+# A step's limit is `timeout` of wall-clock time less the time the program's main thread waited for a CPU, so
+# that a machine loaded by the trainer or by the programs judged beside it does not fail a correct solution as a
+# timeout (found by a red team: a solution taking 0.6 s of a 1 s limit, next to two busy processes, failed every
+# test); in all at most LOAD_ALLOWANCE x `timeout` of wall-clock time.
+LOAD_ALLOWANCE = 3.0
 _LOAD_S_PER_BYTE = 2e-8  # per byte of a compiled test sent (hex): ~3 ns to read and load it (6 MB: 20 ms)
 _REPLY_S_PER_BYTE = 1e-7   # per byte of a reply: a returned value is encoded off its clock (~50 ns a byte)
 _COMPILE_S_PER_BYTE = 1e-6   # the run's wall clock only: the reporter compiles each test before its clock starts
@@ -137,6 +148,75 @@ def read_job():
             break
         chunks.append(chunk)
     return marshal.loads(b"".join(chunks))
+
+
+def waited(pid):
+    # nanoseconds the main thread of process `pid` ("self": this one) has spent runnable but waiting for a CPU
+    # (/proc/<pid>/schedstat, second field); None where that cannot be read (gone, hidden from us: not dumpable)
+    try:
+        fd = os.open("/proc/%s/schedstat" % (pid,), os.O_RDONLY)
+        try:
+            return int(os.read(fd, 256).split()[1])
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def show_waiting():
+    # In a fork of the (non-dumpable) harness, first thing: where /proc shows a process only what it may ptrace (the
+    # sandbox's own, hidepid=2; each run has its own PID namespace there), become dumpable again, so that the harness
+    # may read how long this process waited for a CPU (Clock). It holds nothing the program does not get anyway.
+    # Elsewhere (the host's /proc, which may show the processes of another run of the same uid) schedstat is readable
+    # as it is, and the fork stays non-dumpable.
+    if waited(os.getppid()) is None:
+        try:
+            prctl(4, 1)
+        except Exception:
+            pass
+
+
+class Clock:
+    # A step's time limit, taken now: `limit` seconds of the wall clock, plus the time that the program's process
+    # `pid` (its main thread) spends waiting for a CPU from now on, so that a loaded machine does not fail a program
+    # that needs less than `limit`; never more than `load` x `limit` in all. Only the program's: the harness's own
+    # waiting, while it polls (the relay wakes every 50 ms), overlaps the program's running and waiting (0.8 s of 5.4 s
+    # beside a spinning case): added, a case needing 0.9 s of a 0.6 s limit would pass under load. What cannot be read
+    # is not forgiven (a program that hides its waiting gets the plain wall clock). `pid` None: a process forked after
+    # the start, set with fresh().
+    def __init__(self, limit, load, pid):
+        self.start = time.monotonic()
+        self.limit, self.most = limit, limit * max(load, 1.0)
+        self.pid, self.base = pid, None if pid is None else waited(pid)
+        self.forgiven = 0.0
+
+    def fresh(self, pid):
+        # the program's process, forked since the start: its waiting starts at 0
+        self.pid, self.base = pid, 0
+
+    def refresh(self):
+        now = None if self.pid is None else waited(self.pid)
+        if now is None:   # (gone: what was read before stays)
+            return
+        if self.base is None:   # (not readable when the step started: from the first reading on)
+            self.base = now
+        self.forgiven = max(self.forgiven, (now - self.base) / 1e9)
+
+    def end(self, refresh=True):
+        # when the step's time runs out, on time.monotonic()'s clock
+        if refresh:
+            self.refresh()
+        return self.start + min(self.limit + self.forgiven, self.most)
+
+    def left(self, slack=0.0):
+        # seconds left before end() + slack; the waiting is read again only once the time seems to have run out
+        # (and then at most every 10 ms)
+        left = self.end(False) + slack - time.monotonic()
+        if left <= 0:
+            left = self.end() + slack - time.monotonic()
+            if left > 0:
+                left = max(left, 0.01)
+        return left
 """
 
 # The harness. Constant text: everything run-specific (nonce, solution, tests) comes on stdin.
@@ -240,12 +320,21 @@ def solver(cmd_r, rep_w):
     class _TestTimeout(BaseException):
         pass
 
+    step = [None]   # the Clock of the step running
+
     def alarm(signum, frame):
+        # at `limit` on the wall clock: more time where this process waited for a CPU meanwhile (Clock)
+        clock = step[0]
+        if clock is not None:
+            left = clock.left()
+            if left > 0:
+                signal.setitimer(signal.ITIMER_REAL, left)
+                return
         raise _TestTimeout()
 
     signal.signal(signal.SIGALRM, alarm)
     job = marshal.loads(bytes.fromhex(reader.readline().decode()))
-    limit = job["timeout"]
+    limit, load = job["timeout"], job["load"]
     namespace = {"__name__": "__solution__", "__builtins__": __builtins__}
     try:
         if job["prelude"]:
@@ -257,10 +346,12 @@ def solver(cmd_r, rep_w):
             names.update(vars(__builtins__))   # (in __main__, __builtins__ is the module)
             namespace["__builtins__"] = names
         try:
+            step[0] = Clock(limit, load, "self")
             signal.setitimer(signal.ITIMER_REAL, limit)
             exec(compile(job["solution"], "<solution>", "exec"), namespace)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            step[0] = None
     except BaseException as exc:
         reply(job["key"], "fail", type(exc).__name__)
         return
@@ -279,10 +370,12 @@ def solver(cmd_r, rep_w):
             # the test comes compiled (by the reporter, before its clock started), and the returned value is
             # encoded off the clock: neither is the solution's time
             try:
+                step[0] = Clock(limit, load, "self")
                 signal.setitimer(signal.ITIMER_REAL, limit)
                 result = eval(cmd["code"], namespace) if value else exec(cmd["code"], namespace)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+                step[0] = None
             payload = encode(result) if value else ""
         except NotPlain as exc:
             reply(cmd["key"], "fail", exc.args[0])
@@ -311,12 +404,14 @@ def reporter(child, cmd_w, rep_r, private):
     def message(obj):
         return (marshal.dumps(obj).hex() + "\n").encode()
 
-    def send(data, deadline):
+    def send(data, clock, slack):
         data = memoryview(data)
         while data:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [cmd_w], [], left)[1]:
+            left = clock.left(slack)
+            if left <= 0:
                 return False
+            if not select.select([], [cmd_w], [], left)[1]:
+                continue
             try:
                 data = data[os.write(cmd_w, data):]
             except BlockingIOError:
@@ -325,11 +420,11 @@ def reporter(child, cmd_w, rep_r, private):
                 return False
         return True
 
-    def receive(key, deadline, per_byte=0.0):
-        # the first line that carries `key`, read by `deadline` plus `per_byte` a byte of it; "timeout" or "gone"
-        # when none comes
+    def receive(key, clock, slack, per_byte=0.0):
+        # the first line that carries `key`, read by the end of `clock` plus `slack` plus `per_byte` a byte of it;
+        # "timeout" or "gone" when none comes
         prefix = key.encode() + b" "
-        last = deadline + (CAP + 256) * per_byte
+        most = slack + (CAP + 256) * per_byte
         while True:
             nl = pending.find(b"\n")
             while nl >= 0:
@@ -341,7 +436,7 @@ def reporter(child, cmd_w, rep_r, private):
                     # The deadline again: the solver may stop this process (SIGSTOP, its parent, same uid) while it
                     # waits, work past its limit, and have a process it left resume it once the reply is in the
                     # pipe. A reply is in time only if it is read in time.
-                    if time.monotonic() > deadline + len(line) * per_byte:
+                    if time.monotonic() > clock.end() + slack + len(line) * per_byte:
                         return "timeout"
                     return line[len(prefix):].decode("utf-8", "replace")
                 nl = pending.find(b"\n")
@@ -351,23 +446,26 @@ def reporter(child, cmd_w, rep_r, private):
                 skipping[0] = True
                 if ours:
                     return "fail value_too_large"
-            left = last - time.monotonic()
-            if left <= 0 or not select.select([rep_r], [], [], left)[0]:
+            left = clock.left(most)
+            if left <= 0:
                 return "timeout"
+            if not select.select([rep_r], [], [], left)[0]:
+                continue
             chunk = os.read(rep_r, 1 << 16)
             if not chunk:
                 return "gone"
             pending.extend(chunk)
 
     report("ready", private)
-    limit = job["timeout"]
+    limit, load = job["timeout"], job["load"]
     key = os.urandom(8).hex()
-    # one deadline, taken before the solver can run the solution: taken after send(), a solver that stopped this
-    # process first would have its time from whenever it let it go on
-    deadline = time.monotonic() + limit + GRACE
-    sent = send(message({"key": key, "solution": job["solution"], "timeout": limit, "prelude": job["prelude"],
-                         "defines": job["defines"]}), deadline)
-    got = receive(key, deadline) if sent else "gone"
+    # one clock, taken before the solver can run the solution: taken after send(), a solver that stopped this
+    # process first would have its time from whenever it let it go on. It allows the time the solver waits for a
+    # CPU (Clock), up to load x limit; this process's own delays in reading the reply are what GRACE is for.
+    clock = Clock(limit, load, child)
+    sent = send(message({"key": key, "solution": job["solution"], "timeout": limit, "load": load,
+                         "prelude": job["prelude"], "defines": job["defines"]}), clock, GRACE)
+    got = receive(key, clock, GRACE) if sent else "gone"
     verdict, _, payload = got.partition(" ")
     if verdict != "ok":
         report("setup", "fail", "_TestTimeout" if got == "timeout" else clean(payload or got))
@@ -384,10 +482,10 @@ def reporter(child, cmd_w, rep_r, private):
         except Exception as exc:   # (SyntaxError, MemoryError, RecursionError: what the solver would have replied)
             report(i, "fail", clean(type(exc).__name__))
             continue
-        deadline = time.monotonic() + limit + GRACE + len(data) * LOAD_S_PER_BYTE
-        sent = send(data, deadline)
+        clock, slack = Clock(limit, load, child), GRACE + len(data) * LOAD_S_PER_BYTE
+        sent = send(data, clock, slack)
         code = data = None
-        got = receive(key, deadline, REPLY_S_PER_BYTE) if sent else "gone"
+        got = receive(key, clock, slack, REPLY_S_PER_BYTE) if sent else "gone"
         verdict, _, payload = got.partition(" ")
         if got in ("timeout", "gone"):
             report(i, "fail", "_TestTimeout" if got == "timeout" else "solver_died")
@@ -411,6 +509,7 @@ def main():
     child = os.fork()
     if child == 0:
         try:
+            show_waiting()
             null = os.open(os.devnull, os.O_RDWR)
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
@@ -784,12 +883,14 @@ def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEO
     """Run `code`, then each of `tests` (sources, or how each is judged: a Judging), in one sandboxed program;
     report which tests passed.
 
-    timeout: seconds allowed for the solution's top level and for each test (SIGALRM inside the program;
-        a solution that ignores it is cut off by the reporter 0.2 s later, plus 20 ns per byte of the compiled
-        test and 100 ns per byte of its reply: the module docstring).
-    total_timeout: wall-clock limit of the whole program, default timeout * (len(tests) + 1) + 2 s, plus 1 us per
-        byte of the tests, which the reporter compiles off their clocks (the sum of the per-step limits, plus
-        interpreter start-up); past it the program is killed and the tests that did not report count as failed.
+    timeout: seconds allowed for the solution's top level and for each test, less the time spent waiting for a
+        CPU, up to LOAD_ALLOWANCE x timeout of wall-clock time (SIGALRM inside the program; a solution that
+        ignores it is cut off by the reporter 0.2 s later, plus 20 ns per byte of the compiled test and 100 ns per
+        byte of its reply: the module docstring).
+    total_timeout: wall-clock limit of the whole program, default LOAD_ALLOWANCE * timeout * (len(tests) + 1) + 2 s,
+        plus 1 us per byte of the tests, which the reporter compiles off their clocks (the sum of the per-step
+        limits, plus interpreter start-up); past it the program is killed and the tests that did not report count
+        as failed.
     limits: the sandbox's limits (memory_mb, max_procs, namespaces, ...); default SandboxLimits().
     prelude: source run before the solution, whose names the solution sees as it sees the builtins (which
         win over them); none of them is the solution's own.
@@ -798,11 +899,13 @@ def run_tests(code: str, tests: Sequence, *, timeout: float = DEFAULT_TEST_TIMEO
     tests = list(tests)
     plans = [t if isinstance(t, Judging) else judging(t) for t in tests]
     nonce = secrets.token_hex(16)
-    job = marshal.dumps({"nonce": nonce, "solution": code, "timeout": float(timeout), "prelude": prelude,
+    job = marshal.dumps({"nonce": nonce, "solution": code, "timeout": float(timeout), "load": float(LOAD_ALLOWANCE),
+                         "prelude": prelude,
                          "defines": [str(name) for name in defines],
                          "tests": [{"kind": p.kind, "src": p.src} for p in plans]})
     compiling = sum(len(p.src) for p in plans) * _COMPILE_S_PER_BYTE
-    wall = total_timeout if total_timeout is not None else float(timeout) * (len(tests) + 1) + compiling + 2.0
+    wall = total_timeout if total_timeout is not None else \
+        float(timeout) * LOAD_ALLOWANCE * (len(tests) + 1) + compiling + 2.0
     lim = limits or SandboxLimits()
     # stdout carries only the reporter's lines, values included; past VALUES_CAP the run stops (output_limit)
     room = min(len(tests) * (VALUE_CAP + 256), VALUES_CAP) + 4096

@@ -31,10 +31,11 @@ comes back as plain data (rewards/code.py, "judged outside") and matches here wh
 with tuples read as lists (as JSON carries them), or, for APPS/TACO, the one element of an expected output they
 store wrapped in a list (as their own judge accepts).
 
-A case passes when the program exits 0 within `timeout` and its output matches: the same lines once trailing
-spaces and trailing blank lines are dropped, or else the same tokens, where whitespace is ASCII's only (space,
-\t, \n, \r, \v, \f: not U+00A0, U+3000, ...) and two plain decimal numbers (ASCII digits; no "inf", "nan",
-"1_000") also match within `float_tolerance` (relative, or absolute below 1) when the expected one has a
+A case passes when the program exits 0 within `timeout` (wall-clock time less what it waited for a CPU, up to
+code.LOAD_ALLOWANCE x `timeout`: docs/sandbox.md, "Time limits under load") and its output matches: the same lines
+once trailing spaces and trailing blank lines are dropped, or else the same tokens, where whitespace is
+ASCII's only (space, \t, \n, \r, \v, \f: not U+00A0, U+3000, ...) and two plain decimal numbers (ASCII digits; no
+"inf", "nan", "1_000") also match within `float_tolerance` (relative, or absolute below 1) when the expected one has a
 decimal point or an exponent (a "1e-6" checker, as many problems state). The expected output never enters the
 program's sandbox and the comparison happens here: a program can only print, never claim a verdict, so there is nothing to
 forge (docs/sandbox.md, "Verdicts"). A completion's cases run in one sandboxed program (_IO_HARNESS), each in a
@@ -42,7 +43,8 @@ fresh fork of it that holds only the case's stdin and stdout (what a case leaves
 wrote in /tmp, /dev/shm and its directory removed, before the next case starts; a case that ends past its limit
 is a timeout however it kept the relay from seeing the clock); that saves the sandbox's start-up (~0.1 s) per case:
 5.5x faster on 10 cases (scripts/bench_rewards.py), with the same verdicts as a sandboxed program per case
-(`run_cases_separately`, the reference the tests compare with). Each case's output is capped at twice the
+(`run_cases_separately`, the reference the tests compare with; its limit is plain wall-clock time, so on a loaded
+machine it may fail a case as a timeout that run_cases passes). Each case's output is capped at twice the
 expected size plus 4 KiB, plus 16 bytes per number compared within the tolerance, in place of max_output_bytes
 (a program printing more has failed already). That cap is applied here: a case's fork holds a copy of the relaying
 program's memory, which gets only 64 KiB or the power of two above the cap, so that no case can read the length of
@@ -76,8 +78,8 @@ import secrets
 from decimal import Decimal
 from typing import Iterable, Optional
 
-from .code import (DEFAULT_TEST_TIMEOUT_S, DEFAULT_WORKERS, HARNESS_COMMON, Judging, field_value, private_run,
-                   run_tests, sandbox_check, score_in_sandbox)
+from .code import (DEFAULT_TEST_TIMEOUT_S, DEFAULT_WORKERS, HARNESS_COMMON, LOAD_ALLOWANCE, Judging, field_value,
+                   private_run, run_tests, sandbox_check, score_in_sandbox)
 from .sandbox import SandboxError, SandboxLimits, run_python, sandbox_info
 
 DEFAULT_FLOAT_TOLERANCE = 1e-6
@@ -724,19 +726,22 @@ def frame():
     return read_exactly(int.from_bytes(read_exactly(8), "little"))
 
 
-def run_case(code, size, limit, cap):
+def run_case(code, size, limit, load, cap):
     # The case's input comes from this process's stdin as the program takes it, 64 KiB at a time: held whole here,
     # it (and every case's, in one job) would count against the program's RLIMIT_AS in each fork, which its own
     # sandbox would not count.
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     # The clock starts before the case can run: taken after the fork, a case that stopped this process first (or
-    # a relay the machine did not run for a while) would have its time from then on.
-    deadline = time.monotonic() + limit
+    # a relay the machine did not run for a while) would have its time from then on. It allows the time the case
+    # waits for a CPU (Clock), up to `load` x `limit`.
+    clock = Clock(limit, load, None)
     pid = os.fork()
     if pid == 0:
         status = 1
         try:
+            # (dumpable under hidepid: it holds the relay's memory as of now, and what an earlier case left is gone)
+            show_waiting()
             os.setpgid(0, 0)
             os.dup2(in_r, 0)
             os.dup2(out_w, 1)
@@ -745,6 +750,7 @@ def run_case(code, size, limit, cap):
             status = execute(code)
         finally:
             os._exit(status)
+    clock.fresh(pid)
     os.close(in_r)
     os.close(out_w)
     os.set_blocking(in_w, False)
@@ -755,7 +761,7 @@ def run_case(code, size, limit, cap):
         os.close(in_w)
     verdict, status = None, None
     while verdict is None:
-        left = deadline - time.monotonic()
+        left = clock.left()
         if left <= 0:
             verdict = "timeout"
             break
@@ -783,25 +789,26 @@ def run_case(code, size, limit, cap):
                 verdict = "over"
             elif not chunk:   # every writer of its stdout is gone; the program may run on: waited for below,
                 reading = []  # within its deadline (a blocking wait here held the relay past every later case's)
-        if status is None and verdict is None:
-            done, st = os.waitpid(pid, os.WNOHANG)
-            if done:   # it ended; take what it printed (a process it left may hold the pipe open)
-                status = st
-                os.set_blocking(out_r, False)
-                try:
-                    while len(out) <= cap:
-                        chunk = os.read(out_r, 65536)
-                        if not chunk:
-                            break
-                        out += chunk
-                except BlockingIOError:
-                    pass
-                if len(out) > cap:
-                    verdict = "over"
-                break
+        if status is None and verdict is None and os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+            # it ended; how long it waited for a CPU, read before it is reaped; take what it printed (a process it
+            # left may hold the pipe open)
+            clock.refresh()
+            status = os.waitpid(pid, 0)[1]
+            os.set_blocking(out_r, False)
+            try:
+                while len(out) <= cap:
+                    chunk = os.read(out_r, 65536)
+                    if not chunk:
+                        break
+                    out += chunk
+            except BlockingIOError:
+                pass
+            if len(out) > cap:
+                verdict = "over"
+            break
     # The deadline again, now that it has ended: a program that stopped this process (SIGSTOP from the case,
     # SIGCONT once it has printed) would otherwise finish past its limit unseen. What ends in time is seen in time.
-    if verdict is None and time.monotonic() > deadline:
+    if verdict is None and time.monotonic() > clock.end():
         verdict = "timeout"
     for target in (pid, -pid):   # the program by pid too: it may have left its process group
         try:
@@ -839,7 +846,7 @@ def main():
 
     report("ready %%d" %% private)
     for i, (size, cap) in enumerate(zip(job["sizes"], job["caps"])):
-        verdict, out = run_case(job["code"], size, job["timeout"], cap)
+        verdict, out = run_case(job["code"], size, job["timeout"], job["load"], cap)
         # Nothing of this case may run on, or stay on disk, into the next (each case is its own run in the
         # reference, run_cases_separately): a daemon started in case 0 worked on case 3's answer past case 3's
         # limit. If that cannot be made sure, the later cases are not run (they fail).
@@ -873,11 +880,11 @@ def _relay(code: str, inputs: list[bytes], caps: list[int], timeout: float, limi
     nonce = secrets.token_hex(16)
     inside = [_relay_cap(cap) for cap in caps]
     pidns = "pidns" in sandbox_info(limits.namespaces, limits.drop_privileges, limits.minimal_root)["protections"]
-    head = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "caps": inside,
-                          "sizes": [len(data) for data in inputs], "pidns": pidns})
+    head = marshal.dumps({"nonce": nonce, "code": code, "timeout": float(timeout), "load": LOAD_ALLOWANCE,
+                          "caps": inside, "sizes": [len(data) for data in inputs], "pidns": pidns})
     job = b"".join([len(head).to_bytes(8, "little"), head, *inputs])   # each input streamed to its case (run_case)
     room = sum(2 * cap + 64 for cap in inside) + 4096   # hex doubles each output
-    result = run_python(_IO_HARNESS, len(inputs) * (float(timeout) + _IO_GRACE_S) + 2.0, stdin=job,
+    result = run_python(_IO_HARNESS, len(inputs) * (float(timeout) * LOAD_ALLOWANCE + _IO_GRACE_S) + 2.0, stdin=job,
                         limits=SandboxLimits.of(limits, max_output_bytes=max(room, limits.max_output_bytes)))
     if result.killed_reason == "sandbox_error":
         raise SandboxError(f"the sandbox could not be set up: {result.error}")

@@ -97,9 +97,9 @@ class CodeOptions(_SandboxedOptions):
 
     tests_field: str = Field("tests", description="Row field holding the tests: a list of Python statements "
                              "(usually asserts), or a JSON string of one.")
-    timeout: float = Field(_code.DEFAULT_TEST_TIMEOUT_S, gt=0, description="Seconds allowed for the solution's top level and for each test.")
+    timeout: float = Field(_code.DEFAULT_TEST_TIMEOUT_S, gt=0, description="Seconds allowed for the solution's top level and for each test: wall-clock time less the time the program waited for a CPU (a loaded machine), up to 3x (code.LOAD_ALLOWANCE).")
     total_timeout: Optional[float] = Field(
-        None, gt=0, description="Wall-clock seconds for one completion's whole program; null: timeout * (tests + 1) + 2.")
+        None, gt=0, description="Wall-clock seconds for one completion's whole program; null: 3 * timeout * (tests + 1) + 2 (code.LOAD_ALLOWANCE).")
 
 
 class CodeIOOptions(_SandboxedOptions):

@@ -9,7 +9,7 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
 
 * The parent writes the program to a fresh `tempfile.mkdtemp` directory and starts a small *bootstrap*
   (`python -I -S -c _BOOTSTRAP`) there, in its own session/process group, with an environment reduced
-  to PATH/LANG (no variable of the parent reaches the program).
+  to PATH/LANG (no variable of the parent reaches the program; the program's adds MALLOC_ARENA_MAX=2).
 * The bootstrap, best effort and in this order:
   - oom_score_adj 1000 (the out-of-memory killer takes the program before the trainer), inherited by all
     that follows. Without CAP_SYS_RESOURCE the kernel keeps no floor: only the minimal root's read-only
@@ -106,6 +106,11 @@ _ERROR_MARK = b"\x00LOWMEM-SANDBOX-ERROR "
 _STATUS_ALLOWANCE = 16384   # room for the status lines on stderr, on top of max_output_bytes
 _MIN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
             "HOME": "/nonexistent", "TMPDIR": "/tmp"}
+# The program's environment adds one setting: glibc's malloc gives each thread that allocates an arena of its own, up to
+# 8 per CPU, and each reserves 64 MiB of address space, which RLIMIT_AS counts whether used or not. 20 threads holding
+# 100 KB each could not start under memory_mb=1024 (found by a red team: "can't start new thread", ~25 MB in use);
+# with 2 arenas such a program peaks at ~250 MB.
+_PROGRAM_ENV = {**_MIN_ENV, "MALLOC_ARENA_MAX": "2"}
 
 
 class SandboxError(RuntimeError):
@@ -1095,7 +1100,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                "cpu_s": int(cpu_s if cpu_s is not None else int(timeout_s + 0.999) + 1),
                "memory_bytes": int(memory_mb) << 20, "fsize_bytes": int(file_size_mb) << 20,
                "max_open_files": int(max_open_files), "max_procs": int(max_procs), "tmpfs_mb": int(tmpfs_mb),
-               "require": list(require), "env": dict(_MIN_ENV), "hide": _hide_list(hide_paths),
+               "require": list(require), "env": dict(_PROGRAM_ENV), "hide": _hide_list(hide_paths),
                "root": plan.root if plan.namespaces else None}
         argv = [plan.bootstrap_python, "-I", "-S", "-B", "-c", _BOOTSTRAP, marshal.dumps(cfg).hex()]
         try:
