@@ -58,10 +58,24 @@ class World:
         return self.rank == 0
 
 
-ON_SIGNAL = {"train": "on SIGINT (Ctrl-C) the processes finish their step and checkpoint it; --resume continues "
-                      "from the last checkpoint",
+ON_SIGNAL = {"train": "on SIGINT (Ctrl-C) and SIGTERM the processes finish their step and checkpoint it; --resume "
+                      "continues from the last checkpoint",
              "eval": "on SIGINT (Ctrl-C) each process writes the completions it has to the eval folder, as "
                      "samples.part-R-of-N.jsonl beside a summary.part-R-of-N.json that says interrupted"}
+HANDLED = {"train": (signal.SIGINT, signal.SIGTERM), "eval": (signal.SIGINT,)}   # (interrupts.StopFlag; evaluate.py)
+
+
+def on_signal(command: str, sig: signal.Signals) -> str:
+    """What the processes of `command` did with the signal torchrun passed on to them. A signal they do not handle
+    ended them at once: the SIGTERM of an eval was said to have written each process's share (found by a red team),
+    and nothing was written."""
+    if sig in HANDLED[command]:
+        return ON_SIGNAL[command]
+    if command == "train":
+        return (f"{sig.name} ended the processes at once, their step not checkpointed (Ctrl-C or SIGTERM lets them "
+                "finish it); --resume continues from the last checkpoint")
+    return (f"{sig.name} ended the processes at once: nothing of this eval was written (Ctrl-C has each process "
+            "write the completions it has)")
 
 
 def shutdown_timeout_s(collective_timeout_s: float) -> int:
@@ -91,7 +105,8 @@ def launch(nproc: int, argv: list[str], shutdown_timeout: int = 30) -> None:
         raise DistributedError(f"process {rank} of {nproc} ended with {how} (its own error, if it printed one, is "
                                "above); torchrun stopped the other processes") from None
     except SignalException as exc:
-        raise DistributedError(f"torchrun got {exc.sigval.name} and passed it on: {ON_SIGNAL[argv[0]]}") from None
+        raise DistributedError(f"torchrun got {exc.sigval.name} and passed it on: {on_signal(argv[0], exc.sigval)}") \
+            from None
 
 
 def launched_size() -> int:
@@ -121,7 +136,12 @@ def join(timeout_s: float) -> World:
             if problem := gpus_problem(local + 1):
                 raise DistributedError(f"process {local} on this machine: {problem}")
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        except ValueError as exc:   # torch's env:// rendezvous: a variable torchrun sets is missing (a traceback before)
+            raise DistributedError(f"WORLD_SIZE={launched_size()} is set, so this process is one of a torchrun job, "
+                                   f"but not all that torchrun sets is ({str(exc).strip().splitlines()[0]}): start "
+                                   "it with torchrun (lowmem-grpo train --nproc N), or unset WORLD_SIZE") from None
         stop_when_orphaned()
     return current()
 
@@ -163,9 +183,18 @@ def leave(finished: bool = False) -> None:
     SIGABRT after an `eval --nproc 2` had printed its results, seen once in CI). After an error there is no
     wait: the peers may never come, and torchrun stops them."""
     if dist.is_available() and dist.is_initialized():
-        if finished and dist.get_world_size() > 1:
-            dist.barrier()
+        if finished:
+            barrier(current(), "finishing the command")
         dist.destroy_process_group()
+
+
+def barrier(world: World, what: str) -> None:
+    """Wait until every process has reached this point (`what`: the exchange's name in the error if one fails):
+    e.g. what process 0 alone writes (the run's last checkpoint) is on disk once every process has passed it."""
+    if world.size == 1:
+        return
+    with _exchange(what):
+        dist.barrier()
 
 
 def end_worker() -> None:
@@ -263,13 +292,21 @@ def any_true(flag: bool, world: World) -> bool:
 def sum_gradients(params: Iterable[torch.nn.Parameter], world: World) -> None:
     """Sum the parameters' gradients over the processes, in place, one flat all-reduce per dtype. Each process's
     loss already carries the batch-wide aggregation weights (docs/algorithm.md §21), so the sum is the
-    gradient one process would have computed. A parameter without a gradient (no micro-batch on this
-    process) takes part as zeros, and holds the sum afterwards like the others. Every process passes the
-    same parameters in the same order (the same model), so the buffers line up."""
+    gradient one process would have computed. A parameter without a gradient on some processes (no micro-batch
+    there) takes part as zeros, and holds the sum afterwards like the others; one without a gradient on every
+    process keeps none, as with one process: AdamW skips such a parameter, where a zero gradient would have moved
+    it (weight decay) and its moments (found by a red team). Every process passes the same parameters in the same
+    order (the same model), so the buffers line up."""
     if world.size == 1:
         return
+    params = list(params)
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=_device())
+    with _exchange("summing the gradients"):
+        dist.all_reduce(had)   # how many processes hold each parameter's gradient
     by_dtype: dict = {}
-    for p in params:
+    for p, n in zip(params, had.tolist()):
+        if not n:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(p)

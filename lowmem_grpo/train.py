@@ -715,7 +715,11 @@ class Trainer:
         closed on every way out."""
         try:
             try:
-                return self._fit()
+                out = self._fit()
+                # what process 0 alone writes (the last checkpoint) is on disk before any process returns: a TRL
+                # script's evaluate() on process 1 scored the checkpoint before it (found by a red team; §21)
+                distributed.barrier(self.world, "finishing the run")
+                return out
             except (torch.OutOfMemoryError, MemoryError) as exc:  # outside a step (a step's: step_or_checkpoint)
                 what = oom_gist(exc)
             release_memory()

@@ -38,7 +38,9 @@ IterableDataset or list of dicts (a pandas DataFrame), an eval_strategy without 
 that is not a peft.LoraConfig, LoRA options other than r, alpha, dropout and target modules, an 8-bit or FP4
 quantization_config, generation_batch_size with steps_per_generation (as TRL), bf16 with fp16 (as transformers), a
 max_steps that is not whole generation batches, a fresh train() into an output_dir holding a run, a resume with no
-checkpoint there. Training is LoRA only: without `peft_config`, the recipe's default LoRA (r = 16, all linear layers).
+checkpoint there, no reward source (neither reward_funcs nor an environment with get_reward, as TRL), a dataset
+'image' or 'images' column (TRL's images for a vision-language model). Training is LoRA only: without `peft_config`,
+the recipe's default LoRA (r = 16, all linear layers).
 Resuming a run goes through the same script (its functions are not importable from the recipe file).
 """
 
@@ -76,7 +78,8 @@ TRL_DEFAULTS: dict[str, Any] = {
     "output_dir": None, "learning_rate": 1e-06, "lr_scheduler_type": "linear", "warmup_steps": 0,
     "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "max_grad_norm": 1.0, "optim": "default_optim",
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_train_epochs": 3.0, "max_steps": -1,
-    "seed": 42, "logging_steps": 10, "save_steps": 500, "save_strategy": "steps", "save_total_limit": None, "gradient_checkpointing": True,
+    "seed": 42, "logging_steps": 10, "save_steps": 500, "save_strategy": "steps", "logging_strategy": "steps",
+    "save_total_limit": None, "gradient_checkpointing": True,
     "bf16": None, "fp16": False, "eval_strategy": "no", "eval_steps": None,
     "num_generations": 8, "max_completion_length": 512, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
     "repetition_penalty": 1.0, "beta": 0.0, "use_bias_correction_kl": True, "num_iterations": 1, "epsilon": 0.2,
@@ -141,7 +144,7 @@ GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 EARLIER_TRL: dict[str, Any] = {"max_prompt_length": None, "warmup_ratio": None}
 # Settings that change nothing about training here (logging, hub, the dataloader, what TRL's own __post_init__
 # fills in): accepted whatever their value.
-IGNORED = {"run_name", "logging_dir", "logging_strategy", "report_to", "disable_tqdm",
+IGNORED = {"run_name", "logging_dir", "report_to", "disable_tqdm",
            "remove_unused_columns", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_drop_last",
            "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
            "num_completions_to_print", "log_level", "log_level_replica", "accelerator_config", "debug",
@@ -432,6 +435,8 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     if s["save_strategy"] not in ("steps", "epoch", "no"):
         problems.append(f"save_strategy: {s['save_strategy']!r} is not here (no metric_for_best_model): 'steps' "
                         "(save_steps), 'epoch' or 'no'")
+    if s["logging_strategy"] not in ("steps", "epoch", "no"):   # (was ignored: logs every logging_steps)
+        problems.append(f"logging_strategy: {s['logging_strategy']!r} is not transformers' 'steps', 'epoch' or 'no'")
     if s["fp16"] and s["bf16"]:   # transformers' TrainingArguments refuses it; was run in float16 (found by a red team)
         problems.append("bf16 and fp16: at most one of them can be True, as in transformers")
     if s["eval_on_start"] and s["eval_strategy"] == "no":   # the run evaluates only under an eval_strategy here
@@ -464,6 +469,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         value = math.ceil(updates * value) if 0 < value < 1 else int(value)
         return max(1, math.ceil(value / per_step))
     aggregation, clip = LOSS_TYPES[s["loss_type"]]
+    log_every = max(1, train_rows // prompts_per_step) if s["logging_strategy"] == "epoch" else every(s["logging_steps"])
     dtype = "float16" if s["fp16"] else ("float32" if s["bf16"] is False else "bfloat16")
     algorithm = {
         "kl_target": "ref" if s["beta"] > 0 else "none", "mu": s["num_iterations"], "delta": s["delta"],
@@ -534,12 +540,14 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                   # TRL evaluates every row of eval_dataset (the recipe's default: the first 200)
                   **({"eval_max_prompts": eval_rows} if eval_rows else {})},
         # save_strategy 'no': the run's last step only (save_model() exports it; TRL saves nothing)
+        # logging_strategy 'epoch': every epoch's steps (as save_strategy); 'no': the summary line every logging_steps
+        # still, log_history none (GRPOTrainer's _RunLog), nor TRL's completions table
         "output": {"dir": s["output_dir"] or "trainer_output",
                    "save_every": {"steps": every(s["save_steps"]), "epoch": max(1, train_rows // prompts_per_step),
                                   "no": steps}[s["save_strategy"]],
-                   "keep_last": s["save_total_limit"] or 1_000_000, "log_every": every(s["logging_steps"]),
+                   "keep_last": s["save_total_limit"] or 1_000_000, "log_every": log_every,
                    # TRL logs its completions table at each logging step with log_completions, else never
-                   "samples_every": every(s["logging_steps"]) if s["log_completions"] else 0,
+                   "samples_every": log_every if s["log_completions"] and s["logging_strategy"] != "no" else 0,
                    "tensorboard": "auto" if "all" in report else "tensorboard" in report,
                    # transformers' WandbCallback logs to $WANDB_PROJECT, else the project "huggingface"
                    "wandb_project": (os.environ.get("WANDB_PROJECT") or "huggingface") if wandb else ""},
@@ -611,6 +619,12 @@ def _is_stream(dataset, what: str) -> bool:
 
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]   # TRL's prompt for a row without one, when an environment gives it
+# the columns TRL reads as the prompt's images (a row's "images" a list, "image" one), for a vision-language model
+IMAGE_COLUMNS = ("image", "images")
+# a row's columns that TRL does not pass to the reward functions (a prompt-completion dataset's completion; the
+# generated completion_ids are passed in the column's place): left out of the rows written (were passed, and a
+# completion_ids column was an error)
+UNPASSED_COLUMNS = ("completion", "completion_ids")
 
 
 def _placeholder_rows(environment_factory, s: dict) -> list[dict]:
@@ -646,10 +660,18 @@ class _RowRules:
     def __call__(self, row: dict, n: int, what: str) -> dict:
         if not isinstance(row, dict) or ("prompt" not in row and not self.environment):
             raise TRLCompatError(f"{what} row {n}: expected a mapping with a 'prompt' column, as TRL requires")
+        for column in IMAGE_COLUMNS:   # (was: a path trained on as text, silently; a PIL image "not JSON data")
+            value = row.get(column)
+            if value is not None and not (isinstance(value, (list, tuple)) and not value):
+                raise TRLCompatError(f"{what} row {n}: column {column!r} holds "
+                                     f"{'images' if column == 'images' else 'an image'}, which TRL gives a "
+                                     "vision-language model with the prompt; lowmem-grpo trains text-only models: drop "
+                                     f"the column (dataset.remove_columns({column!r})) to train on the text alone")
         if self.names is not None and row.get("environment") not in self.names:
             raise TRLCompatError(f"{what} row {n}: its 'environment' is {row.get('environment')!r}, not one of "
                                  f"environment_factory's names ({', '.join(map(repr, self.names))}), as TRL requires "
                                  "with several environments")
+        row = {k: v for k, v in row.items() if k not in UNPASSED_COLUMNS}
         return row if "prompt" in row else {**row, "prompt": EMPTY_PROMPT}
 
 
@@ -699,7 +721,8 @@ def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]
     total, as mean, to mean_<i>). A function importable by its module and name is named so; any other (defined in a
     script's __main__, a partial, a callable instance) through a module made for this run, under TRL's name, or
     reward_<i> where that name is taken or is no identifier (a lambda's)."""
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    # None (TRL 1.16's default): no reward functions, where the environment's get_reward() is the reward
+    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     module = types.ModuleType(f"lowmem_grpo_trl_rewards_{id(funcs):x}")
     specs, taken = [], set()
     for i, fn in enumerate(funcs):
@@ -722,6 +745,28 @@ def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]
     return specs, None
 
 
+def _reward_environments(environment_factory) -> list[str]:
+    """The class names of environment_factory's environments (one factory's, or a dict's) that define get_reward, as
+    TRL finds it (a function on the environment's class) and names the reward column it makes of each; a factory
+    that is not a class makes one instance to tell, as TRL probes one."""
+    import inspect
+
+    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    names: list[str] = []
+    for factory in factories:
+        if factory is None or not callable(factory):   # (tool_calls names a factory that is not callable)
+            continue
+        if not isinstance(factory, type):
+            try:
+                factory = type(factory())
+            except Exception:   # its constructor's error is tool_calls' to name, at the probe
+                continue
+        if "get_reward" in dict(inspect.getmembers(factory, predicate=inspect.isfunction)) and \
+                factory.__name__ not in names:
+            names.append(factory.__name__)
+    return names
+
+
 def _check_reward_processing_classes(classes, reward_funcs) -> None:
     """TRL matches reward_processing_classes to reward_funcs one to one and ignores the entries of reward functions
     (they are for reward models, refused here), so all of them are ignored here; a count that does not match is
@@ -729,7 +774,7 @@ def _check_reward_processing_classes(classes, reward_funcs) -> None:
     if classes is None:
         return
     classes = classes if isinstance(classes, list) else [classes]
-    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if len(classes) != len(funcs):
         raise TRLCompatError(f"reward_processing_classes: {len(classes)} for {len(funcs)} reward functions (TRL "
                              "requires one per reward function; a function's entry is not used)")
@@ -815,7 +860,9 @@ class _Accelerator:
             print(*args, **kwargs)
 
     def wait_for_everyone(self) -> None:
-        pass   # train() returns once every process has finished the run
+        from . import distributed
+
+        distributed.barrier(distributed.current(), "wait_for_everyone")
 
 
 # TRL's names for the step metrics of this trainer that mean what TRL's do, beside this trainer's own in
@@ -905,13 +952,17 @@ def _window_mean(window: list[dict]) -> dict:
 
 class _RunLog:
     """transformers' log_history of a run, from its metrics rows in order: a step's entry every output.log_every
-    steps (TRL's logging_steps), its values averaged over the steps since the last (_window_mean), none forced at the
-    last step, one after the first step with logging_first_step; an entry per evaluation (eval_accuracy, ...). The
+    steps (TRL's logging_steps, an epoch's steps with logging_strategy 'epoch'; none with 'no': `logs`), its values
+    averaged over the steps since the last (_window_mean), none forced at the last step, one after the first step
+    with logging_first_step; an entry per evaluation (eval_accuracy, ...). The
     `state` property replays metrics.jsonl through one, _CallbackSink feeds one as the run writes its rows: the two
     cannot disagree."""
 
-    def __init__(self, recipe: Recipe, epoch: Callable[[int], float], first: bool = False):
+    def __init__(self, recipe: Recipe, epoch: Callable[[int], float], first: bool = False, logs: bool = True,
+                 aliases: Optional[dict] = None):
         self.every, self.updates, self.epoch = recipe.output.log_every, recipe.algorithm.updates_per_step, epoch
+        self.aliases = aliases or {}   # TRL's name -> the columns of ours whose mean it logs (_trl_reward_columns)
+        self.logs = logs   # False: logging_strategy 'no', no step's entry (but logging_first_step's, as transformers)
         # TRL's logging_first_step (was ignored; found by a red team): after step 1, where transformers' logs update 1
         self.first = first
         self.names = _trl_log_keys(recipe)
@@ -924,8 +975,13 @@ class _RunLog:
         the row makes none) appended to `entries`."""
         step, is_step, logs, evaluation = row["step"], _is_step_row(row), None, None
         if is_step:
-            self._window.append({**_trl_values(row, self.names), **_tool_frequencies(row, self.completions)})
-            if step % self.every == 0 or (self.first and step == 1):
+            values = _trl_values(row, self.names)
+            for trl, ours in self.aliases.items():
+                seen = [values[k] for k in ours if k in values]
+                if seen:
+                    values[trl] = sum(seen) / len(seen)
+            self._window.append({**values, **_tool_frequencies(row, self.completions)})
+            if (self.logs and step % self.every == 0) or (self.first and step == 1):
                 logs = self._entry(_window_mean(self._window), step)
                 self._window = []
         if any(k.startswith("eval/") for k in row):   # as transformers names an evaluation's: eval_accuracy, ...
@@ -1017,7 +1073,7 @@ class GRPOTrainer:
     """TRL's GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, peft_config, tools,
     environment_factory), run by lowmem-grpo (tools and environment_factory: lowmem_grpo/tool_calls.py)."""
 
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, environment_factory=None,
                  log: Callable = print, **unsupported):
@@ -1081,6 +1137,12 @@ class GRPOTrainer:
                     max_completion_length=d["generation"]["max_new_tokens"])
             except ToolCallError as exc:
                 raise TRLCompatError(f"GRPOTrainer: {exc}") from None
+        owners = _reward_environments(environment_factory) if environment_factory is not None else []
+        if not specs and not owners:
+            # TRL's error (found by a red team: with tools, or an environment without get_reward, the run trained
+            # with no reward at all, every completion skipped; without either, the recipe's error named its key)
+            raise TRLCompatError("reward_funcs: no reward source provided, as TRL refuses it: pass reward_funcs, or an "
+                                 "environment_factory whose environment defines a get_reward method")
         d["output"]["dir"] = str(out)
         d["model"].update(_quantization(quantization, d["model"]["compute_dtype"]))
         try:
@@ -1091,6 +1153,12 @@ class GRPOTrainer:
         self.args, self.log, self.output_dir, self._processing_class = args, log, out, processing_class
         self.train_dataset, self.eval_dataset, self.train_rows = train_dataset, eval_dataset, n
         self._log_first = bool({**TRL_DEFAULTS, **settings}["logging_first_step"])   # (_RunLog's: not a recipe key)
+        self._logs = {**TRL_DEFAULTS, **settings}["logging_strategy"] != "no"   # (_RunLog's too)
+        # TRL's names for the reward columns (_trl_reward_columns): each function's get_callable_name, and the class
+        # of the environment whose get_reward() is the environment's column
+        funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self._trl_reward_names, self._reward_environments = [_callable_name(f) for f in funcs], owners
+        self._reward_columns: Optional[dict] = None
         self.accelerator = _Accelerator()
         self._model = None      # the policy: loaded on first use of .model, the trained one after train()
         self._trained = False   # whether output_dir's checkpoints are this trainer's (evaluate's adapter)
@@ -1135,7 +1203,7 @@ class GRPOTrainer:
 
         per_step, r = self.recipe.algorithm.updates_per_step, self.recipe
         rows = read_metrics(self.output_dir) if self._trained else []
-        run_log = _RunLog(r, self._epoch, self._log_first)
+        run_log = self._run_log()
         for row in rows:
             run_log.add(row)
         done = max((row["step"] for row in rows), default=0)
@@ -1144,6 +1212,36 @@ class GRPOTrainer:
                             logging_steps=r.output.log_every * per_step, save_steps=r.output.save_every * per_step,
                             eval_steps=(r.train.eval_every or 0) * per_step, train_batch_size=r.train.micro_batch_size,
                             log_history=[*self._evaluations[0], *run_log.entries, *summary, *self._evaluations[1]])
+
+    def _run_log(self) -> "_RunLog":
+        return _RunLog(self.recipe, self._epoch, self._log_first, self._logs, self._trl_reward_columns())
+
+    def _trl_reward_columns(self) -> dict:
+        """{TRL's rewards/<name>/mean (and /std): the reward columns of this run that TRL logs under that name} where
+        the names differ (found by a red team: log_history had rewards/reward_2/mean for a lambda, TRL's
+        rewards/<lambda>/mean). TRL names a function by get_callable_name, so that two of one name share a key (the
+        mean of their means), and the environment's get_reward() column by its class (one per class: with
+        environments of several classes, the one column here has no TRL name); a label here is unique (reward_<i>,
+        <name>_<i>) and the environment's column is 'environment'."""
+        if self._reward_columns is None:
+            from .rewards import Rewards
+
+            try:
+                labels = Rewards.from_recipe(self.recipe).names
+            except Exception:   # (the run names the problem)
+                labels = []
+            pairs = list(zip(labels, self._trl_reward_names))
+            if len(self._reward_environments) == 1 and "environment" in labels[len(self._trl_reward_names):]:
+                pairs.append(("environment", self._reward_environments[0]))
+            groups: dict[str, list[str]] = {}
+            for label, name in pairs:
+                groups.setdefault(name, []).append(label)
+            self._reward_columns = {}
+            for name, members in groups.items():
+                if members != [name]:
+                    self._reward_columns[f"rewards/{name}/mean"] = [f"reward/{m}" for m in members]
+                    self._reward_columns[f"rewards/{name}/std"] = [f"reward/{m}/std" for m in members]
+        return self._reward_columns
 
     def _in_trl_terms(self, message: str) -> str:
         """A data error as the script knows its data: the dataset's row (0-based, as dataset[i]) for a line of the
@@ -1231,7 +1329,7 @@ class GRPOTrainer:
         callbacks = None
         if self._callbacks and trainer.world.main:
             callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer,
-                                      _RunLog(self.recipe, self._epoch, self._log_first))
+                                      self._run_log())
             for row in read_metrics(self.output_dir) if first else []:   # log_history and window as they were
                 callbacks.run_log.add(row)
             trainer.metrics.sinks.append(callbacks)
@@ -1270,13 +1368,16 @@ class GRPOTrainer:
         output_dir/eval/."""
         import time
 
-        from . import checkpoint as ckpt
+        from . import checkpoint as ckpt, distributed
         from .evaluate import run_eval
 
+        # under torchrun, each process its share of the prompts and process 0 the files, as `eval --nproc` (§21):
+        # every process ran the whole eval and wrote the same files (found by a red team)
+        world = distributed.current()
         path, rows = Path(self._eval_path), self._eval_rows
         if eval_dataset is not None:
             path = self.output_dir / "data" / f"{metric_key_prefix}.jsonl"
-            rows = _write_rows(eval_dataset, path, "eval_dataset")
+            rows = distributed.gather(_write_rows(eval_dataset, path, "eval_dataset") if world.main else None, world)[0]
         elif not self._eval_path:
             raise TRLCompatError("evaluate: no eval_dataset (pass one to GRPOTrainer or to evaluate()), as in TRL")
         recipe = self.recipe.model_copy(update={
@@ -1286,7 +1387,7 @@ class GRPOTrainer:
         step = ckpt.step_of(last) if last else 0
         started = time.monotonic()
         summary = run_eval(recipe, name=self.output_dir.name, adapter=str(last / "adapter") if last else None,
-                           split="test", ks=(1,), log=self.log,
+                           split="test", ks=(1,), log=self.log if world.main else (lambda *a, **k: None), world=world,
                            out_dir=str(self.output_dir / "eval" / f"step-{step:06d}-{metric_key_prefix}"))
         keys = ("accuracy", "mean_reward", "correct", "n", "prompts", "pass@1")
         metrics = {f"{metric_key_prefix}_{k}": summary[k] for k in keys if summary.get(k) is not None}
@@ -1303,6 +1404,8 @@ class GRPOTrainer:
 
     def save_metrics(self, split: str, metrics: dict, combined: bool = True) -> None:
         """transformers' Trainer.save_metrics: output_dir/{split}_results.json, and all_results.json merged."""
+        if not self.is_world_process_zero():   # (as transformers': process 0 writes)
+            return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         text = json.dumps(metrics, indent=4, sort_keys=True, default=str)
         (self.output_dir / f"{split}_results.json").write_text(text)
@@ -1313,6 +1416,8 @@ class GRPOTrainer:
 
     def save_state(self) -> None:
         """transformers' Trainer.save_state: output_dir/trainer_state.json (the state above)."""
+        if not self.is_world_process_zero():
+            return
         self.state.save_to_json(str(self.output_dir / "trainer_state.json"))
 
     def end(self) -> None:
@@ -1322,7 +1427,7 @@ class GRPOTrainer:
         """The last checkpoint's LoRA adapter files into output_dir (default: the run's output_dir, as TRL saves)."""
         import shutil
 
-        from . import checkpoint as ckpt
+        from . import checkpoint as ckpt, distributed
         from .export import ExportError, find_adapter
 
         if ckpt.latest(self.output_dir) is None:   # TRL would save the untrained model; here it is the base as it is
@@ -1332,8 +1437,11 @@ class GRPOTrainer:
         if problem := ckpt.adapter_problem(adapter):
             raise ExportError(f"checkpoint {adapter.parent.name} cannot be saved: {problem}")
         target = Path(output_dir) if output_dir else self.output_dir
-        shutil.copytree(adapter, target, dirs_exist_ok=True)
-        # TRL's save_model writes the tokenizer too (AutoTokenizer.from_pretrained(output_dir) after training)
-        self.processing_class.save_pretrained(str(target))
-        self.log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {target}")
+        world = distributed.current()
+        if world.main:   # (process 0 writes, as transformers'; every process copied before: found by a red team)
+            shutil.copytree(adapter, target, dirs_exist_ok=True)
+            # TRL's save_model writes the tokenizer too (AutoTokenizer.from_pretrained(output_dir) after training)
+            self.processing_class.save_pretrained(str(target))
+            self.log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {target}")
+        distributed.barrier(world, "saving the model")
         return target

@@ -3,6 +3,13 @@ model, from scripted completions (a pure function of the prompt, so that one pro
 same ones). Process 0 writes, per case, the trainable weights, the optimizer's moments and the metrics row.
 
     python -m torch.distributed.run --nproc_per_node N tests/distributed_worker.py CASES.json OUT.pt
+
+`fit RECIPE.json OUT_DIR` instead: Trainer.fit() of the recipe, process 0's checkpoint writes made slow (a slow
+disk); each process then writes OUT_DIR/returned.RANK, the step of the run's latest checkpoint when fit returned.
+`trl MODEL OUT_DIR`: a TRL-shaped script (lowmem_grpo.trl: train, evaluate, save_model), as `accelerate launch` runs
+one; each process writes what evaluate() returned to OUT_DIR/eval.RANK.json.
+`grads OUT.pt`: distributed.sum_gradients then an AdamW step (weight decay on) over three parameters: one with a
+gradient on every process, one on process 0 only, one on none; process 0 writes the gradients and weights.
 """
 
 from __future__ import annotations
@@ -85,5 +92,72 @@ def main(cases_path: str, out_path: str) -> None:
     distributed.leave()
 
 
+def fit(recipe_path: str, out_dir: str) -> None:
+    import time
+    from pathlib import Path
+
+    from lowmem_grpo import checkpoint as ckpt
+
+    written = ckpt.save
+
+    def slow_save(*args, **kwargs):
+        time.sleep(2)
+        return written(*args, **kwargs)
+
+    ckpt.save = slow_save
+    trainer = Trainer(recipe_from_dict(json.loads(open(recipe_path).read())), log=lambda *a, **k: None)
+    trainer.fit()
+    last = ckpt.latest(trainer.run_dir)
+    Path(out_dir, f"returned.{trainer.world.rank}").write_text(str(ckpt.step_of(last) if last else None))
+    distributed.leave(finished=True)
+
+
+def trl_script(model: str, out_dir: str) -> None:
+    from pathlib import Path
+
+    from peft import LoraConfig
+
+    from lowmem_grpo.trl import GRPOConfig, GRPOTrainer
+
+    def digits(completions, **kwargs):
+        return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(3)]
+    args = GRPOConfig(output_dir=str(Path(out_dir, "run")), bf16=False, learning_rate=1e-3, num_generations=2,
+                      per_device_train_batch_size=2, max_completion_length=3, max_steps=2, save_steps=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=[digits], args=args, train_dataset=rows, eval_dataset=rows[:5],
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model()
+    metrics.pop("eval_runtime")
+    Path(out_dir, f"eval.{distributed.current().rank}.json").write_text(json.dumps(metrics))
+    distributed.leave(finished=True)
+
+
+def grads(out_path: str) -> None:
+    world = distributed.join(60)
+    every, first, none = (torch.nn.Parameter(torch.full((3,), 1.0, dtype=torch.float64)) for _ in range(3))
+    every.grad = torch.full((3,), float(world.rank + 1), dtype=torch.float64)
+    if world.rank == 0:
+        first.grad = torch.full((3,), 0.5, dtype=torch.float64)
+    optimizer = torch.optim.AdamW([every, first, none], lr=0.1, weight_decay=0.1)
+    distributed.sum_gradients([every, first, none], world)
+    seen = {name: None if p.grad is None else p.grad.clone() for name, p in (("every", every), ("first", first),
+                                                                           ("none", none))}
+    optimizer.step()
+    if world.main:
+        torch.save({"grads": seen, "weights": {"every": every.detach(), "first": first.detach(), "none": none.detach()},
+                    "state": sorted(len(optimizer.state[p]) for p in (every, first, none))}, out_path)
+    distributed.leave(finished=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "grads":
+        grads(sys.argv[2])
+    elif sys.argv[1] == "fit":
+        fit(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "trl":
+        trl_script(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -133,6 +133,21 @@ def test_numpy_and_torch_booleans_and_complex_scores_are_refused_as_a_bool_is(sc
         check_scores("f", [True], 1)
 
 
+def test_a_trl_shaped_functions_booleans_and_nan_are_read_as_trl_reads_them():
+    """TRL 1.16 makes its rewards a float32 tensor (True: 1.0) and turns None into NaN: a TRL-shaped function's
+    booleans and NaN were refused here (found by a red team). Read so for it alone; lowmem-grpo's own refuse them."""
+    from lowmem_grpo.rewards import check_scores
+
+    scores = [True, np.False_, torch.tensor(True), float("nan"), np.float32("nan"), 0.5, None]
+    assert check_scores("f", scores, 7, trl=True) == [1.0, 0.0, 1.0, None, None, 0.5, None]
+    with pytest.raises(RewardError, match=r"score 0 is True \(bool\)"):
+        check_scores("f", scores, 7)
+    with pytest.raises(RewardError, match=r"score 0 is nan, expected a finite number or None"):
+        check_scores("f", [float("nan")], 1)
+    with pytest.raises(RewardError, match=r"score 0 is inf"):   # (TRL's NaN is "does not apply"; inf is no score)
+        check_scores("f", [float("inf")], 1, trl=True)
+
+
 def test_numpy_and_torch_real_scores_are_taken():
     from lowmem_grpo.rewards import check_scores
 

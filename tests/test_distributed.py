@@ -177,6 +177,27 @@ def test_the_launcher_checks_the_recipe_once_and_gives_torchrun_time_to_checkpoi
     assert seen[0].shutdown_timeout == 721 and seen[0].nproc_per_node == "2"
 
 
+@pytest.mark.parametrize("command, sig, says", [
+    ("eval", signal.SIGINT, "each process writes the completions it has to the eval folder"),
+    ("eval", signal.SIGTERM, "SIGTERM ended the processes at once: nothing of this eval was written"),
+    ("train", signal.SIGTERM, "the processes finish their step and checkpoint it"),   # (interrupts.StopFlag)
+    ("train", signal.SIGHUP, "SIGHUP ended the processes at once, their step not checkpointed")])
+def test_the_launchers_line_after_a_signal_says_what_the_processes_did_with_it(monkeypatch, command, sig, says):
+    """torchrun passes on the signal it got. The line said what a Ctrl-C does whatever the signal: a SIGTERM to `eval
+    --nproc` (which ends its processes at once, nothing written) said each process had written its share to part
+    files (found by a red team)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def run(args):
+        raise SignalException("signal", sig)
+
+    monkeypatch.setattr(torchrun, "run", run)
+    with pytest.raises(distributed.DistributedError) as info:
+        distributed.launch(2, [command, "r.yaml"], 30)
+    assert str(info.value).startswith(f"torchrun got {sig.name} and passed it on: ") and says in str(info.value)
+
+
 def test_a_worker_whose_agent_is_killed_is_stopped_as_by_ctrl_c(tmp_path):
     """torchrun's agent killed with SIGKILL cannot stop its workers, which ran on as orphans holding the run folder
     (found by a red team): a worker that sees its parent gone Ctrl-Cs itself (it finishes its step, checkpoints it).
@@ -223,6 +244,69 @@ def test_a_resume_with_another_process_count_gives_each_process_its_own_streams(
     assert all(a != b for a, b in zip(*draws))
     Trainer._restore_rng(SimpleNamespace(world=World(0, 2), recipe=None, step=5, log=lambda *a: None), states)
     assert random.random() == draws[0][0]   # process 0 continues the checkpoint's streams
+
+
+def test_gradients_summed_over_processes_keep_none_where_no_process_has_one(tmp_path):
+    """A parameter with a gradient on some processes holds the sum; one with none on any process keeps none, as with
+    one process, so that AdamW skips it: summed as zeros it got moments and weight decay moved it, an update one
+    process never makes (found by a red team)."""
+    out = tmp_path / "out.pt"
+    proc = _torchrun(2, [str(HERE / "distributed_worker.py"), "grads", str(out)], tmp_path / "log.txt")
+    assert proc.wait(timeout=120) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert got["grads"]["every"].tolist() == [3.0] * 3 and got["grads"]["first"].tolist() == [0.5] * 3
+    assert got["grads"]["none"] is None
+    assert got["weights"]["none"].tolist() == [1.0] * 3 and got["state"] == [0, 3, 3]   # untouched, no moments
+    assert got["weights"]["first"].tolist() != [1.0] * 3
+
+
+def test_world_size_without_torchrun_is_one_error_not_a_traceback(monkeypatch):
+    """WORLD_SIZE set, MASTER_ADDR not (a shell left with a job's variables, or a launcher other than torchrun):
+    torch's rendezvous raised a ValueError, shown as a traceback (found by a red team); now one DistributedError,
+    which the CLI prints as one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(distributed.DistributedError, match=r"WORLD_SIZE=2 is set.*MASTER_ADDR.*unset WORLD_SIZE"):
+        distributed.join(5)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow(15)
+def test_fit_returns_on_every_process_once_process_0_has_written_the_last_checkpoint(tiny_model_dir, tiny_data,
+                                                                                    tmp_path):
+    """Trainer.fit() returned on process 1 as soon as it had sent its RNG state for the last checkpoint, while
+    process 0 was still writing it (found by a red team): what a script does next there (the TRL API's evaluate()
+    and save_model() read the latest checkpoint) saw the step before: `GRPOTrainer.evaluate()` on process 1
+    evaluated step N-1 and wrote eval/step-N-1-eval. Here process 0's writes take 2 s (a slow disk) and no final
+    eval (a collective) follows the last save."""
+    d = recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", model={"load_in_4bit": False},
+                    train={"steps": 2, "prompts_per_step": 2, "preflight": False},
+                    output={"save_every": 1, "keep_last": 2})
+    d["data"]["eval_path"] = ""
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    proc = _torchrun(2, [str(HERE / "distributed_worker.py"), "fit", str(tmp_path / "r.json"), str(tmp_path)],
+                     tmp_path / "log.txt")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    assert [(tmp_path / f"returned.{rank}").read_text() for rank in (0, 1)] == ["2", "2"]
+
+
+@pytest.mark.slow(20)
+def test_a_trl_script_under_torchrun_evaluates_the_last_checkpoint_once(tiny_model_dir, tmp_path):
+    """A TRL-shaped script under torchrun (the README: `accelerate launch` becomes torchrun): process 1's train()
+    returned before process 0 had written the last checkpoint, so its evaluate() evaluated the step before, into
+    eval/step-000001-eval, and its save_model() copied that step's adapter into output_dir beside process 0's copy
+    of the last one (found by a red team). And every process ran the whole eval and wrote it: one eval, its prompts
+    shared, process 0 writing, as `lowmem-grpo eval --nproc`."""
+    proc = _torchrun(2, [str(HERE / "distributed_worker.py"), "trl", str(tiny_model_dir), str(tmp_path)],
+                     tmp_path / "log.txt")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "log.txt").read_text()[-4000:]
+    evals = [json.loads((tmp_path / f"eval.{rank}.json").read_text()) for rank in (0, 1)]
+    assert evals[0] == evals[1] and evals[0]["eval_prompts"] == 5
+    assert sorted(p.name for p in (tmp_path / "run" / "eval").iterdir()) == ["step-000002-eval"]
+    text = (tmp_path / "log.txt").read_text()
+    assert text.count("greedy accuracy:") == 1 and text.count("[lowmem-grpo] adapter (step-000002)") == 1, text[-3000:]
 
 
 def test_prompts_per_step_that_does_not_divide_among_the_processes_is_an_error(tiny_model_dir, tiny_data, tmp_path):

@@ -273,6 +273,29 @@ def test_reward_functions_are_labelled_by_trls_names_for_them():
         ["length_reward", "ExactMatch", "reward_2", "digit_reward", "reward_4", "mean_5"]
 
 
+def _constant(completions, value, **kwargs):
+    return [float(value)] * len(completions)
+
+
+def test_log_history_has_trls_names_for_the_reward_columns(tiny_model_dir, tmp_path):
+    """log_history had rewards/reward_0/mean for a lambda (TRL's rewards/<lambda>/mean), rewards/mean_3/mean for a
+    function named mean, and for two functions of one name the first's alone, where TRL logs the mean of both under
+    that name (found by a red team). Ours stay beside TRL's."""
+    def mean(completions, **kwargs):
+        return [3.0] * len(completions)
+
+    trainer = GRPOTrainer(model=str(tiny_model_dir), train_dataset=[{"prompt": f"{i}+1="} for i in range(2)],
+                          reward_funcs=[lambda completions, **kw: [0.5] * len(completions),
+                                        functools.partial(_constant, value=1), functools.partial(_constant, value=2),
+                                        mean],
+                          args=_args(tmp_path, logging_steps=1), log=lambda *a: None)
+    trainer.train()
+    entry = trainer.state.log_history[0]
+    assert (entry["rewards/<lambda>/mean"], entry["rewards/_constant/mean"], entry["rewards/mean/mean"]) == (0.5, 1.5, 3.0)
+    assert (entry["rewards/reward_0/mean"], entry["rewards/reward_2/mean"], entry["rewards/mean_3/mean"]) == (0.5, 2.0, 3.0)
+    assert entry["rewards/_constant/std"] == 0.0
+
+
 def test_trls_metric_names_stand_beside_ours_where_they_mean_the_same():
     def names(**settings):
         return _trl_log_keys(recipe_from_dict(_recipe(**settings)))
@@ -326,6 +349,28 @@ def test_a_trl_shaped_script_trains_and_saves_its_adapter(tiny_model_dir, tmp_pa
     adapter = trainer.save_model()
     assert (adapter / "adapter_config.json").is_file()
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+
+
+SEEN_KWARGS = []
+
+
+def kwargs_reward(completions, **kwargs):
+    SEEN_KWARGS.append(kwargs)
+    return [0.0] * len(completions)
+
+
+def test_a_completion_column_is_not_passed_to_reward_functions_as_trl_passes_none(tiny_model_dir, tmp_path):
+    """TRL passes every dataset column to the reward functions but prompt, completion and completion_ids (a
+    prompt-completion dataset's): here completion was passed as a keyword, and a completion_ids column was an error
+    for its clash with the generated ids TRL passes in its place (found by a red team)."""
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1), "completion_ids": [1, 2], "level": i} for i in range(2)]
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=kwargs_reward, train_dataset=rows,
+                          args=_args(tmp_path), log=lambda *a: None)
+    SEEN_KWARGS.clear()
+    trainer.train()
+    kwargs = SEEN_KWARGS[0]
+    assert "completion" not in kwargs and len(kwargs["level"]) == 2
+    assert len(kwargs["completion_ids"]) == 2 and kwargs["completion_ids"] != [[1, 2], [1, 2]]   # the generated ids
 
 
 def test_a_loaded_model_or_a_reward_model_is_refused_with_what_to_do(tiny_model_dir, tmp_path):
@@ -406,6 +451,29 @@ def test_datasets_that_do_not_fit_json_lines_are_refused_naming_the_column(tiny_
     with pytest.raises(TRLCompatError, match="eval_dataset: a DataFrame is not supported"):
         GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
                     train_dataset=split["train"], eval_dataset=frame)
+
+
+def test_an_image_column_is_refused_as_trl_reads_it_as_the_prompts_image(tiny_model_dir, tmp_path):
+    """TRL gives a row's 'image' (or 'images') to a vision-language model with the prompt; here a path was a text
+    column, trained on without its image, and a PIL image was "not JSON data: convert the column to text" (found by
+    a red team). An empty or null one is no image, as in TRL."""
+    from datasets import Dataset
+    from PIL import Image
+
+    def trainer(rows, **kw):
+        return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], args=_args(tmp_path),
+                           train_dataset=rows, log=lambda *a: None, **kw)
+
+    pictures = Dataset.from_list([{"prompt": "1+1=", "image": Image.new("RGB", (2, 2))}] * 4)
+    with pytest.raises(TRLCompatError, match=r"^train_dataset row 0: column 'image' holds an image, which TRL gives a "
+                                             r"vision-language model .*remove_columns\('image'\)\) to train on the "
+                                             r"text alone$"):
+        trainer(pictures)
+    with pytest.raises(TRLCompatError, match=r"^train_dataset row 0: column 'images' holds images"):
+        trainer([{"prompt": "1+1=", "images": ["cat.png"]}] * 4)
+    with pytest.raises(TRLCompatError, match=r"^eval_dataset row 1: column 'image'"):
+        trainer([{"prompt": "1+1="}] * 4, eval_dataset=[{"prompt": "1+1="}, {"prompt": "2+1=", "image": "cat.png"}])
+    trainer([{"prompt": "1+1=", "image": None, "images": []}] * 4)
 
 
 def test_a_streamed_dataset_is_written_up_to_what_max_steps_draws(tiny_model_dir, tmp_path):
@@ -1002,6 +1070,27 @@ def test_logging_first_step_logs_after_the_first_step_too(tiny_model_dir, tmp_pa
     assert record.logs == [{k: v for k, v in e.items() if k != "step"} for e in history]   # on_log as log_history
     history, _, _ = run("default")
     assert [e["step"] for e in history] == [2, 3]   # transformers' default: no entry at the first step
+
+
+def test_logging_strategy_is_read_not_ignored(tiny_model_dir, tmp_path):
+    """transformers' logging_strategy was accepted and ignored (found by a red team): a log every logging_steps
+    whatever it said. 'epoch' logs every epoch's steps (as save_strategy 'epoch' saves), 'no' no step (but the
+    first with logging_first_step, as transformers' DefaultFlowCallback) and no completions table."""
+    assert _recipe(rows=10, logging_strategy="epoch", logging_steps=2)["output"]["log_every"] == 10   # 1 prompt a step
+    assert _recipe(rows=10, logging_strategy="no", log_completions=True)["output"]["samples_every"] == 0
+    with pytest.raises(TRLCompatError, match="logging_strategy: 'best' is not transformers' 'steps', 'epoch' or 'no'"):
+        _recipe(logging_strategy="best")
+
+    def logged(name, **settings):
+        trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], log=lambda *a: None,
+                              train_dataset=[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(2)],
+                              args=_args(tmp_path / name, max_steps=4, logging_steps=1, **settings))
+        trainer.train()
+        return [e["step"] for e in trainer.state.log_history if "loss" in e]
+    assert logged("steps") == [1, 2, 3, 4]
+    assert logged("epoch", logging_strategy="epoch") == [2, 4]   # 2 rows, 1 prompt a step
+    assert logged("no", logging_strategy="no") == []
+    assert logged("no_but_first", logging_strategy="no", logging_first_step=True) == [1]
 
 
 def test_the_run_evaluates_before_the_first_step_only_with_eval_on_start(tiny_model_dir, tmp_path):

@@ -275,6 +275,8 @@ def test_none_does_not_apply_for_trl_functions_and_skips_for_lowmem():
     only = rewards("trl_style_rewards:half_applies", "trl_style_rewards:never_applies")(*four)
     assert only.total.isnan().tolist() == [False, True, False, True] and only.skipped == 2   # every function: None
     assert rewards("trl_style_rewards:never_applies")(*four).skipped == 4
+    verdicts = rewards("trl_style_rewards:verdicts", {"function": "trl_style_rewards:twos", "weight": 0.5})(*four)
+    assert verdicts.total.tolist() == [2.0, 1.0, 1.0, 1.0]   # True: 1.0, False: 0.0, NaN: does not apply
     # lowmem-grpo's None still skips the completion, whatever a TRL-shaped function says
     mixed = rewards({"function": "user_rewards:skip_all", "convention": "lowmem"}, "trl_style_rewards:twos")(*four)
     assert mixed.skipped == 4

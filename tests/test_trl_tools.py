@@ -1038,3 +1038,36 @@ def test_without_train_dataset_the_environment_gives_the_prompts(hermes_dir, tmp
     routed = GRPOTrainer(model=hermes_dir, reward_funcs=[], args=args(max_steps=1), train_dataset=[{"x": 1}] * 2,
                          environment_factory=Riddle, log=lambda *a: None)
     assert routed.train_rows == 2
+
+
+def test_reward_funcs_may_be_left_out_where_an_environment_owns_the_reward_and_no_reward_at_all_is_refused(
+        hermes_dir, tmp_path):
+    """TRL 1.16's reward_funcs defaults to None: an environment's get_reward() is then the whole reward (was a
+    TypeError for the missing argument, and "reward_funcs[0]: None" for None), logged in log_history under its
+    class's name, as TRL logs it (was rewards/environment/mean only). Without any reward source (tools
+    alone, or environments without get_reward) TRL refuses the trainer; here it trained on no reward at all, every
+    completion skipped (found by a red team)."""
+    def args(name: str):
+        return GRPOConfig(output_dir=str(tmp_path / name), bf16=False, learning_rate=1e-3, num_generations=2,
+                          per_device_train_batch_size=4, max_completion_length=12, logging_steps=1, save_steps=1,
+                          max_steps=1)
+
+    quiet = dict(log=lambda *a: None)
+    trainer = GRPOTrainer(model=hermes_dir, args=args("a"), environment_factory=Riddle, **quiet)
+    assert trainer.recipe.rewards.functions == [] and trainer.recipe.environment.name
+    assert trainer.train()["step"] == 1
+    [row] = [row for row in read_metrics(tmp_path / "a") if "loss" in row]
+    assert row["reward/environment"] is not None and row["env/errors"] == 0
+    # logged under the environment's class name, as TRL names the reward column it makes of get_reward
+    assert trainer.state.log_history[0]["rewards/Riddle/mean"] == row["reward/environment"]
+    # None as TRL's default spelt out; a factory function; several environments, one of which owns the reward
+    GRPOTrainer(model=hermes_dir, reward_funcs=None, args=args("b"), environment_factory=lambda: Riddle(), **quiet)
+    GRPOTrainer(model=hermes_dir, args=args("c"), environment_factory={"riddle": Riddle, "lamp": Lamp},
+                train_dataset=[{"environment": "riddle"}, {"environment": "lamp"}], **quiet)
+    for kw in (dict(environment_factory=Lamp), dict(environment_factory=lambda: Lamp(), reward_funcs=[]),
+               dict(tools=[add], train_dataset=[{"prompt": "1+1="}]),
+               dict(reward_funcs=[], train_dataset=[{"prompt": "1+1="}])):
+        with pytest.raises(TRLCompatError, match=r"^reward_funcs: no reward source provided, as TRL refuses it: pass "
+                                                 r"reward_funcs, or an environment_factory whose environment defines a "
+                                                 r"get_reward method$"):
+            GRPOTrainer(model=hermes_dir, args=args("d"), **kw, **quiet)

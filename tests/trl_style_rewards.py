@@ -54,6 +54,11 @@ def half_applies(completions, **kwargs):
     return [None if i % 2 else 1.0 for i in range(len(completions))]
 
 
+def verdicts(completions, **kwargs):
+    """TRL-shaped, as TRL reads them: booleans (1.0 / 0.0) and NaN (does not apply) for the completions 'a', 'b', other."""
+    return [c == "a" if c in ("a", "b") else float("nan") for c in completions]
+
+
 def never_applies(completions, **kwargs):
     return [None] * len(completions)
 

@@ -68,8 +68,11 @@ def resolve(name: str) -> Callable:
 
 
 
-def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
-    """The scores as floats (None = skip), or a RewardError saying what is wrong with them."""
+def check_scores(name: str, scores, n: int, trl: bool = False) -> list[Optional[float]]:
+    """The scores as floats (None = skip), or a RewardError saying what is wrong with them. trl: a TRL-shaped
+    function's scores, read as TRL 1.16 reads them (a red team's find: they were refused): a boolean (Python's,
+    numpy's, torch's) as 1.0 or 0.0, and NaN as None (TRL turns None into NaN: both say "does not apply").
+    lowmem-grpo's own functions get neither: a boolean there is most likely a verdict meant as a number."""
     torch = sys.modules.get("torch")   # a tensor exists only once torch is imported
     if torch is not None and isinstance(scores, torch.Tensor):
         scores = scores.tolist()
@@ -87,6 +90,8 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
         if s is None:
             out.append(None)
             continue
+        if trl and (isinstance(s, bool) or _not_real(s) == "a boolean"):
+            s = float(s)   # (TRL's torch.tensor(scores, dtype=float32))
         if isinstance(s, bool) or not isinstance(s, (int, float)) and not hasattr(s, "__float__"):
             raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}), expected a number or None")
         kind = _not_real(s)
@@ -97,6 +102,9 @@ def check_scores(name: str, scores, n: int) -> list[Optional[float]]:
             v = float(s)
         except (TypeError, ValueError, OverflowError) as exc:
             raise RewardError(f"reward {name!r}: score {i} is {s!r} ({type(s).__name__}), not a number: {exc}") from None
+        if trl and v != v:
+            out.append(None)
+            continue
         if not isfinite(v):
             raise RewardError(f"reward {name!r}: score {i} is {v}, expected a finite number or None")
         if abs(v) > MAX_SCORE:   # (an audit: rewards of +-1e200 overflowed the group std, and nothing was learned)
@@ -405,7 +413,7 @@ class Rewards:
             try:
                 if isinstance(out, _Raised):
                     raise out.exc
-                scores = check_scores(name, out, n)
+                scores = check_scores(name, out, n, trl=self._is_trl(name))
             except Exception as exc:
                 if self.cfg.on_error == "raise":
                     if isinstance(exc, RewardError):
