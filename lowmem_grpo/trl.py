@@ -1005,6 +1005,32 @@ def _callback(callback):
     return callback
 
 
+class _CheckpointNames(Sink):
+    """transformers' names for the run's checkpoints: output_dir/checkpoint-<global step>, a link to the checkpoint
+    (checkpoints/step-N, N x updates_per_step updates), made as each is written; a link whose checkpoint was rotated
+    away goes. So `transformers.trainer_utils.get_last_checkpoint(output_dir)`, with which TRL's and open-r1's
+    scripts find what to resume, finds the last one, and train(resume_from_checkpoint=it) resumes (found by a red
+    team: it found none, and the script's rerun was refused). A name already taken by something else is left alone."""
+
+    def __init__(self, output_dir: Path, updates_per_step: int):
+        self.output_dir, self.updates = Path(output_dir), updates_per_step
+
+    def write(self, row: dict) -> None:
+        pass   # (names only: the rows are the other sinks')
+
+    def saved(self, step: int, path: Path) -> None:
+        link = self.output_dir / f"checkpoint-{step * self.updates}"
+        try:
+            if not link.exists() and not link.is_symlink():
+                link.symlink_to(os.path.relpath(Path(path).resolve(), self.output_dir.resolve()),
+                                target_is_directory=True)
+            for old in self.output_dir.glob("checkpoint-*"):
+                if old.is_symlink() and not old.exists():
+                    old.unlink()
+        except OSError:   # (a name for scripts' convenience: never the run's failure)
+            pass
+
+
 class _CallbackSink(Sink):
     """transformers' TrainerCallbacks, called from the run's events as transformers' Trainer calls them:
     on_train_begin before the first step; on_step_begin before each step; on_step_end after each step's row, then
@@ -1326,6 +1352,8 @@ class GRPOTrainer:
             raise TRLCompatError(self._in_trl_terms(str(exc))) from None
         first = trainer.step   # the steps a resumed run had made (its metrics.jsonl now ends there)
         self._trained = True
+        if trainer.world.main:
+            trainer.metrics.sinks.append(_CheckpointNames(self.output_dir, self.recipe.algorithm.updates_per_step))
         callbacks = None
         if self._callbacks and trainer.world.main:
             callbacks = _CallbackSink(self._callbacks, self.args, trainer, trainer.tokenizer,

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import math
+from pathlib import Path
 
 import pytest
 
@@ -527,6 +528,27 @@ def test_save_model_writes_the_tokenizer_and_resume_names_the_last_checkpoint(ti
     assert first.is_dir()
     with pytest.raises(TRLCompatError, match="resume_from_checkpoint: .* is not the last checkpoint"):
         trainer.train(resume_from_checkpoint=str(first))   # TRL would resume from step 1; here it would be step 2
+
+
+def test_transformers_get_last_checkpoint_finds_the_last_checkpoint_and_train_resumes_from_it(tiny_model_dir, tmp_path):
+    """TRL's and open-r1's scripts find what to resume with transformers' get_last_checkpoint(output_dir), which looks
+    for checkpoint-<step> folders: it found none here (checkpoints/step-N), and the rerun was refused (found by a red
+    team). Each checkpoint has that name too (a link, by global step), one rotated away loses it, and the script's
+    train(resume_from_checkpoint=last) resumes."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    def make(steps):
+        return GRPOTrainer(model=str(tiny_model_dir), reward_funcs=lambda completions, **kw: [len(c) for c in completions],
+                           train_dataset=[{"prompt": "1+1="}] * 4, log=lambda *a: None,
+                           args=_args(tmp_path, max_steps=steps, save_steps=1, save_total_limit=2))
+    make(3).train()
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]   # 1: rotated away
+    last = get_last_checkpoint(str(out))
+    assert Path(last).resolve() == (out / "checkpoints" / "step-000003").resolve()
+    again = make(4)
+    assert again.train(resume_from_checkpoint=last).global_step == 4
+    assert Path(get_last_checkpoint(str(out))).name == "checkpoint-4"
 
 
 def test_earlier_trls_max_prompt_length_is_read_as_the_readme_maps_it():
