@@ -105,6 +105,9 @@ class Trainer:
             raise TrainingError(problem)
         self.run_dir = Path(run_dir or recipe.output.dir)
         self.stop_requested = False   # set (by code, not a signal) to end the run after the current step, checkpointed
+        # set by code (TRL-API callbacks' control.should_evaluate / should_save) for the current step: evaluate and
+        # checkpoint after it, as transformers' Trainer does after on_step_end
+        self.eval_requested = self.save_requested = False
         self.stopped_by: Optional[int] = None   # the signal that stopped the run, if one did
         self._lock = self._take_run_dir() if self.world.main else None
         problem = (resume_rules.recipe_change_problem(self.run_dir, recipe) if resume
@@ -830,11 +833,18 @@ class Trainer:
                 if bad:
                     progress.log(f"[lowmem-grpo] step {self.step}: non-finite loss or gradient, update skipped "
                                  f"({self.state.nonfinite_run} in a row)")
+                # requests in code (TRL-API callbacks): an eval first (its on_evaluate may ask to stop, as transformers'
+                # EarlyStoppingCallback does), not at the last step (the final eval follows) nor twice
+                if distributed.any_true(self.eval_requested, self.world) and self.step < r.train.steps \
+                        and not any(k.startswith("eval/") for k in row):
+                    self._write_eval(self.evaluate())
                 # a Ctrl-C that reached any process, or a request in code (stop_requested: TRL-API callbacks)
                 stopping = distributed.any_true(stop.requested or self.stop_requested, self.world)
+                asked = distributed.any_true(self.save_requested, self.world)
+                self.eval_requested = self.save_requested = False
                 # A skipped step is checkpointed too: its weights are the last good update's, and a last or
                 # stopping step left unsaved lost that update (found by a red team; save() refuses NaN weights)
-                if stopping or self.step % r.output.save_every == 0 or self.step == r.train.steps:
+                if stopping or asked or self.step % r.output.save_every == 0 or self.step == r.train.steps:
                     self.save()
                 if stopping:
                     stopped, self.stopped_by = True, stop.signal

@@ -1039,7 +1039,8 @@ class _CallbackSink(Sink):
     (train_runtime, train_loss, ...), then on_train_end. on_log gets the log_history entry without its step, as
     transformers passes it. A step here is algorithm.updates_per_step of TRL's updates (global_step counts them), so each
     event comes once a step where TRL's would come once an update. A callback that sets
-    control.should_training_stop ends the run after that step, checkpointed, as a Ctrl-C does. Not called (this loop
+    control.should_training_stop ends the run after that step, checkpointed, as a Ctrl-C does; should_evaluate and
+    should_save evaluate and checkpoint after the step (the eval first, as transformers'). Not called (this loop
     is not transformers'): on_substep_end, the optimizer, epoch and prediction events."""
 
     def __init__(self, callbacks: list, args, trainer, tokenizer, run_log: _RunLog):
@@ -1052,6 +1053,7 @@ class _CallbackSink(Sink):
                                   train_batch_size=r.train.micro_batch_size)
         self.state.log_history = run_log.entries
         self.control = TrainerControl()
+        self.said_no_eval = False
         # transformers passes its dataloaders to every event too; this trainer has none (a callback may name them)
         self.objects = dict(model=trainer.model, processing_class=tokenizer, optimizer=trainer.optimizer,
                             lr_scheduler=trainer.scheduler, train_dataloader=None, eval_dataloader=None)
@@ -1063,12 +1065,24 @@ class _CallbackSink(Sink):
                 self.control = result
         if self.control.should_training_stop:
             self.trainer.stop_requested = True
+        # should_evaluate / should_save: this step's eval and checkpoint, taken once (they were ignored: a red
+        # team's find); transformers clears them at each step's start
+        if self.control.should_evaluate:
+            self.trainer.eval_requested, self.control.should_evaluate = True, False
+            if self.trainer.eval_set is None and not self.said_no_eval:
+                self.said_no_eval = True
+                self.trainer.log("[lowmem-grpo] a callback set control.should_evaluate, and this run has no held-out "
+                                 "set to evaluate (eval_strategy 'no'); set eval_strategy='steps' (and eval_steps) "
+                                 "with an eval_dataset")
+        if self.control.should_save:
+            self.trainer.save_requested, self.control.should_save = True, False
 
     def _at(self, step: int) -> None:
         self.state.global_step, self.state.epoch = step * self.run_log.updates, self.run_log.epoch(step)
 
     def step_begin(self, step: int) -> None:
         self._at(step - 1)   # as transformers': before the step, global_step counts the updates made so far
+        self.control.should_log = self.control.should_evaluate = self.control.should_save = False   # (as its handler)
         self.event("on_step_begin")
 
     def saved(self, step: int, path) -> None:

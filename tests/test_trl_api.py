@@ -709,6 +709,39 @@ def test_callbacks_are_called_from_the_runs_metrics_and_can_stop_it(tiny_model_d
                     train_dataset=[{"prompt": "1+1="}], callbacks=[print])
 
 
+def test_a_callbacks_should_save_and_should_evaluate_checkpoint_and_evaluate_after_that_step(tiny_model_dir, tmp_path):
+    """control.should_save and control.should_evaluate set in on_step_end were ignored (found by a red team): as
+    transformers does, that step is evaluated (on_evaluate called) and checkpointed, once; the flags are this step's."""
+    from transformers import TrainerCallback
+
+    class AskAtTwo(TrainerCallback):
+        evaluated = []
+
+        def on_step_end(self, args, state, control, **kw):
+            control.should_save = control.should_evaluate = state.global_step == 2
+            return control
+
+        def on_evaluate(self, args, state, control, metrics=None, **kw):
+            self.evaluated.append(state.global_step)
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
+                          eval_dataset=rows[6:], log=lambda *a: None, callbacks=[AskAtTwo],
+                          args=_args(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=100))   # (neither before 4)
+    trainer.train()
+    saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir())
+    assert saved == ["step-000002", "step-000004"], saved   # asked at 2; the last step's
+    evals = [r["step"] for r in read_metrics(tmp_path / "out") if "eval/accuracy" in r]
+    assert evals == [2, 4] and AskAtTwo.evaluated == [2, 4]   # asked at 2; the final eval
+    # with eval_strategy 'no' the run holds no held-out set (TRL's), so there is nothing to evaluate: said once
+    lines = []
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=rows[:6],
+                          eval_dataset=rows[6:], log=lines.append, callbacks=[AskAtTwo],
+                          args=_args(tmp_path / "no", max_steps=4))
+    trainer.train()
+    assert sum("control.should_evaluate" in line for line in lines) == 1, lines
+
+
 def test_steps_per_generation_makes_several_updates_of_one_generation_batch(tiny_model_dir, tmp_path):
     """steps_per_generation=2 (one micro-batch each): a generation batch of 2 x 2 completions, two updates on it, so
     max_steps=4 TRL updates are 2 steps here, global_step counts the 4 updates, and the schedule made 4."""
