@@ -398,15 +398,11 @@ def run_eval(recipe, *, name: str, adapter: Optional[str] = None, model_dir: Opt
     batch = min(wave or EVAL_BATCH, EVAL_BATCH)
     engine_cfg = EngineConfig.from_recipe(recipe, wave)
     engine = make_engine(replace(engine_cfg, seed=distributed.sampling_seed(engine_cfg.seed, world)), model, tok)
+    errors = None   # with an environment: its episodes' errors, counted (_EnvErrors)
     try:
         if (note := hold_to_engine_context([pset], engine_context(engine), context_tokens(model),
                                            recipe.generation.engine, recipe.data.max_prompt_tokens)) and world.main:
             log(f"note: {note}")
-    except DataError:
-        engine.close()
-        raise
-    errors = None   # with an environment: its episodes' errors, counted (_EnvErrors)
-    try:
         rollout = errors = _EnvErrors(_episodes(recipe, engine, tok, pset)) if recipe.environment.name else None
         mine_greedy = greedy(engine, tok, rewards, mine, g.max_new_tokens, batch_size=batch, records=greedy_records,
                              done=done, rollout=rollout, first_index=first)

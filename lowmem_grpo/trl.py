@@ -721,8 +721,7 @@ def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]
     total, as mean, to mean_<i>). A function importable by its module and name is named so; any other (defined in a
     script's __main__, a partial, a callable instance) through a module made for this run, under TRL's name, or
     reward_<i> where that name is taken or is no identifier (a lambda's)."""
-    # None (TRL 1.16's default): no reward functions, where the environment's get_reward() is the reward
-    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs = _reward_list(reward_funcs)
     module = types.ModuleType(f"lowmem_grpo_trl_rewards_{id(funcs):x}")
     specs, taken = [], set()
     for i, fn in enumerate(funcs):
@@ -743,6 +742,14 @@ def _reward_specs(reward_funcs) -> tuple[list[dict], Optional[types.ModuleType]]
         sys.modules[module.__name__] = module
         return specs, module
     return specs, None
+
+
+def _reward_list(reward_funcs) -> list:
+    """TRL's reward_funcs as a list: one function, a list of them, or None (TRL 1.16's default: none, where the
+    environment's get_reward() is the reward)."""
+    if reward_funcs is None:
+        return []
+    return list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
 
 
 def _reward_environments(environment_factory) -> list[str]:
@@ -774,7 +781,7 @@ def _check_reward_processing_classes(classes, reward_funcs) -> None:
     if classes is None:
         return
     classes = classes if isinstance(classes, list) else [classes]
-    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs = _reward_list(reward_funcs)
     if len(classes) != len(funcs):
         raise TRLCompatError(f"reward_processing_classes: {len(classes)} for {len(funcs)} reward functions (TRL "
                              "requires one per reward function; a function's entry is not used)")
@@ -1196,7 +1203,7 @@ class GRPOTrainer:
         self._logs = {**TRL_DEFAULTS, **settings}["logging_strategy"] != "no"   # (_RunLog's too)
         # TRL's names for the reward columns (_trl_reward_columns): each function's get_callable_name, and the class
         # of the environment whose get_reward() is the environment's column
-        funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        funcs = _reward_list(reward_funcs)
         self._trl_reward_names, self._reward_environments = [_callable_name(f) for f in funcs], owners
         self._reward_columns: Optional[dict] = None
         self.accelerator = _Accelerator()
