@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from .durable import fsync_dir, fsync_tree, replace_file
+
 PREFIX = "step-"
 FORMAT = 1   # trainer_state.pt's layout; raise it when a change would break an older reader (checkpoints without
              # "format" predate it and are format 1)
@@ -50,43 +52,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     the rename (else a power cut can leave it empty: a run's recipe.yaml, which resume and export need). A failed
     write (a full disk) leaves no temp file; the same text is not written again (a plain resume on a full disk)."""
     path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
     try:
         if path.is_file() and path.read_text() == text:
+            tmp.unlink(missing_ok=True)   # a write cut short by a kill -9, else kept for good (found by a soak run)
             return
     except (OSError, UnicodeDecodeError):
         pass
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_file(path, tmp, lambda f: f.write(text))
     fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (the names in it) to disk: what makes a rename into it last."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """Flush every file under `path`, every folder below it and `path` itself to disk (before it is renamed into
-    place: a checkpoint, an export)."""
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        elif p.is_dir():
-            fsync_dir(p)
-    fsync_dir(path)
 
 
 def rng_state() -> dict:

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 
 from . import checkpoint as ckpt
 from .data import PROMPT_RECORD
+from .durable import fsync_dir, fsync_tree
 from .hub import folder_contents, model_path_problem, tokenizer_files_problem
 from .model import DTYPES, AdapterLoadError, load_adapter, load_base_model, load_tokenizer
 from .progress import library_bars, use_bar
@@ -157,10 +158,10 @@ def _write_error(out_dir: Path, what: str, exc: Exception, where: Optional[Path]
 def _commit(staging: Path, out_dir: Path, replace: bool) -> None:
     """The complete export in staging, flushed, renamed to out_dir; with `replace`, the earlier export there is
     set aside first, and deleted only once the new one is in."""
-    ckpt.fsync_tree(staging)
+    fsync_tree(staging)
     if not replace:
         os.replace(staging, out_dir)   # (onto an empty folder too; onto one that is no longer empty, it fails)
-        ckpt.fsync_dir(out_dir.parent)
+        fsync_dir(out_dir.parent)
         return
     aside = side_path(out_dir, ASIDE)
     with _signals_held():   # a Ctrl-C between the two renames left no export at --out, and the new one deleted
@@ -170,7 +171,7 @@ def _commit(staging: Path, out_dir: Path, replace: bool) -> None:
         except BaseException:
             os.replace(aside, out_dir)
             raise
-    ckpt.fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     shutil.rmtree(aside, ignore_errors=True)   # (a crash here leaves it: clear_leftovers removes it)
 
 

@@ -4,9 +4,10 @@
 Every tensor here is [n_tokens]: the log-prob of the sampled token under the policy (`logp`, with grad),
 under the policy that sampled it (`logp_old`) and under the reference (`logp_ref`), and the advantage of
 the token's completion. No logits, no models, no I/O. Each variant is one small function; `grpo_token_loss`
-composes the surrogate (ratio, target or CISPO clip, SAPO's gate or VESPO's weight; token or sequence ratio;
-optional two-sided cap), the KL term (ref, mirror, both, none; k1, k2 or k3), a detached per-token
-policy-gradient weight and an entropy bonus.
+composes the surrogate (ratio, target or CISPO clip, SAPO's gate, VESPO's weight or GMPO's geometric mean; token
+or sequence ratio; optional two-sided cap), the KL term (ref, mirror, both, none; k1, k2 or k3), a detached per-token
+policy-gradient weight and an entropy bonus. The run's choices among these are one `LossOptions`, built from the
+recipe by `LossOptions.from_algorithm`; the batch's tensors are its arguments.
 `seq_index` [n_tokens] says which completion each token belongs to (any non-negative ids).
 
 Aggregation (docs/algorithm.md §5) is expressed as a per-token weight computed once for the whole batch
@@ -127,33 +128,46 @@ VESPO_SHAPE = (2.0, 3.0, 3.0, 2.0)   # (k_pos, lambda_pos, k_neg, lambda_neg): t
 # paper's code (and TRL) bound them, so that exp never overflows and a vanishing w stays a number.
 VESPO_TOKEN_LOG_RATIO_MAX = 20.0
 VESPO_LOG_W_MIN, VESPO_LOG_W_MAX = math.log(1e-8), 20.0
+GMPO_EPSILONS = (0.4, 0.4)   # (low, high) in log space: the GMPO paper's and TRL's GMPOConfig default, e^+-0.4
 
 
-def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
-    """The combinations docs/algorithm.md §13-§14 define; anything else is an error, not a silent fallback."""
+def check_static_options(clip: str, level: str, delta: Optional[float]) -> None:
+    """The combinations of clip, level and delta docs/algorithm.md §13-§14 define; anything else is an error, not a
+    silent fallback. LossOptions runs this once, at construction."""
     if clip not in CLIPS:
-        raise ValueError(f"unknown clip {clip!r}")
+        raise ValueError(f"unknown clip {clip!r}; allowed: {', '.join(CLIPS)}")
     if level not in LEVELS:
-        raise ValueError(f"unknown importance sampling level {level!r}")
-    if level == "sequence" and seq_index is None:
-        raise ValueError("level 'sequence' needs seq_index")
+        raise ValueError(f"unknown importance sampling level {level!r}; allowed: {', '.join(LEVELS)}")
     if level == "sequence" and clip == "target":
         raise ValueError("clip 'target' is not defined at level 'sequence'")
     if clip == "vespo" and level != "token":   # its weight is a sequence ratio already (§14.2)
         raise ValueError("clip 'vespo' builds its own sequence ratio: level must be 'token'")
-    if clip == "vespo" and seq_index is None:
-        raise ValueError("clip 'vespo' needs seq_index")
+    if clip == "gmpo" and level != "token":    # its weight is a geometric mean over the sequence already (§14.3)
+        raise ValueError("clip 'gmpo' builds its own sequence ratio: level must be 'token'")
     if delta is not None and clip != "ratio":
         raise ValueError(f"delta only applies to clip 'ratio', not {clip!r}")
+
+
+def check_surrogate_options(clip: str, level: str, seq_index, delta) -> None:
+    """check_static_options, plus what a batch must bring: the completion ids a sequence ratio is built from."""
+    check_static_options(clip, level, delta)
+    if level == "sequence" and seq_index is None:
+        raise ValueError("level 'sequence' needs seq_index")
+    if clip in ("vespo", "gmpo") and seq_index is None:
+        raise ValueError(f"clip {clip!r} needs seq_index")
 
 
 def surrogate(clip: str, logp, logp_old, advantages, eps_low: float, eps_high: float, *, level: str = "token",
               seq_index: Optional[torch.Tensor] = None, delta: Optional[float] = None,
               cispo_max_weight: float = 5.0, sapo_temperatures: tuple[float, float] = (1.0, 1.05),
-              vespo_phi: Optional[torch.Tensor] = None) -> torch.Tensor:
+              vespo_phi: Optional[torch.Tensor] = None,
+              gmpo_epsilons: tuple[float, float] = GMPO_EPSILONS) -> torch.Tensor:
     """The per-token policy-gradient objective (to maximise) of docs/algorithm.md §6, §13, §14.
-    vespo_phi: clip 'vespo''s weight (vespo_weight), computed by the caller, which also reports it."""
+    vespo_phi: clip 'vespo''s weight (vespo_weight), computed by the caller, which also reports it.
+    gmpo_epsilons: clip 'gmpo''s (low, high) bounds of the log-ratio (§14.3)."""
     check_surrogate_options(clip, level, seq_index, delta)
+    if clip == "gmpo":
+        return gmpo_surrogate(logp, logp_old, advantages, seq_index, *gmpo_epsilons)
     if clip == "vespo":
         if vespo_phi is None:
             raise ValueError("clip 'vespo' needs its weight vespo_phi (vespo_weight)")
@@ -279,6 +293,40 @@ def vespo_surrogate(logp, advantages, phi: torch.Tensor) -> torch.Tensor:
     return phi.detach() * advantages * logp
 
 
+# -- GMPO (docs/algorithm.md §14.3) ----------------------------------------------------------------------------
+
+def gmpo_clipped_log_ratio(log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                           eps_high: float) -> torch.Tensor:
+    """PPO's pessimistic clip in log space, per token: min(x, clamp(x, -eps_low, eps_high)) for A > 0 is
+    min(x, eps_high), max(x, clamp(x, ..)) otherwise is max(x, -eps_low), so only the advantage's side is bounded
+    and a token past it stops moving (docs/algorithm.md §14.3). A one-sided clamp, not torch.minimum of the two:
+    its gradient is 1 or 0, with no tie between equal operands to split."""
+    return torch.where(advantages > 0, log_ratio.clamp(max=eps_high), log_ratio.clamp(min=-eps_low))
+
+
+def gmpo_surrogate(logp, logp_old, advantages, seq_index: torch.Tensor, eps_low: float,
+                   eps_high: float) -> torch.Tensor:
+    """GMPO (Zhao et al. 2025): exp(mean over the completion's tokens of their clipped log-ratios) A per token, the
+    geometric mean of the clipped token ratios times the advantage. Every token of a completion carries the same
+    value, so §5's sequence_mean makes it the completion's term, TRL's GMPO loss; a token's gradient is
+    w A / |o_i| if it is unclipped, else 0 (docs/algorithm.md §14.3)."""
+    clipped = gmpo_clipped_log_ratio(logp - logp_old, advantages, eps_low, eps_high)
+    return torch.exp(sequence_mean(clipped, seq_index)) * advantages
+
+
+def check_constant_per_sequence(weight: torch.Tensor, seq_index: torch.Tensor, what: str) -> None:
+    """Refuse a per-token weight that differs within a completion: with GMPO a token carries its completion's term
+    and moves through its geometric mean, so a weight can only mean the completion's (§14.3)."""
+    with torch.no_grad():
+        w = weight.detach().to(torch.float64)
+        n_ids = int(seq_index.max().item()) + 1 if seq_index.numel() else 0
+        high = w.new_full((n_ids,), -math.inf).scatter_reduce(0, seq_index, w, "amax")
+        low = w.new_full((n_ids,), math.inf).scatter_reduce(0, seq_index, w, "amin")
+        if bool((high[seq_index] != low[seq_index]).any()):
+            raise ValueError(f"{what} differs between the tokens of a completion; with clip 'gmpo' it must be one "
+                             "value per completion (a sequence_* correction, the off-policy mask)")
+
+
 @dataclass
 class TokenLoss:
     loss: torch.Tensor                # [n] per-token loss (-objective); aggregate with aggregation_weights
@@ -286,7 +334,8 @@ class TokenLoss:
     kl_mirror: Optional[torch.Tensor]  # [n] KL estimate to the sampling policy (mirror), or None
     clipped_low: torch.Tensor         # [n] bool: A < 0 and r below the lower bound (the clip binds)
     clipped_high: torch.Tensor        # [n] bool: A > 0 and r above the upper bound; for CISPO, A != 0 and
-    #                                   the weight capped. r is the sequence's ratio at level 'sequence'.
+    #                                   the weight capped. r is the sequence's ratio at level 'sequence'; for
+    #                                   GMPO the token's own, against its log-space bounds.
     vespo_weight: Optional[torch.Tensor] = None  # [n] clip 'vespo': phi(w) of the token's sequence (detached)
 
     @property
@@ -296,10 +345,15 @@ class TokenLoss:
 
 
 def clip_flags(clip: str, log_ratio: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-               eps_low: float, eps_high: float, cispo_max_weight: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+               eps_low: float, eps_high: float, cispo_max_weight: float = 5.0,
+               gmpo_epsilons: tuple[float, float] = GMPO_EPSILONS) -> tuple[torch.Tensor, torch.Tensor]:
     """(clipped_low, clipped_high) per token, without gradient, from the ratio the surrogate used (the token's
-    or its sequence's). CISPO caps only from above, and a capped weight matters whatever A's sign (§14)."""
+    or its sequence's). CISPO caps only from above, and a capped weight matters whatever A's sign (§14). GMPO
+    clips each token's log-ratio before its mean: compared in log space, as TRL counts them (§14.3)."""
     with torch.no_grad():
+        if clip == "gmpo":
+            low, high = gmpo_epsilons
+            return (log_ratio < -low) & (advantages < 0), (log_ratio > high) & (advantages > 0)
         ratio = torch.exp(log_ratio)
         if clip == "cispo":
             return torch.zeros_like(ratio, dtype=torch.bool), (ratio > cispo_max_weight) & (advantages != 0)
@@ -309,42 +363,130 @@ def clip_flags(clip: str, log_ratio: torch.Tensor, logp_old: torch.Tensor, advan
         return (ratio < low) & (advantages < 0), (ratio > high) & (advantages > 0)
 
 
-def grpo_token_loss(logp, logp_old, logp_ref, advantages, *, beta: float, eps_low: float = 0.2,
-                    eps_high: float = 0.2, clip: str = "ratio", kl_target: str = "ref", beta_mirror: float = 0.0,
-                    kl_estimator: str = "k3", level: str = "token", seq_index: Optional[torch.Tensor] = None,
-                    delta: Optional[float] = None, cispo_max_weight: float = 5.0,
-                    pg_weight: Optional[torch.Tensor] = None, entropy: Optional[torch.Tensor] = None,
-                    entropy_coef: float = 0.0, kl_ratio_weight: bool = False,
-                    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
-                    vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE,
+def _number_problem(name: str, value, *, above: float, inclusive: bool) -> Optional[str]:
+    """Why `value` is not a number above (or, inclusive, at or above) `above`, or None; NaN is refused too."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        value >= above if inclusive else value > above)
+    return None if ok else f"{name} must be a number {'>=' if inclusive else '>'} {above:g}, got {value!r}"
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The loss's options for a whole run (docs/algorithm.md §1, §4, §6, §13, §14): what grpo_token_loss does
+    with a batch's tensors. What changes per batch (the tensors, pg_weight, the entropy and its adaptive
+    coefficient) stays an argument of grpo_token_loss. Built from the recipe by from_algorithm, and checked once,
+    here, rather than on every micro-batch. The defaults are the recipe's: GRPO as DeepSeekMath wrote it
+    (LossOptions() == LossOptions.from_algorithm(AlgorithmConfig())).
+    eps_low / eps_high bound the ratio the level uses: the token's, or at level 'sequence' its sequence's, where
+    from_algorithm takes the recipe's sequence_epsilon_* (§13)."""
+
+    beta: float = 0.04                 # weight of the KL to the reference (kl_target ref, both)
+    eps_low: float = 0.2               # ratio clip window [1 - eps_low, 1 + eps_high] (§6)
+    eps_high: float = 0.2
+    clip: str = "ratio"                # one of CLIPS (§6, §14)
+    kl_target: str = "ref"             # one of KL_TARGETS (§4.2)
+    beta_mirror: float = 0.04          # weight of the KL to the sampling policy (kl_target mirror, both)
+    kl_estimator: str = "k3"           # a key of KL_ESTIMATORS (§4.1)
+    level: str = "token"               # one of LEVELS: the token's ratio, or its sequence's (§13)
+    delta: Optional[float] = None      # clip 'ratio': cap of the unclipped term (§14); None: off
+    cispo_max_weight: float = 5.0      # clip 'cispo': cap of the detached weight (§14)
+    kl_ratio_weight: bool = False      # the reference KL times the importance ratio (§4.4)
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)   # clip 'sapo': (tau_pos, tau_neg) (§14.1)
+    vespo_shape: tuple[float, float, float, float] = VESPO_SHAPE   # clip 'vespo': (k_pos, lam_pos, k_neg, lam_neg)
+    gmpo_epsilons: tuple[float, float] = GMPO_EPSILONS   # clip 'gmpo': (low, high) bounds of the log-ratio (§14.3)
+
+    def __post_init__(self):
+        # tuples, so that options built from lists (a YAML file, a TRL config) still compare equal and freeze
+        object.__setattr__(self, "sapo_temperatures", tuple(self.sapo_temperatures))
+        object.__setattr__(self, "vespo_shape", tuple(self.vespo_shape))
+        object.__setattr__(self, "gmpo_epsilons", tuple(self.gmpo_epsilons))
+        check_static_options(self.clip, self.level, self.delta)
+        problems = self._problems()
+        if problems:
+            raise ValueError(f"LossOptions: {'; '.join(problems)}")
+
+    def _problems(self) -> list[str]:
+        """What the loss would compute as garbage (NaN, a negative KL weight) or fail on deep inside a batch."""
+        problems = []
+        if self.kl_target not in KL_TARGETS:
+            problems.append(f"kl_target must be one of {', '.join(KL_TARGETS)}, got {self.kl_target!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            problems.append(f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        numbers = [("beta", self.beta, 0.0, True), ("beta_mirror", self.beta_mirror, 0.0, True),
+                   ("eps_low", self.eps_low, 0.0, True), ("eps_high", self.eps_high, 0.0, True),
+                   ("cispo_max_weight", self.cispo_max_weight, 0.0, False)]
+        if len(self.sapo_temperatures) != 2:
+            problems.append(f"sapo_temperatures must be (tau_pos, tau_neg), got {self.sapo_temperatures!r}")
+        else:
+            numbers += [(f"sapo_temperatures[{i}]", t, 0.0, False) for i, t in enumerate(self.sapo_temperatures)]
+        if len(self.vespo_shape) != 4:
+            problems.append(f"vespo_shape must be (k_pos, lambda_pos, k_neg, lambda_neg), got {self.vespo_shape!r}")
+        else:
+            numbers += [(f"vespo_shape[{i}]", v, 0.0, False) for i, v in enumerate(self.vespo_shape)]
+        if len(self.gmpo_epsilons) != 2:
+            problems.append(f"gmpo_epsilons must be (low, high), got {self.gmpo_epsilons!r}")
+        else:
+            numbers += [(f"gmpo_epsilons[{i}]", e, 0.0, False) for i, e in enumerate(self.gmpo_epsilons)]
+        if self.delta is not None:   # the recipe's rule (§14): a cap inside the window would clip every token
+            numbers.append(("delta", self.delta, 1.0 + self.eps_high, False))
+        problems += [p for name, value, above, inclusive in numbers
+                     if (p := _number_problem(name, value, above=above, inclusive=inclusive))]
+        return problems
+
+    @classmethod
+    def from_algorithm(cls, a: AlgorithmConfig) -> "LossOptions":
+        """The options recipe.algorithm sets. Every field of the schema the loss reads is read here, and only here
+        (tests/test_loss_options.py::test_every_algorithm_field_reaches_the_loss_or_is_named_elsewhere)."""
+        sequence = a.importance_sampling_level == "sequence"
+        # §13: a sequence ratio is a mean of log-ratios, far closer to 1 than a token's: it has its own window
+        eps_low, eps_high = ((a.sequence_epsilon_low, a.sequence_epsilon_high) if sequence
+                             else (a.epsilon_low, a.epsilon_high))
+        return cls(beta=a.beta, eps_low=eps_low, eps_high=eps_high, clip=a.clip, kl_target=a.kl_target,
+                   beta_mirror=a.beta_mirror, kl_estimator=a.kl_estimator, level=a.importance_sampling_level,
+                   delta=a.delta, cispo_max_weight=a.cispo_max_weight, kl_ratio_weight=a.kl_ratio_weight,
+                   sapo_temperatures=(a.sapo_temperature_pos, a.sapo_temperature_neg),
+                   vespo_shape=(a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg),
+                   gmpo_epsilons=(a.gmpo_epsilon_low, a.gmpo_epsilon_high))
+
+
+def grpo_token_loss(logp, logp_old, logp_ref, advantages, options: LossOptions, *,
+                    seq_index: Optional[torch.Tensor] = None, pg_weight: Optional[torch.Tensor] = None,
+                    entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
                     sampler_weight: Optional[torch.Tensor] = None) -> TokenLoss:
     """-(pg * pg_weight) + KL penalty - entropy_coef * entropy per token (docs/algorithm.md §1, with the
-    variants of §4, §6, §13, §14 and §16). pg_weight (detached) scales the policy term only: the sampler
-    correction of §15 times the token mask of §16. kl_ratio_weight: the reference KL times the importance
-    ratio r (the token's, or its sequence's), with r's gradient (§4.4). clip 'vespo' takes §15's correction
-    as sampler_weight, into its sequence ratio, instead of in pg_weight (§14.2). The defaults are GRPO exactly
-    as before these options."""
-    check_surrogate_options(clip, level, seq_index, delta)
-    if sampler_weight is not None and clip != "vespo":
-        raise ValueError(f"sampler_weight enters clip 'vespo' only; with clip {clip!r} it is part of pg_weight (§15)")
+    variants of §4, §6, §13, §14 and §16 that `options` selects). pg_weight (detached) scales the policy term only:
+    the sampler correction of §15 times the token mask of §16. options.kl_ratio_weight: the reference KL times the
+    importance ratio r (the token's, or its sequence's), with r's gradient (§4.4). clip 'vespo' takes §15's
+    correction as sampler_weight, into its sequence ratio, instead of in pg_weight (§14.2). With clip 'gmpo'
+    pg_weight must be one value per completion (§14.3)."""
+    if not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a LossOptions (e.g. LossOptions.from_algorithm(recipe.algorithm)), "
+                        f"got {type(options).__name__}")
+    o = options
+    check_surrogate_options(o.clip, o.level, seq_index, o.delta)   # (the static part passed at construction)
+    if sampler_weight is not None and o.clip != "vespo":
+        raise ValueError(f"sampler_weight enters clip 'vespo' only; with clip {o.clip!r} it is part of pg_weight (§15)")
+    if pg_weight is not None and o.clip == "gmpo":
+        check_constant_per_sequence(pg_weight, seq_index, "pg_weight")
     # VESPO's weight once, for the loss and for TokenLoss (§14.2)
-    phi = vespo_weight(logp, logp_old, advantages, seq_index, vespo_shape, sampler_weight) if clip == "vespo" else None
-    loss = -surrogate(clip, logp, logp_old, advantages, eps_low, eps_high, level=level, seq_index=seq_index,
-                      delta=delta, cispo_max_weight=cispo_max_weight, sapo_temperatures=sapo_temperatures,
-                      vespo_phi=phi)
+    phi = (vespo_weight(logp, logp_old, advantages, seq_index, o.vespo_shape, sampler_weight)
+           if o.clip == "vespo" else None)
+    loss = -surrogate(o.clip, logp, logp_old, advantages, o.eps_low, o.eps_high, level=o.level, seq_index=seq_index,
+                      delta=o.delta, cispo_max_weight=o.cispo_max_weight, sapo_temperatures=o.sapo_temperatures,
+                      vespo_phi=phi, gmpo_epsilons=o.gmpo_epsilons)
     if pg_weight is not None:
         loss = loss * pg_weight.detach().to(loss.dtype)
-    ref_weight = torch.exp(policy_log_ratio(logp, logp_old, level, seq_index)) if kl_ratio_weight else None
-    penalty, kl_ref, kl_mirror = kl_terms(logp, logp_ref, logp_old, target=kl_target, beta=beta,
-                                          beta_mirror=beta_mirror, estimator=kl_estimator, ref_weight=ref_weight)
+    ref_weight = torch.exp(policy_log_ratio(logp, logp_old, o.level, seq_index)) if o.kl_ratio_weight else None
+    penalty, kl_ref, kl_mirror = kl_terms(logp, logp_ref, logp_old, target=o.kl_target, beta=o.beta,
+                                          beta_mirror=o.beta_mirror, estimator=o.kl_estimator, ref_weight=ref_weight)
     if penalty is not None:
         loss = loss + penalty
     if entropy is not None and entropy_coef != 0:
         loss = loss - entropy_coef * entropy.to(loss.dtype)  # a bonus: higher entropy, lower loss (§16)
     with torch.no_grad():
-        log_ratio = policy_log_ratio(logp.detach(), logp_old, level, seq_index)
-    clipped_low, clipped_high = clip_flags(clip, log_ratio, logp_old, advantages, eps_low, eps_high,
-                                           cispo_max_weight)
+        log_ratio = policy_log_ratio(logp.detach(), logp_old, o.level, seq_index)
+    clipped_low, clipped_high = clip_flags(o.clip, log_ratio, logp_old, advantages, o.eps_low, o.eps_high,
+                                           o.cispo_max_weight, o.gmpo_epsilons)
     return TokenLoss(loss, kl_ref, kl_mirror, clipped_low, clipped_high, phi)
 
 

@@ -1060,6 +1060,20 @@ def peak_memory_mib() -> float:
     return peak_rss_mib()
 
 
+def current_memory_mib() -> float:
+    """This process's memory in use now, in MiB: what the CUDA allocator holds in tensors, or on CPU the resident set
+    (VmRSS). Beside the peak, which only ever rises, it shows memory that a long run keeps and should not."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration, ValueError, IndexError):   # (no /proc: the peak is the best figure there is)
+        return peak_rss_mib()
+
+
 def release_memory() -> None:
     """What a failed step held back to the device (CUDA's cache) or the OS, so that a checkpoint can be written."""
     import gc

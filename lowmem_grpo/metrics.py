@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from typing import Callable, Optional
 from pathlib import Path
+
+from .durable import replace_file
 
 
 class MetricsWriter:
@@ -28,15 +29,20 @@ class MetricsWriter:
 
 def truncate_after(path: Path, step: int) -> None:
     """On resume, drop a JSONL file's rows of steps after the checkpoint (they will be run again) and any
-    line cut by a crash; the file is replaced atomically."""
+    line cut by a crash; the file is replaced atomically (flushed to disk first), and a copy that could not be
+    written whole (a full disk) is removed. Copied a line at a time: read whole, a 100,000-step run's 190 MB
+    metrics.jsonl took 520 MB more RAM at every resume (found by a soak run)."""
     if not path.exists():
         return
-    # (a byte that is not UTF-8 is that line's damage, not the resume's traceback: found by a red team)
-    keep = [line for line in path.read_bytes().decode("utf-8", errors="replace").splitlines()
-            if (row := _row(line)) is not None and row["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    def kept(out) -> None:
+        with open(path, "rb") as src:
+            for raw in src:
+                # (a byte that is not UTF-8 is that line's damage, not the resume's traceback: found by a red team)
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if (row := _row(line)) is not None and row["step"] <= step:
+                    out.write(line + "\n")
+
+    replace_file(path, path.with_suffix(".jsonl.tmp"), kept)
 
 
 def _row(line: str) -> Optional[dict]:
@@ -96,10 +102,10 @@ def text_ends(text: str, keep: int = SAMPLE_ENDS) -> str:
     return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
 
 
-def read_metrics(run_dir) -> list[dict]:
-    """The rows of a run's metrics.jsonl ([] without one); see read_metrics_file."""
+def read_metrics(run_dir, keep: Optional[Callable[[str], bool]] = None) -> list[dict]:
+    """The rows of a run's metrics.jsonl ([] without one), each with the keys `keep` holds; see read_metrics_file."""
     path = Path(run_dir) / "metrics.jsonl"
-    return read_metrics_file(path)[0] if path.exists() else []
+    return read_metrics_file(path, keep)[0] if path.exists() else []
 
 
 def read_metrics_file(path: Path, keep: Optional[Callable[[str], bool]] = None) -> tuple[list[dict], int]:

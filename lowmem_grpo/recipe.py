@@ -356,8 +356,8 @@ class AlgorithmConfig(_Section):
         "use_bias_correction_kl, on by default there; docs/algorithm.md §4.4). Changes the gradient even at mu: 1.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="Per-token KL estimator (Schulman 2020; docs/algorithm.md §4): k1 = log-ratio, k2 = half squared log-ratio, k3 = GRPO's exp(-d) + d - 1.")
-    clip: Literal["ratio", "target", "cispo", "sapo", "vespo"] = Field(
-        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient, sapo: a soft sigmoid gate of the ratio in place of the clip (sapo_temperature_pos/neg), or vespo: a detached Gamma-shaped weight of the completion's ratio (the product of its token ratios) times the log-prob (vespo_k_*/vespo_lambda_*; §14.2).")
+    clip: Literal["ratio", "target", "cispo", "sapo", "vespo", "gmpo"] = Field(
+        "ratio", description="Surrogate clip (docs/algorithm.md §6, §14): ratio window [1 - epsilon_low, 1 + epsilon_high], target probabilities sqrt(pi_old) (A > 0) / pi_old^2 (A < 0) (needs mu > 1), cispo: a detached importance weight capped at cispo_max_weight times the log-prob, so that every token keeps a gradient, sapo: a soft sigmoid gate of the ratio in place of the clip (sapo_temperature_pos/neg), vespo: a detached Gamma-shaped weight of the completion's ratio (the product of its token ratios) times the log-prob (vespo_k_*/vespo_lambda_*; §14.2), or gmpo: the geometric mean of the completion's token ratios, each clipped in log space on its advantage's side (gmpo_epsilon_low/high), times the advantage (§14.3).")
     epsilon_low: float = Field(0.2, gt=0, lt=1, description="Ratio clip: lower bound is 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, gt=0, description="Ratio clip: upper bound is 1 + epsilon_high ('clip-higher' uses > epsilon_low).")
     aggregation: Literal["sequence_mean", "token_mean", "constant", "sum", "sequence_sum"] = Field(
@@ -387,6 +387,10 @@ class AlgorithmConfig(_Section):
     vespo_lambda_pos: float = Field(3.0, gt=0, description="clip: vespo: the decay lambda of the weight for A >= 0; larger fades completions the policy made more likely (w > 1) faster (TRL's default).")
     vespo_k_neg: float = Field(3.0, gt=0, description="clip: vespo: the power k of the weight for A < 0 (TRL's default).")
     vespo_lambda_neg: float = Field(2.0, gt=0, description="clip: vespo: the decay lambda of the weight for A < 0 (TRL's default).")
+    # GMPO's own bounds, not epsilon_low/high: those bound the ratio, [1 - eps, 1 + eps]; GMPO's bound the log-ratio,
+    # [e^-eps, e^eps], with another default (0.4), so one key meaning either window by clip would mislead (§14.3)
+    gmpo_epsilon_low: float = Field(0.4, gt=0, description="clip: gmpo (docs/algorithm.md §14.3): a token of a completion with A < 0 counts its log-ratio as at least -this, in log space: the ratio's lower bound is exp(-this), 0.67 at the default (TRL's GMPOConfig epsilon).")
+    gmpo_epsilon_high: float = Field(0.4, gt=0, description="clip: gmpo: a token of a completion with A > 0 counts its log-ratio as at most this, in log space: the ratio's upper bound is exp(this), 1.49 at the default (TRL's GMPOConfig epsilon_high, which defaults to epsilon).")
     delta: Optional[float] = Field(
         None, description="clip: ratio: two-sided clip (docs/algorithm.md §14): the unclipped ratio term is capped at delta, "
         "which bounds the loss of a negative-advantage token whose ratio ran away; must be > 1 + epsilon_high; null: off.")
@@ -474,6 +478,9 @@ class AlgorithmConfig(_Section):
             if self.clip == "vespo":   # §14.2
                 problems.append(("importance_sampling_level", "clip: vespo weights by the completion's own ratio (the "
                                                               "product of its token ratios) at any level; leave it token"))
+            if self.clip == "gmpo":   # §14.3
+                problems.append(("importance_sampling_level", "clip: gmpo takes the geometric mean of the completion's "
+                                                              "clipped token ratios itself; leave it token"))
             for name in ("epsilon_low", "epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, f"is the token-level clip bound; at importance_sampling_level sequence set "
@@ -482,10 +489,11 @@ class AlgorithmConfig(_Section):
             for name in ("sequence_epsilon_low", "sequence_epsilon_high"):
                 if getattr(self, name) != default[name].default:
                     problems.append((name, "is used only with importance_sampling_level: sequence"))
-        if self.clip in ("cispo", "sapo", "vespo"):
+        if self.clip in ("cispo", "sapo", "vespo", "gmpo"):
+            instead = "; its log-space bounds are gmpo_epsilon_low/high" if self.clip == "gmpo" else ""
             for name in ("epsilon_low", "epsilon_high"):
                 if getattr(self, name) != default[name].default:
-                    problems.append((name, f"is a bound of the ratio clip, which clip: {self.clip} does not use"))
+                    problems.append((name, f"is a bound of the ratio clip, which clip: {self.clip} does not use{instead}"))
         if self.clip != "cispo" and self.cispo_max_weight != default["cispo_max_weight"].default:
             problems.append(("cispo_max_weight", "is used only with clip: cispo"))
         if self.clip != "sapo":
@@ -500,6 +508,7 @@ class AlgorithmConfig(_Section):
             problems.append(("sampler_correction", f"{self.sampler_correction!r} with clip: vespo: VESPO puts the "
                                                    "correction into its completion ratio token by token; use "
                                                    "token_truncate or token_mask"))
+        problems += self._gmpo_problems()
         if self.delta is not None:
             if self.clip != "ratio":
                 problems.append(("delta", f"caps the ratio clip's unclipped term; clip is {self.clip!r}"))
@@ -512,6 +521,24 @@ class AlgorithmConfig(_Section):
         if self.dynamic_sampling and self.skip_zero_std_groups:
             problems.append(("skip_zero_std_groups", "dynamic_sampling already keeps zero-variance groups out of the "
                                                      "update (it replaces them); set one of the two"))
+        return problems
+
+    def _gmpo_problems(self) -> list[tuple[str, str]]:
+        """GMPO's bounds only with clip: gmpo; and with it, no per-token weight of the policy term (§14.3): every token
+        of a completion carries the completion's one term, and moves through its geometric mean whatever its own
+        weight, so a token weight or mask would not do what §15's token_* modes and §16's token selection say."""
+        default = type(self).model_fields
+        if self.clip != "gmpo":
+            return [(name, "is used only with clip: gmpo") for name in ("gmpo_epsilon_low", "gmpo_epsilon_high")
+                    if getattr(self, name) != default[name].default]
+        problems = []
+        if self.sampler_correction.startswith("token_"):
+            problems.append(("sampler_correction", f"{self.sampler_correction!r} weights single tokens, and with "
+                                                   "clip: gmpo a token carries its completion's term; use "
+                                                   "sequence_truncate or sequence_mask"))
+        if self.top_entropy_quantile < 1:
+            problems.append(("top_entropy_quantile", "selects tokens, and with clip: gmpo every token of a completion "
+                                                     "moves through its geometric mean; leave it 1"))
         return problems
 
 

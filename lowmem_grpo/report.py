@@ -46,7 +46,7 @@ FIGURES = [
       [("env/tool_calls", "tool calls"), ("env/tool_errors", "tool errors"), ("env/tool_timeouts", "tool timeouts"),
        ("env/errors", "environment errors")]]),
     ("time_memory.png", "Step time and memory",
-     [[("time/step_s", "step (s)"), ("time/rollout_s", "rollout (s)")], [("memory/peak_mib", "peak memory (MiB)")]]),
+     [[("time/step_s", "step (s)"), ("time/rollout_s", "rollout (s)")], [("memory/peak_mib", "peak memory (MiB)"), ("memory/now_mib", "in use (MiB)")]]),
 ]
 IMAGES = [name for name, _, _ in FIGURES[:2]] + ["success_hist.png"] + [name for name, _, _ in FIGURES[2:]]
 # What of a row the report uses (the rest, e.g. each step's per-prompt list, is dropped as the file is read: a

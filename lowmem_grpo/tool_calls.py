@@ -11,7 +11,9 @@ and public methods that are the tools. `ToolCalls` runs them on this project's m
                the Hermes/Qwen format `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (several a turn),
                or, where the tokenizer has a `response_template`, transformers' `tokenizer.parse_response`
   the answer   each call's result (str(result), as TRL converts it; an error as TRL writes one: {'error': ...}), cut
-               to what `max_result_tokens` could keep, in a {"role": "tool"} message named for its tool (a name no
+               at once to what the smaller of `max_result_tokens` and environment.observation_max_tokens (the
+               trainer passes it) could keep (neither: UNCAPPED_RESULT_TOKENS's, about 1 MB), in a {"role": "tool"}
+               message named for its tool (a name no
                tool has: UNKNOWN_TOOL), rendered by the chat template: the text it adds after the assistant's
                turn for those messages and the next assistant header (TRL's tool suffix), appended as environment
                tokens (`Rendered`: the template's markup, whose special tokens stay tokens, and the results as the
@@ -50,7 +52,8 @@ format above, and one that is not prefix-preserving (its assistant tool-call tur
 message follows: the answer's text could not be told apart, TRL's own check) unless TRL has a training template for
 it, which the TRL drop-in then takes, as TRL does (_with_training_template: Qwen3's and the others TRL knows). A
 tool without the hints and
-docstring get_json_schema needs, or two tools of one name, is refused naming it.
+docstring get_json_schema needs, with a parameter a call by name cannot give (positional-only, *args), or two tools of
+one name, is refused naming it.
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ ENVIRONMENT_FIELD = "environment"   # with several environments (TRL's dict envi
 Factories = Union[str, dict]   # environment_factory: 'module:attr', or {name: 'module:attr'} for several
 DEFAULT_TIMEOUT_S = 30.0
 MAX_HUNG = 16   # tool calls past their timeout whose threads still run: past this, the run stops (EnvError)
+# A result's cut where no token cap is known (ToolCalls built outside the trainer without max_result_tokens: the
+# trainer always passes environment.observation_max_tokens): what 8192 tokens could keep at either end, about 1 MB
+# (2 x data.chars_within(8192) characters). Past any observation a completion on one gaming GPU holds, so a driver
+# with a larger cap of its own is rare, yet bounded: a 20 MB result was held and rendered whole (found by a red team)
+UNCAPPED_RESULT_TOKENS = 8192
 UNKNOWN_TOOL = "unknown"   # the name on the answer to a call of a tool that does not exist
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FORMATS = ("hermes", "response_template")
@@ -141,6 +149,8 @@ def schema(fn: Callable, what: str) -> dict:
         return copy.deepcopy(_SCHEMAS[key])
     except (KeyError, TypeError):   # (TypeError: a callable that cannot be a key)
         pass
+    if problem := _unnamed_parameters(fn):
+        raise ToolCallError(f"{what}: {getattr(fn, '__name__', fn)!r} {problem}")
     try:
         found = get_json_schema(fn)
         try:
@@ -153,6 +163,22 @@ def schema(fn: Callable, what: str) -> dict:
                             f"({type(exc).__name__}: {exc}); a tool needs a type hint on each argument and a "
                             "Google-style docstring with an Args: line for each, as TRL (and transformers' "
                             "get_json_schema) require") from None
+
+
+def _unnamed_parameters(fn: Callable) -> Optional[str]:
+    """Why the model could not give `fn` an argument, or None: a call passes the arguments by name, fn(**arguments),
+    as TRL calls a tool, so a positional-only parameter or *args never gets one, though the schema lists it (found by
+    a red team: every call of def f(a: int, /) failed with a TypeError the model could do nothing about)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):   # no signature to read: get_json_schema says what it can
+        return None
+    unnamed = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)]
+    if not unnamed:
+        return None
+    shown = ", ".join(("*" if p.kind is p.VAR_POSITIONAL else "") + p.name for p in unnamed)
+    return (f"takes {shown} by position only; a tool's arguments are passed by name (fn(**arguments)), so the model "
+            "could never give them: make them ordinary (or keyword-only) parameters")
 
 
 def environment_tools(instance) -> list:
@@ -600,6 +626,14 @@ def _format(model: str, trust_remote_code: bool, kwargs_json: str) -> ChatFormat
     return ChatFormat(model, trust_remote_code, json.loads(kwargs_json))
 
 
+def kept_result_tokens(max_result_tokens: Optional[int], observation_max_tokens: Optional[int]) -> int:
+    """The tokens a result is cut to what could keep (cut_to_ends), as soon as it is text: the smaller of the two
+    caps given, UNCAPPED_RESULT_TOKENS without either. observation_max_tokens is the trainer's (EnvironmentFactory
+    passes it: takes_observation_max_tokens), whose cut of the observation comes later and keeps no more."""
+    caps = [int(t) for t in (max_result_tokens, observation_max_tokens) if t is not None]
+    return min(caps) if caps else UNCAPPED_RESULT_TOKENS
+
+
 def _schemas(tools: dict) -> dict:
     return {name: schema(fn, f"tool {name!r}") for name, fn in tools.items()}
 
@@ -612,12 +646,16 @@ class ToolCalls(Environment):
     # A turn cut at max_new_tokens is no finished turn: inference would never run its calls, nor write the tools'
     # answer after it without the turn's end (found by a red team); its episode ends there, truncated
     ends_at_cut_turn = True
+    # The trainer passes environment.observation_max_tokens (EnvironmentFactory): each result is cut to it at once,
+    # not held whole until the observation's cut (found by a red team: 20 MB results with max_result_tokens unset)
+    takes_observation_max_tokens = True
 
     def __init__(self, model: str, tools: Optional[list] = None, environment_factory: Factories = "",
                  trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None,
-                 max_result_tokens: Optional[int] = None):
+                 max_result_tokens: Optional[int] = None, observation_max_tokens: Optional[int] = None):
         self.timeout_s, self.max_rounds, self.max_result_tokens = float(timeout_s), max_rounds, max_result_tokens
+        self.result_tokens = kept_result_tokens(max_result_tokens, observation_max_tokens)
         self.format = _format(model, bool(trust_remote_code), json.dumps(chat_template_kwargs or {}, sort_keys=True))
         self._standalone = list(_loaded_tools(tuple(tools or ())))
         # several environments (TRL's dict): the row's `environment` picks one at reset(), and with it the tools
@@ -639,14 +677,16 @@ class ToolCalls(Environment):
     def startup(cls, model: str, tools: Optional[list] = None, environment_factory: Factories = "",
                 trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S, max_rounds: Optional[int] = None,
-                max_result_tokens: Optional[int] = None) -> list[str]:
+                max_result_tokens: Optional[int] = None, observation_max_tokens: Optional[int] = None) -> list[str]:
         """The tools importable and describable, the chat template one whose calls are read here."""
         if not (timeout_s > 0 and timeout_s < float("inf")):
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
         if max_rounds is not None and max_rounds < 0:
             raise ValueError(f"max_rounds must be >= 0 or null (no limit), got {max_rounds}")
         if max_result_tokens is not None and max_result_tokens < 1:
-            raise ValueError(f"max_result_tokens must be >= 1 or null (no cut), got {max_result_tokens}")
+            raise ValueError(f"max_result_tokens must be >= 1 or null (no cut of its own), got {max_result_tokens}")
+        if observation_max_tokens is not None and observation_max_tokens < 1:
+            raise ValueError(f"observation_max_tokens must be >= 1 or null, got {observation_max_tokens}")
         names = _by_name(list(_loaded_tools(tuple(tools or ()))), "tools")
         several = isinstance(environment_factory, dict)
         for name, target in named_factories(environment_factory or None).items():
@@ -763,10 +803,11 @@ class ToolCalls(Environment):
         return name if isinstance(name, str) and name in self.tools else UNKNOWN_TOOL
 
     def _shorten(self, text: str) -> str:
-        """A result (or what a tool raised) cut to what max_result_tokens could ever keep of it, as soon as it is
-        text (found by a red team: 30 results of 10 MB, each kept and rendered twice, took 1.2 GB for an
-        observation of 100 tokens)."""
-        return text if self.max_result_tokens is None else cut_to_ends(text, self.max_result_tokens)
+        """A result (or what a tool raised) cut to what result_tokens could ever keep of it, as soon as it is text
+        (found by a red team: 30 results of 10 MB, each kept and rendered twice, took 1.2 GB for an observation of
+        100 tokens; and without max_result_tokens, three of 20 MB took 300 MB). The driver's own cut of the
+        observation (rollout/turns.py: cut_to_ends, then tokens) keeps the same tokens of it as of the whole."""
+        return cut_to_ends(text, self.result_tokens)
 
     def _call(self, name: str, args: dict, deadline: float) -> tuple[Optional[str], Optional[str]]:
         """(problem, None) or (None, the result's text)."""

@@ -28,6 +28,7 @@ may start or resume in its folder in resume.py; the optimizer and schedule in op
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -47,12 +48,13 @@ from .dynamic_sampling import Rollouts, extra_indices, fill_with_contrast
 from .environment import EnvironmentFactory
 from .evaluate import accuracy_text, combine_greedy
 from .evaluate import greedy as greedy_eval
-from .loss import (adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss, off_policy_sequence_mask,
-                   sampler_correction_weights, top_entropy_mask)
+from .loss import (LossOptions, adapt_entropy_coef, aggregate, entropy_threshold, grpo_token_loss,
+                   off_policy_sequence_mask, sampler_correction_weights, top_entropy_mask)
 from .interrupts import StopFlag
-from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, context_note, decode_waves, device_budget,
-                     estimate, experts_note, fmt, host_memory_problem, micro_batch_completions, model_workload,
-                     oom_gist, out_of_memory_advice, peak_memory_mib, release_memory, return_freed_memory_to_os)
+from .memory import (MemoryModelError, ModelShape, Waves, Workload, advise, context_note, current_memory_mib,
+                     decode_waves, device_budget, estimate, experts_note, fmt, host_memory_problem,
+                     micro_batch_completions, model_workload, oom_gist, out_of_memory_advice, peak_memory_mib,
+                     release_memory, return_freed_memory_to_os)
 from .metrics import PhaseTimer, read_metrics, summary_line, text_ends
 from .optim import apply_settings, make_optimizer, make_scheduler
 from .model import (check_logit_head, context_tokens, eval_mode, load_policy, reference_mode, takes_shared_prompts,
@@ -196,7 +198,10 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, r.optimizer, r.train.steps * r.algorithm.updates_per_step)
         self.step, self.state = 0, LoopState()
         self.optimizer_steps = 0  # taken by this process: whether a failed step has moved the weights yet
-        self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
+        # through a weak reference: a closure over self made the optimizer hold the Trainer (model, optimizer state,
+        # open data files) until a full garbage collection, after fit() and del (found by a red team)
+        this = weakref.ref(self)
+        self.optimizer.register_step_pre_hook(lambda *_: _count_optimizer_step(this))
         if start_ckpt is not None:
             try:
                 saved = resume_rules.read_trainer_state(start_ckpt, r, set(asdict(LoopState())),
@@ -421,9 +426,7 @@ class Trainer:
         find the batch spent after this pass (forward and backward): then no step is taken, and the row holds
         only why ("update/stop") and the unclipped fraction that was measured."""
         a = self.recipe.algorithm
-        sequence = a.importance_sampling_level == "sequence"
-        eps_low, eps_high = ((a.sequence_epsilon_low, a.sequence_epsilon_high) if sequence   # §13
-                             else (a.epsilon_low, a.epsilon_high))
+        options = LossOptions.from_algorithm(a)   # here, not in __init__: a resume's --set may change the recipe
         coef = self.entropy_coef()
         self.optimizer.zero_grad(set_to_none=True)
         parts, sampler, vespo = [], [], []
@@ -436,16 +439,10 @@ class Trainer:
             pg_weight, correction = self.policy_weights(mb, logp, logp_old)
             if correction is not None:
                 sampler.append(correction)
-            tl = grpo_token_loss(logp, logp_old, mb.logp_ref, adv, beta=a.beta, eps_low=eps_low, eps_high=eps_high,
-                                 clip=a.clip, kl_target=a.kl_target, beta_mirror=a.beta_mirror,
-                                 kl_estimator=a.kl_estimator, level=a.importance_sampling_level,
-                                 seq_index=mb.seq_ids.to(logp.device), delta=a.delta,
-                                 cispo_max_weight=a.cispo_max_weight, pg_weight=pg_weight,
-                                 entropy=entropy if coef > 0 else None, entropy_coef=coef,
-                                 kl_ratio_weight=a.kl_ratio_weight,
-                                 sapo_temperatures=(a.sapo_temperature_pos, a.sapo_temperature_neg),
-                                 vespo_shape=(a.vespo_k_pos, a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg),
-                                 sampler_weight=correction[0] if a.clip == "vespo" and correction is not None else None)
+            vespo_correction = correction[0] if options.clip == "vespo" and correction is not None else None  # §14.2
+            tl = grpo_token_loss(logp, logp_old, mb.logp_ref, adv, options, seq_index=mb.seq_ids.to(logp.device),
+                                 pg_weight=pg_weight, entropy=entropy if coef > 0 else None, entropy_coef=coef,
+                                 sampler_weight=vespo_correction)
             loss = aggregate(tl.loss, mb.weights.to(logp.device))
             loss.backward()
             parts.append(diag.TokenStats(loss.item(), entropy.detach(), tl.clipped_low, tl.clipped_high, adv,
@@ -550,6 +547,7 @@ class Trainer:
                     "time/rollout_tokens_per_s": sum(model_tokens(c) for c in completions)
                     / max(clock.seconds["rollout"], 1e-9),
                     "memory/peak_mib": max(distributed.gather(peak_memory_mib(), self.world)),   # the fullest device
+                    "memory/now_mib": max(distributed.gather(current_memory_mib(), self.world)),   # a leak shows here
                     "sample": text_ends(texts[0]) if texts else "",   # (whole in the sample tables)
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         every = r.output.samples_every  # the table is built only for the steps that write it
@@ -708,8 +706,9 @@ class Trainer:
     def _final_eval_logged(self) -> bool:
         """Whether metrics.jsonl holds the eval of the last step (only the final eval writes one there: eval_every
         skips the last step)."""
-        return any(row.get("step") == self.step and any(k.startswith("eval/") for k in row)
-                   for row in read_metrics(self.run_dir))
+        # only those keys held: a 100,000-step file read whole took 760 MB (found by a red team)
+        rows = read_metrics(self.run_dir, keep=lambda k: k == "step" or k.startswith("eval/"))
+        return any(row["step"] == self.step and len(row) > 1 for row in rows)
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -899,6 +898,13 @@ class Trainer:
             if self._lock is not None:
                 ckpt.unlock_run(self._lock)
                 self._lock = None
+
+
+def _count_optimizer_step(trainer_ref) -> None:
+    """The optimizer's step pre-hook: one more step taken by this process (Trainer.optimizer_steps)."""
+    trainer = trainer_ref()
+    if trainer is not None:
+        trainer.optimizer_steps += 1
 
 
 def no_reward_note(recipe: Recipe, completions, total: torch.Tensor, step: int) -> Optional[str]:

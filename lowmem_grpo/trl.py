@@ -39,7 +39,11 @@ that is not a peft.LoraConfig, LoRA options other than r, alpha, dropout and tar
 quantization_config, generation_batch_size with steps_per_generation (as TRL), bf16 with fp16 (as transformers), a
 max_steps that is not whole generation batches, a fresh train() into an output_dir holding a run, a resume with no
 checkpoint there, no reward source (neither reward_funcs nor an environment with get_reward, as TRL), a dataset
-'image' or 'images' column (TRL's images for a vision-language model). Training is LoRA only: without `peft_config`,
+'image' or 'images' column (TRL's images for a vision-language model), a model_init_kwargs dtype other than the one
+bf16/fp16 choose (float32 and auto aside), a report_to integration that is not installed. The checks that do not
+depend on each other are collected: one TRLCompatError lists every problem, one a line (_Refusals). TRL's own
+trl/scripts/grpo.py runs (tests/test_trl_script.py); its `--resume_from_checkpoint true` arrives as the text "true",
+read as True. Training is LoRA only: without `peft_config`,
 the recipe's default LoRA (r = 16, all linear layers).
 Resuming a run goes through the same script (its functions are not importable from the recipe file).
 """
@@ -62,6 +66,7 @@ from typing import Any, Callable, Optional
 from .data import ROW_SKIP_ADVICE
 from .distributed import launched_size
 from .recipe import Recipe, RecipeError, recipe_from_dict
+from .rollout.base import EngineError
 from .rewards import ROW_REWARD_KEYS, epochs_done
 from .sinks import Sink, scalars
 from .sources import DataError
@@ -69,7 +74,50 @@ from .user_code import importable_name
 
 
 class TRLCompatError(ValueError):
-    """A TRL argument that has no equivalent here, or a value that cannot be carried over."""
+    """A TRL argument that has no equivalent here, or a value that cannot be carried over. `problems`: one line per
+    argument refused (several when independent checks were collected: _Refusals)."""
+
+    def __init__(self, message: str, problems: Optional[list[str]] = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems else [message]
+
+
+def _refused(problems: list[str]) -> TRLCompatError:
+    """One error for every problem found: a single one as it is, several one a line under a count, so that a script
+    with three unsupported things learns all three in one run, not one a run (found by a red team)."""
+    if len(problems) == 1:
+        return TRLCompatError(problems[0])
+    lines = "\n".join(f"  {p}" for p in problems)
+    return TRLCompatError(f"{len(problems)} arguments cannot be run here (fix each):\n{lines}", problems)
+
+
+class _Refusals:
+    """The problems found so far by checks that do not depend on each other: check() runs one and keeps its refusal;
+    gate() raises them all where the next check cannot run without an earlier one passing, stop() at the end."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+
+    def check(self, fn: Callable, *args, **kwargs):
+        """fn's result, or None when it refused (its problems kept)."""
+        try:
+            return fn(*args, **kwargs)
+        except TRLCompatError as exc:
+            self.problems.extend(exc.problems)
+            return None
+
+    def add(self, *problems: str) -> None:
+        self.problems.extend(problems)
+
+    def gate(self, *problems: str) -> None:
+        """Raise every problem found with `problems`, if there are any: the checks after a gate read what it checks."""
+        if problems:
+            raise _refused([*self.problems, *problems])
+
+    def stop(self) -> None:
+        """Raise every problem found, if any."""
+        if self.problems:
+            raise _refused(self.problems)
 
 
 # TRL 1.16's GRPOConfig defaults for the settings mapped below (tests/test_trl_api.py checks them against the
@@ -156,7 +204,11 @@ IGNORED = {"run_name", "logging_dir", "report_to", "disable_tqdm",
            # resumes); TRL's RepeatSampler draws with seed, not data_seed; vLLM always sleeps between rollouts on CUDA
            # here (the README's table)
            "resume_from_checkpoint", "data_seed", "vllm_enable_sleep_mode",
-           "log_multimodal", "log_unique_prompts"}
+           "log_multimodal", "log_unique_prompts",
+           # the dataloader's workers, token counts in the logs, when the CUDA cache is emptied: flags a TRL command
+           # line carries that change nothing trained (were refused as unknown, found by a red team)
+           "dataloader_persistent_workers", "dataloader_prefetch_factor", "include_num_input_tokens_seen",
+           "torch_empty_cache_steps"}
 # TRL's loss_type -> (algorithm.aggregation, algorithm.clip); luspo is GSPO's clip with each completion's loss
 # summed over its tokens (docs/algorithm.md §5), vespo TRL's dapo normaliser over VESPO's weight (§14.2)
 LOSS_TYPES = {"grpo": ("sequence_mean", "ratio"), "dapo": ("token_mean", "ratio"), "bnpo": ("token_mean", "ratio"),
@@ -188,6 +240,9 @@ FROM_TRL = {
     "data.chat_template_kwargs": "chat_template_kwargs",
     "data.max_prompt_tokens": "max_prompt_length", "lora.r": "peft_config.r", "lora.alpha": "peft_config.lora_alpha",
     "lora.dropout": "peft_config.lora_dropout", "lora.target_modules": "peft_config.target_modules",
+    "optimizer.name": "optim", "model.name_or_path": "model", "model.compute_dtype": "bf16/fp16",
+    "model.gradient_checkpointing": "gradient_checkpointing", "model.trust_remote_code": "trust_remote_code",
+    "model.disable_dropout": "disable_dropout", "model.double_quant": "quantization_config.bnb_4bit_use_double_quant",
 }
 OPTIMIZERS = {"default_optim": "adamw", "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
               "adamw_8bit": "adamw_8bit", "adamw_bnb_8bit": "adamw_8bit", "paged_adamw_8bit": "adamw_8bit"}
@@ -342,49 +397,30 @@ def _generation_batch(s: dict, processes: int = 1) -> int:
     return s["generation_batch_size"] or micro * (s["steps_per_generation"] or s["gradient_accumulation_steps"])
 
 
-def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs: list[dict],
-                    eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0,
-                    processes: int = 1) -> dict:
-    """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
-    TRL's defaults standing in for the rest, on `processes` processes (torchrun's, as accelerate's for TRL). Raises
-    TRLCompatError naming each setting that cannot be carried over."""
-    settings = _json_settings(settings)
-    unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED
-                     and k not in NOT_HERE)
-    if unknown:
-        raise TRLCompatError(f"GRPOConfig: {', '.join(unknown)} not supported by lowmem-grpo (the README's 'Coming "
-                             f"from TRL' lists what is, and under which recipe key)")
-    problems = [f"{k}={settings[k]!r}: {NOT_HERE[k]} (TRL's default, {TRL_UNSET_DEFAULTS[k]!r}, is accepted)"
-                for k in sorted(settings) if k in NOT_HERE and settings[k] != TRL_UNSET_DEFAULTS[k]]
-    settings = {k: v for k, v in settings.items() if k not in NOT_HERE}
-    s = {**TRL_DEFAULTS, **EARLIER_TRL, **settings}
+def _batch_size_problems(s: dict) -> list[str]:
+    """The batch sizes that are not whole numbers >= 1 (the batch arithmetic divides by them: found by a red team,
+    a ZeroDivisionError)."""
+    out = []
     for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-                 "generation_batch_size", "num_generations"):   # (the batch arithmetic below divides by them)
+                 "generation_batch_size", "num_generations"):
         value = s[name]
         if not (value is None and name in ("steps_per_generation", "generation_batch_size")) and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise TRLCompatError(f"GRPOConfig: {name} must be a whole number >= 1, got {value!r}")
-    if s["generation_batch_size"] is not None and s["steps_per_generation"] is not None:
-        # TRL's GRPOConfig refuses both; here one silently won (found by a red team). TRL's own config object fills
-        # in both: _given_settings leaves out the one it derived
-        raise TRLCompatError("GRPOConfig: generation_batch_size and steps_per_generation can not be both configured "
-                             "at the same time, as in TRL: set one of them")
-    if not isinstance(s["disable_dropout"], bool):
-        raise TRLCompatError(f"GRPOConfig: disable_dropout must be True or False, got {s['disable_dropout']!r:.60}")
-    if s["generation_kwargs"] is not None and not isinstance(s["generation_kwargs"], dict):
-        raise TRLCompatError(f"GRPOConfig: generation_kwargs must be a dict (TRL passes it as keyword arguments), got "
-                             f"{type(s['generation_kwargs']).__name__} {s['generation_kwargs']!r:.60}")
-    sampling = dict(s["generation_kwargs"] or {})
-    if set(sampling) - set(GENERATION_KWARGS):
-        problems.append(f"generation_kwargs: {', '.join(sorted(set(sampling) - set(GENERATION_KWARGS)))} not here "
-                        f"(allowed: {', '.join(GENERATION_KWARGS)}, the sampling settings a recipe has)")
-    g = s["num_generations"]
-    micro, accumulate = s["per_device_train_batch_size"], s["gradient_accumulation_steps"]
+            out.append(f"GRPOConfig: {name} must be a whole number >= 1, got {value!r}")
+    return out
+
+
+def _minibatches(s: dict, processes: int) -> tuple[int, list[str]]:
+    """The optimizer updates one generation batch makes (algorithm.minibatches), and why the generation batch cannot
+    be split so (one line each)."""
+    problems = []
+    g, micro, accumulate = s["num_generations"], s["per_device_train_batch_size"], s["gradient_accumulation_steps"]
     steps_per_generation = s["steps_per_generation"]
     completions = _generation_batch(s, processes)
     if completions % (micro * processes):
-        problems.append(f"generation_batch_size ({completions}) must be a multiple of per_device_train_batch_size "
-                        f"({micro})" + (f" x {processes} processes" if processes > 1 else "") + ", as in TRL")
+        times = f" x {processes} processes" if processes > 1 else ""
+        problems.append(f"GRPOConfig: generation_batch_size ({completions}) must be a multiple of "
+                        f"per_device_train_batch_size ({micro}){times}, as in TRL")
     elif s["generation_batch_size"] and steps_per_generation is None:
         # TRL's __post_init__: a generation batch is generation_batch_size / (per_device_train_batch_size x
         # processes) micro-batches a process, taken as optimizer steps of gradient_accumulation_steps each
@@ -395,72 +431,165 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     if steps_per_generation not in (None, accumulate) and not completions % (micro * processes):
         if steps_per_generation % accumulate:
             # (TRL's own GRPOConfig fills in both from either: name both)
-            problems.append(f"steps_per_generation / generation_batch_size ({completions} completions, "
+            problems.append(f"GRPOConfig: steps_per_generation / generation_batch_size ({completions} completions, "
                             f"{steps_per_generation} micro-batches of per_device_train_batch_size={micro}) is not a "
-                            f"multiple of gradient_accumulation_steps={accumulate}: TRL would let an optimizer step take "
-                            "micro-batches of two generation batches; here each update is a whole share of one "
+                            f"multiple of gradient_accumulation_steps={accumulate}: TRL would let an optimizer step "
+                            "take micro-batches of two generation batches; here each update is a whole share of one "
                             "(algorithm.minibatches): make steps_per_generation a multiple of "
-                            "gradient_accumulation_steps, or leave generation_batch_size and steps_per_generation unset")
+                            "gradient_accumulation_steps, or leave generation_batch_size and steps_per_generation "
+                            "unset")
         else:
             minibatch_count = steps_per_generation // accumulate
     if completions % g:
-        problems.append(f"generation_batch_size ({completions} completions a step) must be a multiple of "
+        problems.append(f"GRPOConfig: generation_batch_size ({completions} completions a step) must be a multiple of "
                         f"num_generations ({g})")
+    return minibatch_count, problems
+
+
+def _setting_problems(s: dict, eval_path: str) -> list[str]:
+    """The settings (TRL's defaults filled in) with no equivalent here, each checked on its own, one line each."""
+    out = []
     if s["loss_type"] not in LOSS_TYPES:
-        problems.append(f"loss_type: {s['loss_type']!r} is not here (allowed: {', '.join(LOSS_TYPES)})")
+        out.append(f"loss_type: {s['loss_type']!r} is not here (allowed: {', '.join(LOSS_TYPES)})")
     if s["lr_scheduler_type"] not in SCHEDULES:
-        problems.append(f"lr_scheduler_type: {s['lr_scheduler_type']!r} is not here (allowed: {', '.join(SCHEDULES)})")
+        out.append(f"lr_scheduler_type: {s['lr_scheduler_type']!r} is not here (allowed: {', '.join(SCHEDULES)})")
     if s["optim"] not in OPTIMIZERS:
-        problems.append(f"optim: {s['optim']!r} is not here (allowed: {', '.join(OPTIMIZERS)})")
-    report = [] if s["report_to"] in (None, "none") else (
-        [s["report_to"]] if isinstance(s["report_to"], str) else [str(r) for r in s["report_to"]])
-    if set(report) - {"all", "none", *REPORTERS}:
-        problems.append(f"report_to: {', '.join(sorted(set(report) - {'all', 'none', *REPORTERS}))} is not here "
-                        f"(allowed: {', '.join(REPORTERS)}, all or none; every metric is in output_dir/metrics.jsonl)")
-    if not isinstance(s["num_iterations"], int) or s["num_iterations"] < 1:
-        raise TRLCompatError(f"GRPOConfig: num_iterations must be a whole number >= 1, got {s['num_iterations']!r}")
+        out.append(f"optim: {s['optim']!r} is not here (allowed: {', '.join(OPTIMIZERS)})")
+    out += _report_to_problems(_report_to(s))
     if s["push_to_hub"]:   # TRL uploads each save; here nothing would reach the hub
-        problems.append("push_to_hub: not here; after trainer.save_model(), upload output_dir yourself "
-                        "(huggingface_hub.upload_folder(repo_id=..., folder_path=output_dir))")
+        out.append("push_to_hub: not here; after trainer.save_model(), upload output_dir yourself "
+                   "(huggingface_hub.upload_folder(repo_id=..., folder_path=output_dir)); TRL's script: drop "
+                   "--push_to_hub")
     if s["vllm_mode"] != "colocate":   # (TRL reads it only with use_vllm; a script that sets it means to use it)
-        problems.append(f"vllm_mode: {s['vllm_mode']!r} is not here (a vLLM server in another process); use_vllm runs "
-                        "vLLM in the trainer's own process, on its modules (TRL's 'colocate'): drop vllm_mode or set "
-                        "it to 'colocate'")
+        out.append(f"vllm_mode: {s['vllm_mode']!r} is not here (a vLLM server in another process); use_vllm runs "
+                   "vLLM in the trainer's own process, on its modules (TRL's 'colocate'): drop vllm_mode or set it to "
+                   "'colocate'")
     if s["vllm_gpu_memory_utilization"] != TRL_DEFAULTS["vllm_gpu_memory_utilization"]:
-        problems.append(f"vllm_gpu_memory_utilization ({s['vllm_gpu_memory_utilization']}): vLLM's memory is not a "
-                        "share of the GPU here: it shares the trainer's weights, and its KV cache is a size in bytes "
-                        "(the recipe key generation.kv_cache_memory_bytes, 1 GiB by default); drop the setting")
+        out.append(f"vllm_gpu_memory_utilization ({s['vllm_gpu_memory_utilization']}): vLLM's memory is not a share "
+                   "of the GPU here: it shares the trainer's weights, and its KV cache is a size in bytes (the recipe "
+                   "key generation.kv_cache_memory_bytes, 1 GiB by default); drop the setting")
     if not s["shuffle_dataset"]:
-        problems.append("shuffle_dataset: false is not here (the prompts are drawn in seeded epochs)")
+        out.append("shuffle_dataset: false is not here (the prompts are drawn in seeded epochs)")
     if s["save_strategy"] not in ("steps", "epoch", "no"):
-        problems.append(f"save_strategy: {s['save_strategy']!r} is not here (no metric_for_best_model): 'steps' "
-                        "(save_steps), 'epoch' or 'no'")
+        out.append(f"save_strategy: {s['save_strategy']!r} is not here (no metric_for_best_model): 'steps' "
+                   "(save_steps), 'epoch' or 'no'")
     if s["logging_strategy"] not in ("steps", "epoch", "no"):   # (was ignored: logs every logging_steps)
-        problems.append(f"logging_strategy: {s['logging_strategy']!r} is not transformers' 'steps', 'epoch' or 'no'")
+        out.append(f"logging_strategy: {s['logging_strategy']!r} is not transformers' 'steps', 'epoch' or 'no'")
     if s["fp16"] and s["bf16"]:   # transformers' TrainingArguments refuses it; was run in float16 (found by a red team)
-        problems.append("bf16 and fp16: at most one of them can be True, as in transformers")
+        out.append("bf16 and fp16: at most one of them can be True, as in transformers")
     if s["eval_on_start"] and s["eval_strategy"] == "no":   # the run evaluates only under an eval_strategy here
-        problems.append("eval_on_start=True with eval_strategy 'no': the run evaluates only with eval_strategy 'steps' "
-                        "or 'epoch' here; call trainer.evaluate() before train() instead")
+        out.append("eval_on_start=True with eval_strategy 'no': the run evaluates only with eval_strategy 'steps' or "
+                   "'epoch' here; call trainer.evaluate() before train() instead")
     if s["eval_strategy"] != "no" and not eval_path:   # transformers' Trainer refuses it too
-        problems.append(f"eval_strategy: {s['eval_strategy']!r} needs an eval_dataset: pass eval_dataset to "
-                        "GRPOTrainer, or set eval_strategy='no'")
-    if problems:
-        raise TRLCompatError("GRPOConfig: " + "; ".join(problems))
+        out.append(f"eval_strategy: {s['eval_strategy']!r} needs an eval_dataset: pass eval_dataset to GRPOTrainer, "
+                   "or set eval_strategy='no'")
+    return [f"GRPOConfig: {p}" for p in out]
+
+
+def _compute_dtype(s: dict) -> str:
+    """The dtype bf16/fp16 choose (TRL's bf16 defaults to True without fp16): the recipe's model.compute_dtype."""
+    return "float16" if s["fp16"] else ("float32" if s["bf16"] is False else "bfloat16")
+
+
+def _report_to(s: dict) -> list[str]:
+    """report_to as a list of integration names (TRL's default, "none": none)."""
+    report = s["report_to"]
+    if report in (None, "none"):
+        return []
+    return [report] if isinstance(report, str) else [str(r) for r in report]
+
+
+def _report_to_problems(report: list[str]) -> list[str]:
+    """report_to's integrations that are not here, or not installed (transformers refuses a missing one when the
+    Trainer is made; here the run refused it by its recipe key, output.wandb_project: found by a red team)."""
+    from .sinks import tensorboard_available
+
+    other = sorted(set(report) - {"all", "none", *REPORTERS})
+    out = [f"report_to: {', '.join(other)} is not here (allowed: {', '.join(REPORTERS)}, all or none; every metric "
+           "is in output_dir/metrics.jsonl)"] if other else []
+    if "wandb" in report and importlib.util.find_spec("wandb") is None:
+        out.append("report_to: wandb is not installed: pip install wandb (and wandb login), or drop wandb from "
+                   "report_to (--report_to none)")
+    if "tensorboard" in report and not tensorboard_available():
+        out.append("report_to: tensorboard is not installed: pip install tensorboard, or drop tensorboard from "
+                   "report_to (--report_to none)")
+    return out
+
+
+def _max_steps_problem(s: dict, minibatch_count: int) -> Optional[str]:
+    """Why max_steps is not whole generation batches (TRL's max_steps counts optimizer updates, num_iterations x
+    minibatch_count of them a generation batch), or None. A step here is a whole generation batch: max_steps=3 at 2
+    updates a batch ran 4 (found by a red team)."""
+    per_step = s["num_iterations"] * minibatch_count
+    if not (s["max_steps"] and s["max_steps"] > 0 and s["max_steps"] % per_step):
+        return None
+    lower, upper = s["max_steps"] // per_step * per_step, (s["max_steps"] // per_step + 1) * per_step
+    return (f"GRPOConfig: max_steps={s['max_steps']} is not a multiple of the {per_step} optimizer updates a "
+            f"generation batch makes (num_iterations={s['num_iterations']} x steps_per_generation / "
+            f"gradient_accumulation_steps = {minibatch_count}); a run here makes whole generation batches: set "
+            "max_steps to " + (f"{lower} or {upper}" if lower else f"{upper}"))
+
+
+def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs: list[dict],
+                    eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0,
+                    processes: int = 1) -> dict:
+    """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
+    TRL's defaults standing in for the rest, on `processes` processes (torchrun's, as accelerate's for TRL). Raises
+    TRLCompatError naming each setting that cannot be carried over (all of them at once, one a line, where the
+    checks do not depend on each other)."""
+    settings = _json_settings(settings)
+    found = _Refusals()
+    unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED
+                     and k not in NOT_HERE)
+    if unknown:
+        found.add(f"GRPOConfig: {', '.join(unknown)} not supported by lowmem-grpo (the README's 'Coming from TRL' "
+                  "lists what is, and under which recipe key)")
+    for k in sorted(settings):
+        if k in NOT_HERE and settings[k] != TRL_UNSET_DEFAULTS[k]:
+            found.add(f"GRPOConfig: {k}={settings[k]!r}: {NOT_HERE[k]} (TRL's default, {TRL_UNSET_DEFAULTS[k]!r}, is "
+                      "accepted)")
+    settings = {k: v for k, v in settings.items() if k not in NOT_HERE and k not in unknown}
+    s = {**TRL_DEFAULTS, **EARLIER_TRL, **settings}
+    found.add(*_setting_problems(s, eval_path))
+    if not isinstance(s["disable_dropout"], bool):
+        found.add(f"GRPOConfig: disable_dropout must be True or False, got {s['disable_dropout']!r:.60}")
+    sampling = {}
+    if s["generation_kwargs"] is not None and not isinstance(s["generation_kwargs"], dict):
+        found.add(f"GRPOConfig: generation_kwargs must be a dict (TRL passes it as keyword arguments), got "
+                  f"{type(s['generation_kwargs']).__name__} {s['generation_kwargs']!r:.60}")
+    else:
+        sampling = dict(s["generation_kwargs"] or {})
+    if set(sampling) - set(GENERATION_KWARGS):
+        found.add(f"GRPOConfig: generation_kwargs: {', '.join(sorted(set(sampling) - set(GENERATION_KWARGS)))} not "
+                  f"here (allowed: {', '.join(GENERATION_KWARGS)}, the sampling settings a recipe has)")
+    iterations_ok = isinstance(s["num_iterations"], int) and not isinstance(s["num_iterations"], bool) and \
+        s["num_iterations"] >= 1
+    if not iterations_ok:
+        found.add(f"GRPOConfig: num_iterations must be a whole number >= 1, got {s['num_iterations']!r}")
+    weights = s["reward_weights"] or [1.0] * len(reward_specs)
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(reward_specs):
+        found.add(f"GRPOConfig: reward_weights: {len(weights) if isinstance(weights, (list, tuple)) else weights!r} "
+                  f"weights for {len(reward_specs)} reward functions (one weight per reward function, as in TRL)")
+    # the batch arithmetic below divides by these and reads them together: it cannot run past a bad one
+    found.gate(*_batch_size_problems(s))
+    if s["generation_batch_size"] is not None and s["steps_per_generation"] is not None:
+        # TRL's GRPOConfig refuses both; here one silently won (found by a red team). TRL's own config object fills
+        # in both: _given_settings leaves out the one it derived
+        found.gate("GRPOConfig: generation_batch_size and steps_per_generation can not be both configured at the "
+                   "same time, as in TRL: set one of them")
+    g = s["num_generations"]
+    completions = _generation_batch(s, processes)
+    minibatch_count, batch_problems = _minibatches(s, processes)
+    found.add(*batch_problems)
+    if iterations_ok and not batch_problems and (problem := _max_steps_problem(s, minibatch_count)):
+        found.add(problem)   # (it counts the updates a generation batch makes: only once those are known)
+    found.stop()
     prompts_per_step = completions // g
     per_step = s["num_iterations"] * minibatch_count
     # TRL's max_steps (and every *_steps) counts optimizer updates, num_iterations x (steps_per_generation /
     # gradient_accumulation_steps) of them per generation batch; a step here is one generation batch and those
     # updates (the schedule and warm-up count the updates). An epoch is the whole generation batches of the data
     # (TRL's RepeatSampler drops a partial one).
-    if s["max_steps"] and s["max_steps"] > 0 and s["max_steps"] % per_step:
-        # a step here is a whole generation batch: max_steps=3 at 2 updates a batch ran 4 (found by a red team)
-        lower, upper = s["max_steps"] // per_step * per_step, (s["max_steps"] // per_step + 1) * per_step
-        raise TRLCompatError(
-            f"GRPOConfig: max_steps={s['max_steps']} is not a multiple of the {per_step} optimizer updates a generation "
-            f"batch makes (num_iterations={s['num_iterations']} x steps_per_generation / gradient_accumulation_steps = "
-            f"{minibatch_count}); a run here makes whole generation batches: set max_steps to "
-            + (f"{lower} or {upper}" if lower else f"{upper}"))
     updates = s["max_steps"] if s["max_steps"] and s["max_steps"] > 0 else \
         max(1, math.ceil(s["num_train_epochs"] * max(1, train_rows // prompts_per_step) * per_step))
     steps = max(1, math.ceil(updates / per_step))
@@ -470,7 +599,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         return max(1, math.ceil(value / per_step))
     aggregation, clip = LOSS_TYPES[s["loss_type"]]
     log_every = max(1, train_rows // prompts_per_step) if s["logging_strategy"] == "epoch" else every(s["logging_steps"])
-    dtype = "float16" if s["fp16"] else ("float32" if s["bf16"] is False else "bfloat16")
+    dtype = _compute_dtype(s)
     algorithm = {
         "kl_target": "ref" if s["beta"] > 0 else "none", "mu": s["num_iterations"], "delta": s["delta"],
         "minibatches": minibatch_count,
@@ -498,14 +627,12 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                          if s["vllm_importance_sampling_cap"] is not None else s["vllm_importance_sampling_clip_max"])
         if s["vllm_importance_sampling_clip_min"] is not None:
             algorithm["sampler_correction_min"] = s["vllm_importance_sampling_clip_min"]
-    weights = s["reward_weights"] or [1.0] * len(reward_specs)
-    if len(weights) != len(reward_specs):
-        raise TRLCompatError(f"reward_weights: {len(weights)} weights for {len(reward_specs)} reward functions")
     evaluate_every = 0
     if eval_path and s["eval_strategy"] == "steps":   # unset eval_steps: logging_steps, as transformers fills it in
         evaluate_every = every(s["eval_steps"] or s["logging_steps"])
     elif eval_path and s["eval_strategy"] == "epoch":
         evaluate_every = max(1, train_rows // prompts_per_step)
+    report = _report_to(s)
     wandb = "wandb" in report or ("all" in report and importlib.util.find_spec("wandb") is not None)
     return {
         "model": {"name_or_path": model, "compute_dtype": dtype, "gradient_checkpointing": s["gradient_checkpointing"],
@@ -568,6 +695,11 @@ def _warmup(s: dict, updates: int) -> int:
     return int(s["warmup_steps"])
 
 
+# the LoraConfig fields that trl/scripts/grpo.py sets from its command line (trl's get_peft_config), by flag
+PEFT_SCRIPT_FLAGS = {"use_dora": "--use_dora", "use_rslora": "--use_rslora",
+                     "modules_to_save": "--lora_modules_to_save", "target_parameters": "--lora_target_parameters"}
+
+
 def _lora_section(peft_config, model: str) -> dict:
     """A peft LoraConfig as the recipe's lora section (r, alpha, dropout, target modules); other options refused."""
     if peft_config is None:
@@ -585,8 +717,10 @@ def _lora_section(peft_config, model: str) -> dict:
     changed = sorted(f.name for f in dataclasses.fields(peft_config)
                      if f.name not in allowed and getattr(peft_config, f.name) != getattr(baseline, f.name))
     if changed or getattr(peft_config, "bias", "none") != "none":
+        flags = [PEFT_SCRIPT_FLAGS[name] for name in changed if name in PEFT_SCRIPT_FLAGS]
         raise TRLCompatError(f"peft_config: {', '.join(changed or ['bias'])} not supported by lowmem-grpo (LoRA with r, "
-                             "lora_alpha, lora_dropout and target_modules)")
+                             "lora_alpha, lora_dropout and target_modules)"
+                             + (f"; TRL's script: drop {' '.join(flags)}" if flags else ""))
     targets = peft_config.target_modules
     if targets is None:   # peft's per-architecture default, as get_peft_model would pick it
         from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
@@ -707,6 +841,62 @@ def _write_rows(dataset, path: Path, what: str = "train_dataset", limit: Optiona
     return n
 
 
+def _write_train(dataset, out: Path, rules: "_RowRules", s: dict) -> int:
+    """train_dataset as output_dir/data/train.jsonl: its rows (an IterableDataset's, those max_steps can draw;
+    transformers requires max_steps for one)."""
+    limit = None
+    if _is_stream(dataset, "train_dataset"):
+        if not s["max_steps"] or s["max_steps"] < 0:
+            raise TRLCompatError("train_dataset: an IterableDataset needs max_steps (as in TRL)")
+        limit = s["max_steps"] * _generation_batch(s, launched_size()) // s["num_generations"]
+    return _write_rows(dataset, out / "data" / "train.jsonl", limit=limit, rules=rules)
+
+
+def _write_datasets(found: "_Refusals", train_dataset, eval_dataset, environment_factory, s: dict,
+                    out: Path) -> tuple[int, str, int]:
+    """Both datasets written under output_dir/data/, each checked (its refusal kept in `found`): (train rows, the
+    eval file or "" without eval_dataset, eval rows). A refused one counts 0 rows."""
+    rules = found.check(_RowRules, environment_factory)
+    if rules is None:   # (a row's environment is checked against the factories' names)
+        return 0, "", 0
+    n = 0 if train_dataset is None else (found.check(_write_train, train_dataset, out, rules, s) or 0)
+    if eval_dataset is None:
+        return n, "", 0
+    path = out / "data" / "eval.jsonl"   # (named even when refused: eval_strategy's check reads that there is one)
+    return n, str(path), found.check(_write_rows, eval_dataset, path, "eval_dataset", rules=rules) or 0
+
+
+def _call_problems(unsupported: dict, optimizers, model) -> list[str]:
+    """GRPOTrainer's arguments that are not here, one line each."""
+    out = []
+    if "rollout_func" in unsupported:   # (TRL's experimental hook: it replaces the trainer's own generation)
+        out.append("GRPOTrainer: rollout_func is not supported by lowmem-grpo (its rollouts are the trainer's own): "
+                   "for multi-turn rollouts pass tools= or environment_factory=, or write an environment "
+                   "(lowmem_grpo/environment.py, the README's 'Environments and multi-turn rollouts')")
+    if other := sorted(set(unsupported) - {"rollout_func"}):
+        out.append(f"GRPOTrainer: {', '.join(other)} not supported by lowmem-grpo")
+    if optimizers != (None, None):
+        out.append("GRPOTrainer: optimizers is not supported (the recipe's optimizer section is)")
+    if not isinstance(model, (str, Path)):
+        out.append("model: pass the model's hub id or local folder, not a loaded model: lowmem-grpo loads the base in "
+                   "4-bit itself (one copy is policy and reference)")
+    return out
+
+
+def _tool_environment(tools, environment_factory, model: str, trust_remote_code: bool, s: dict,
+                      iterations) -> tuple[dict, Optional[dict]]:
+    """TRL's tools / environment_factory as the recipe's environment section and data.chat_template_kwargs
+    (lowmem_grpo/tool_calls.py)."""
+    from .tool_calls import ToolCallError, trl_environment
+
+    try:
+        return trl_environment(tools, environment_factory, model=model, trust_remote_code=trust_remote_code,
+                               chat_template_kwargs=s["chat_template_kwargs"] or None,
+                               max_tool_calling_iterations=iterations, max_completion_length=s["max_completion_length"])
+    except ToolCallError as exc:
+        raise TRLCompatError(f"GRPOTrainer: {exc}") from None
+
+
 def _callable_name(fn) -> str:
     """TRL's name for a reward function (trl.trainer.utils.get_callable_name): a partial's function's, a callable
     instance's class's, "<lambda>" for a lambda."""
@@ -820,7 +1010,7 @@ class TrainOutput(dict):
         self.metrics = {**summary, **log}
 
 
-def _quantization(config, compute_dtype: str) -> dict:
+def _quantization(config, compute_dtype: str, dtype_named: bool = False) -> dict:
     """TRL's quantization_config (a transformers BitsAndBytesConfig, or its dict) as the recipe's model keys. The
     base is always loaded in 4-bit NF4 here: a config asking for that carries its nested quantization over; 8-bit,
     FP4 or another compute dtype than bf16/fp16 choose is refused."""
@@ -830,27 +1020,43 @@ def _quantization(config, compute_dtype: str) -> dict:
     if get("load_in_8bit", False) or not get("load_in_4bit", False):
         raise TRLCompatError("quantization_config: only 4-bit is here (the base is always loaded in 4-bit NF4): "
                              "drop quantization_config, or pass BitsAndBytesConfig(load_in_4bit=True, "
-                             "bnb_4bit_quant_type='nf4')")
+                             "bnb_4bit_quant_type='nf4') (TRL's script: --load_in_4bit, not --load_in_8bit)")
     if get("bnb_4bit_quant_type", "fp4") != "nf4":   # (BitsAndBytesConfig's own default is fp4)
         raise TRLCompatError(f"quantization_config: bnb_4bit_quant_type={get('bnb_4bit_quant_type', 'fp4')!r} is not "
-                             "here: the base is loaded in NF4; set bnb_4bit_quant_type='nf4'")
+                             "here: the base is loaded in NF4; set bnb_4bit_quant_type='nf4' (TRL's script: "
+                             "--bnb_4bit_quant_type nf4)")
     dtype = str(get("bnb_4bit_compute_dtype", None) or "float32").replace("torch.", "")
-    if dtype not in ("float32", compute_dtype):   # float32: BitsAndBytesConfig's default, not a choice
+    # float32: BitsAndBytesConfig's default, not a choice; dtype_named: model_init_kwargs' dtype, refused already,
+    # which TRL's script sets this one from
+    if dtype not in ("float32", compute_dtype) and not dtype_named:
         raise TRLCompatError(f"quantization_config: bnb_4bit_compute_dtype={dtype} differs from the compute dtype "
-                             f"bf16/fp16 choose ({compute_dtype}); here one dtype does both: set them alike")
+                             f"bf16/fp16 choose ({compute_dtype}); here one dtype does both: set them alike "
+                             "(TRL's script sets it from --dtype)")
     return {"load_in_4bit": True, "double_quant": bool(get("bnb_4bit_use_double_quant", False))}
 
 
-def _model_init_problem(kwargs: Optional[dict]) -> Optional[str]:
-    """Why model_init_kwargs cannot be carried over (None when they can): TRL passes them to from_pretrained; here
-    the dtype follows bf16/fp16 and the attention implementation changes no result, but another revision would be
-    a different model."""
-    revision = (kwargs or {}).get("revision")
-    if revision not in (None, "main"):
-        return (f"model_init_kwargs: revision={revision!r} is not here (the model folder is loaded as it is): download "
-                "that revision (huggingface_hub.snapshot_download(model_id, revision=...)) and pass its folder as "
-                "model")
-    return None
+def _revision_problem(kwargs: dict) -> Optional[str]:
+    """Why model_init_kwargs' revision cannot be carried over, or None: TRL passes it to from_pretrained; here the
+    model folder is loaded as it is (trl/scripts/grpo.py puts --model_revision there). Its attention implementation
+    changes no result: ignored."""
+    revision = kwargs.get("revision")
+    if revision in (None, "main"):
+        return None
+    return (f"model_init_kwargs: revision={revision!r} is not here (the model folder is loaded as it is): download "
+            "that revision (huggingface_hub.snapshot_download(model_id, revision=...)) and pass its folder as model "
+            "(TRL's script: drop --model_revision)")
+
+
+def _dtype_problem(kwargs: dict, compute_dtype: str) -> Optional[str]:
+    """Why model_init_kwargs' dtype (trl/scripts/grpo.py's --dtype) cannot be carried over, or None. float32
+    (ModelConfig's default) under bf16/fp16 is TRL's mixed precision, as the compute dtype is here; a half dtype that
+    differs from bf16/fp16's was run in theirs, silently (found by a red team)."""
+    dtype = str(kwargs.get("dtype") or kwargs.get("torch_dtype") or "auto").replace("torch.", "")
+    if dtype in ("auto", "float32", compute_dtype):
+        return None
+    flag = {"bfloat16": "--bf16 true", "float16": "--fp16 true --bf16 false"}.get(dtype, "--bf16 or --fp16")
+    return (f"model_init_kwargs: dtype={dtype} differs from the compute dtype bf16/fp16 choose ({compute_dtype}); here "
+            f"one dtype does both: set them alike (TRL's script: --dtype {dtype} with {flag}), or drop dtype")
 
 
 class _Accelerator:
@@ -1112,6 +1318,16 @@ class _CallbackSink(Sink):
         self.event("on_log", logs=_without_step(entry))
 
 
+def _resume_flag(value):
+    """train()'s resume_from_checkpoint as meant: TrainingArguments types it as a str, so TRL's script passes
+    `--resume_from_checkpoint true` on as the text "true", which transformers would look for as a folder (found by a
+    red team running trl/scripts/grpo.py: the rerun was refused as "true is not the last checkpoint"). Here "true"
+    or "false" (any case) that names no folder is the bool."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false") and not Path(value).exists():
+        return value.strip().lower() == "true"
+    return value
+
+
 def _without_step(entry: dict) -> dict:
     return {k: v for k, v in entry.items() if k != "step"}
 
@@ -1124,74 +1340,59 @@ class GRPOTrainer:
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, environment_factory=None,
                  log: Callable = print, **unsupported):
-        if "rollout_func" in unsupported:   # (TRL's experimental hook: it replaces the trainer's own generation)
-            raise TRLCompatError("GRPOTrainer: rollout_func is not supported by lowmem-grpo (its rollouts are the "
-                                 "trainer's own): for multi-turn rollouts pass tools= or environment_factory=, or write "
-                                 "an environment (lowmem_grpo/environment.py, the README's 'Environments and "
-                                 "multi-turn rollouts')")
-        if unsupported:
-            raise TRLCompatError(f"GRPOTrainer: {', '.join(sorted(unsupported))} not supported by lowmem-grpo")
-        self._callbacks = [_callback(c) for c in (callbacks or [])]
-        if optimizers != (None, None):
-            raise TRLCompatError("GRPOTrainer: optimizers is not supported (the recipe's optimizer section is)")
-        if not isinstance(model, (str, Path)):
-            raise TRLCompatError("model: pass the model's hub id or local folder, not a loaded model: lowmem-grpo loads "
-                                 "the base in 4-bit itself (one copy is policy and reference)")
-        settings = _given_settings(args)
+        # the checks that do not need an earlier one to pass keep their refusals in `found`, raised together (one
+        # line each) where the next step reads what was refused: a script learns every problem in one run
+        found = _Refusals()
+        found.add(*_call_problems(unsupported, optimizers, model))
+        self._callbacks = [c for c in (found.check(_callback, c) for c in (callbacks or [])) if c is not None]
+        try:   # every later check reads the settings: a config that cannot be read stops here
+            settings = _given_settings(args)
+        except TRLCompatError as exc:
+            found.gate(*exc.problems)
+        model_ok = isinstance(model, (str, Path))   # (the checks that load the model's folder need its name)
+        s = {**TRL_DEFAULTS, **settings}
         if train_dataset is None:   # TRL: the environment gives each prompt from reset(); max_steps sets the length
-            train_dataset = _placeholder_rows(environment_factory, {**TRL_DEFAULTS, **settings})
+            train_dataset = found.check(_placeholder_rows, environment_factory, s)
         if args is None:   # TRL's GRPOConfig(f"{model_name}-GRPO") for a script that passes no args
             settings["output_dir"] = f"{str(model).rstrip('/').split('/')[-1]}-GRPO"
             args = GRPOConfig(output_dir=settings["output_dir"])
-        _check_reward_processing_classes(reward_processing_classes, reward_funcs)
-        if problem := _model_init_problem(settings.get("model_init_kwargs")):
-            raise TRLCompatError(problem)
-        quantization = quantization_config if quantization_config is not None else \
-            (settings.get("model_init_kwargs") or {}).get("quantization_config")
+        found.check(_check_reward_processing_classes, reward_processing_classes, reward_funcs)
+        init_kwargs = settings.get("model_init_kwargs") or {}
+        dtype_problem = _dtype_problem(init_kwargs, _compute_dtype(s))
+        found.add(*filter(None, [_revision_problem(init_kwargs), dtype_problem]))
+        quantization = init_kwargs.get("quantization_config") if quantization_config is None else quantization_config
+        quantized = found.check(_quantization, quantization, _compute_dtype(s), dtype_named=dtype_problem is not None)
         out = Path(settings.get("output_dir") or "trainer_output")
         remote = bool(settings.get("trust_remote_code"))
-        if processing_class is not None and (problem := _chat_template_problem(processing_class, str(model), remote)):
-            raise TRLCompatError(f"processing_class: {problem} differs from the tokenizer in {model}, which "
-                                 "lowmem-grpo loads itself: save yours into a copy of the model folder "
-                                 "(processing_class.save_pretrained(folder)) and pass that folder as model")
-        limit = None   # an IterableDataset: the rows max_steps can draw (transformers requires max_steps for one)
-        if _is_stream(train_dataset, "train_dataset"):
-            s = {**TRL_DEFAULTS, **settings}
-            if not s["max_steps"] or s["max_steps"] < 0:
-                raise TRLCompatError("train_dataset: an IterableDataset needs max_steps (as in TRL)")
-            limit = s["max_steps"] * _generation_batch(s, launched_size()) // s["num_generations"]
-        rows = _RowRules(environment_factory)
-        n = _write_rows(train_dataset, out / "data" / "train.jsonl", limit=limit, rules=rows)
-        eval_path, eval_rows = "", 0
-        if eval_dataset is not None:
-            eval_rows = _write_rows(eval_dataset, out / "data" / "eval.jsonl", "eval_dataset", rules=rows)
-            eval_path = str(out / "data" / "eval.jsonl")
+        if processing_class is not None and model_ok and \
+                (problem := _chat_template_problem(processing_class, str(model), remote)):
+            found.add(f"processing_class: {problem} differs from the tokenizer in {model}, which lowmem-grpo loads "
+                      "itself: save yours into a copy of the model folder (processing_class.save_pretrained(folder)) "
+                      "and pass that folder as model")
+        n, eval_path, eval_rows = _write_datasets(found, train_dataset, eval_dataset, environment_factory, s, out)
         self._eval_path, self._eval_rows = eval_path, eval_rows   # evaluate()'s, whatever eval_strategy says
-        specs, self._module = _reward_specs(reward_funcs)
+        rewards = found.check(_reward_specs, reward_funcs)
+        specs, self._module = rewards or ([{} for _ in _reward_list(reward_funcs)], None)
+        lora = found.check(_lora_section, peft_config, str(model)) if model_ok else None
         # TRL reads max_tool_calling_iterations only in its tool loop: with tools, environment.max_turns (below)
         iterations = settings.pop("max_tool_calling_iterations", None)
-        d = recipe_from_trl(settings, model=str(model), train_path=str(out / "data" / "train.jsonl"),
-                            processes=launched_size(),
-                            eval_path=eval_path, reward_specs=specs, lora=_lora_section(peft_config, str(model)),
-                            train_rows=n, eval_rows=eval_rows)
-        if tools or environment_factory is not None:   # TRL's tool calls, as an environment (lowmem_grpo/tool_calls.py)
-            from .tool_calls import ToolCallError, trl_environment
-
-            try:
-                d["environment"], d["data"]["chat_template_kwargs"] = trl_environment(
-                    tools, environment_factory, model=str(model), trust_remote_code=remote,
-                    chat_template_kwargs=d["data"].get("chat_template_kwargs"), max_tool_calling_iterations=iterations,
-                    max_completion_length=d["generation"]["max_new_tokens"])
-            except ToolCallError as exc:
-                raise TRLCompatError(f"GRPOTrainer: {exc}") from None
+        d = found.check(recipe_from_trl, settings, model=str(model), train_path=str(out / "data" / "train.jsonl"),
+                        processes=launched_size(), eval_path=eval_path, reward_specs=specs, lora=lora,
+                        train_rows=n, eval_rows=eval_rows)
+        environment = None
+        if (tools or environment_factory is not None) and model_ok:   # TRL's tool calls (lowmem_grpo/tool_calls.py)
+            environment = found.check(_tool_environment, tools, environment_factory, str(model), remote, s, iterations)
         owners = _reward_environments(environment_factory) if environment_factory is not None else []
-        if not specs and not owners:
+        if rewards is not None and not specs and not owners:
             # TRL's error (found by a red team: with tools, or an environment without get_reward, the run trained
             # with no reward at all, every completion skipped; without either, the recipe's error named its key)
-            raise TRLCompatError("reward_funcs: no reward source provided, as TRL refuses it: pass reward_funcs, or an "
-                                 "environment_factory whose environment defines a get_reward method")
+            found.add("reward_funcs: no reward source provided, as TRL refuses it: pass reward_funcs, or an "
+                      "environment_factory whose environment defines a get_reward method")
+        found.stop()   # the recipe below is made of everything above
+        if environment is not None:
+            d["environment"], d["data"]["chat_template_kwargs"] = environment
         d["output"]["dir"] = str(out)
-        d["model"].update(_quantization(quantization, d["model"]["compute_dtype"]))
+        d["model"].update(quantized)
         try:
             self.recipe: Recipe = recipe_from_dict(d)
         except RecipeError as exc:   # named by the script's argument first, then by the recipe key it became
@@ -1291,7 +1492,7 @@ class GRPOTrainer:
         return self._reward_columns
 
     def _in_trl_terms(self, message: str) -> str:
-        """A data error as the script knows its data: the dataset's row (0-based, as dataset[i]) for a line of the
+        """A data or engine error as the script knows its data: the dataset's row (0-based, as dataset[i]) for a line of the
         JSON lines written from it, TRL's argument for a recipe key, and no recipe-only advice (on_bad_row)."""
         data = self.output_dir / "data"
         for file, what in (("train.jsonl", "train_dataset"), ("eval.jsonl", "eval_dataset")):
@@ -1299,8 +1500,14 @@ class GRPOTrainer:
                              lambda m: f"{what}[{int(m.group(1)) - 1}]", message)
             message = re.sub(rf"{re.escape(str(data / file))}:(\d+)", lambda m: f"{what}[{int(m.group(1)) - 1}]",
                              message)
-        message = message.replace(f" ({ROW_SKIP_ADVICE})", " (fix or drop that row: dataset.filter(...))")
+        # (as the recipe's advice, only if some rows: a missing chat template fails every row, found by a red team)
+        message = message.replace(f" ({ROW_SKIP_ADVICE})", " (fix that row; if only some rows are like this, drop "
+                                  "them: dataset.filter(...))")
         message = message.replace("data.train_path: ", "").replace("data.eval_path: ", "")   # (the files written here)
+        # the engine as the script chose it: use_vllm, not the recipe key (found by a red team)
+        message = message.replace("use generation.engine: hf", "set use_vllm=False")
+        message = re.sub(r"generation\.engine=(?:'?vllm'?)", "use_vllm=True", message)
+        message = message.replace("generation.engine=hf", "use_vllm=False")
         for key, name in FROM_TRL.items():
             message = message.replace(f"{key}=", f"{name}=")
         return message
@@ -1344,32 +1551,18 @@ class GRPOTrainer:
         """Run the recipe; resume_from_checkpoint=True (or the output dir) continues from its last checkpoint."""
         import time
 
-        from . import checkpoint as ckpt
         from .metrics import read_metrics
         from .train import Trainer
 
+        resume_from_checkpoint = _resume_flag(resume_from_checkpoint)
         resume = bool(resume_from_checkpoint)
-        last = ckpt.latest(self.output_dir)
-        if isinstance(resume_from_checkpoint, (str, Path)):   # TRL resumes from the checkpoint named; here: the last
-            named = Path(resume_from_checkpoint).resolve()
-            if named not in (self.output_dir.resolve(), last and last.resolve()):
-                raise TRLCompatError(f"resume_from_checkpoint: {resume_from_checkpoint} is not the last checkpoint of "
-                                     f"{self.output_dir} ({last or 'none'}); resuming continues from the last one: "
-                                     "pass True, or move the later checkpoints out of the way")
-        if resume and last is None:   # was a fresh run, silently (found by a red team); transformers' error
-            raise TRLCompatError(f"resume_from_checkpoint: no valid checkpoint found in output directory "
-                                 f"({self.output_dir}), as in transformers: call train() without it to start the run")
-        if not resume and (held := ckpt.earlier_run(self.output_dir)):
-            # a fresh run there would append to that run's metrics, and save_model() and a resume would take the
-            # last checkpoint, which may be the earlier run's
-            raise TRLCompatError(f"output_dir {self.output_dir} already holds a run ({held}): pass "
-                                 "resume_from_checkpoint=True to continue it, or use another output_dir (or delete "
-                                 "that one)")
+        if problem := self._start_problem(resume_from_checkpoint):
+            raise TRLCompatError(problem)
         self._model = None   # the run loads its own policy: free the one .model may hold
         started = time.monotonic()
         try:
             trainer = Trainer(self.recipe, run_dir=self.output_dir if resume else None, resume=resume, log=self.log)
-        except DataError as exc:
+        except (DataError, EngineError) as exc:
             raise TRLCompatError(self._in_trl_terms(str(exc))) from None
         first = trainer.step   # the steps a resumed run had made (its metrics.jsonl now ends there)
         self._trained = True
@@ -1394,6 +1587,54 @@ class GRPOTrainer:
             callbacks.event("on_train_end")
         return TrainOutput(summary, global_step=self._summary["step"], training_loss=self._summary["train_loss"],
                            log=_without_step(self._summary))
+
+    def _start_problem(self, resume_from_checkpoint) -> Optional[str]:
+        """Why train(resume_from_checkpoint) cannot start in output_dir, in the script's terms, or None: checked here
+        so that the advice is the script's (the run's own names its command line: --set, lowmem-grpo train)."""
+        from . import checkpoint as ckpt
+
+        last, held = ckpt.latest(self.output_dir), ckpt.earlier_run(self.output_dir)
+        if isinstance(resume_from_checkpoint, (str, Path)):   # TRL resumes from the checkpoint named; here: the last
+            named = Path(resume_from_checkpoint).resolve()
+            if named not in (self.output_dir.resolve(), last and last.resolve()):
+                return (f"resume_from_checkpoint: {resume_from_checkpoint} is not the last checkpoint of "
+                        f"{self.output_dir} ({last or 'none'}); resuming continues from the last one: pass True (on "
+                        "TRL's command line: --resume_from_checkpoint true), or move the later checkpoints out of the "
+                        "way")
+        # a run there that made no checkpoint (it failed before its first) can be neither resumed nor trained over:
+        # the advice was to resume it, then to train without resuming (found by a red team: a loop)
+        none_made = (f"the run there ({held}) made no checkpoint, so there is nothing to resume: delete that folder "
+                     "or use another output_dir") if held or (self.output_dir / "recipe.yaml").is_file() else ""
+        if resume_from_checkpoint and last is None:   # was a fresh run, silently (found by a red team)
+            return (f"resume_from_checkpoint: no valid checkpoint found in output directory ({self.output_dir}), as in "
+                    "transformers: " + (none_made or "call train() without it to start the run"))
+        if not resume_from_checkpoint and last is not None:
+            # a fresh run there would append to that run's metrics, and save_model() and a resume would take the
+            # last checkpoint, which may be the earlier run's
+            return (f"output_dir {self.output_dir} already holds a run ({held}): pass resume_from_checkpoint=True "
+                    "(--resume_from_checkpoint true) to continue it, or use another output_dir (or delete that one)")
+        if not resume_from_checkpoint and none_made:
+            return f"output_dir {self.output_dir}: {none_made}"
+        return self._resume_change_problem() if resume_from_checkpoint else None
+
+    def _resume_change_problem(self) -> Optional[str]:
+        """What this script changes of the settings a resumed run keeps (its checkpoints were made with them: the
+        model, LoRA, the optimizer, the seed; lowmem_grpo/resume.py), named as the script names them, or None."""
+        from . import resume as resume_rules
+        from .recipe import load_recipe
+
+        try:
+            before = load_recipe(self.output_dir / "recipe.yaml")
+        except Exception:   # (the run names an unreadable one)
+            return None
+        changed = resume_rules.resume_changes(resume_rules.fixed_values(before), resume_rules.fixed_values(self.recipe),
+                                              log=lambda *a: None)
+        if not changed:
+            return None
+        named = [f"{FROM_TRL.get(key, key)} {rest}" for key, rest in (c.split(" ", 1) for c in changed)]
+        return (f"resume_from_checkpoint: a resumed run keeps what its checkpoints were made with; this one changes "
+                f"{'; '.join(named)}: pass the first run's values again (TRL's script: its flags), or train into "
+                "another output_dir")
 
     def _train_summary(self, rows: list[dict], first: int, done: int, runtime: float) -> dict:
         """transformers' log_history entry at the end of train(), of this call's steps (after `first`, up to

@@ -374,7 +374,7 @@ def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> d
     import torch
 
     from lowmem_grpo.logprobs import reference_log_probs, selective_log_softmax
-    from lowmem_grpo.loss import grpo_token_loss
+    from lowmem_grpo.loss import LossOptions, grpo_token_loss
     from lowmem_grpo.memory import return_freed_memory_to_os
 
     cuda = DEVICE == "cuda"
@@ -399,7 +399,7 @@ def child_loss(length: int, impl: str, chunk_tokens: int, chunk_vocab: int) -> d
         logp = selective_log_softmax(hidden, head, targets, chunk_rows=chunk_tokens, chunk_vocab=chunk_vocab)
     else:
         logp = reference_log_probs(hidden, head, targets)
-    tl = grpo_token_loss(logp, logp.detach(), logp_ref, adv, beta=BETA, eps_low=0.2, eps_high=0.2)
+    tl = grpo_token_loss(logp, logp.detach(), logp_ref, adv, LossOptions(beta=BETA, eps_low=0.2, eps_high=0.2))
     tl.loss.mean().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
     return {"phase_mib": peak_mib() - before, "peak_mib": peak_mib()}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -135,3 +140,27 @@ def straight_and_resumed(d: dict, tmp_path: Path, steps: int = 4, stop_at: int =
     assert resumed.step == stop_at
     resumed.fit()
     return losses_by_step(tmp_path / "full"), losses_by_step(tmp_path / "cut"), resumed
+
+
+@contextlib.contextmanager
+def one_cpu_shared_with(spinners: int):
+    """This process, and the programs it runs (judged code, a tool call), on one CPU with `spinners` busy processes,
+    each in a session of its own (the scheduler shares a CPU equally between sessions where autogroup applies, between
+    threads elsewhere): a program run meanwhile gets at most 1 / (spinners + 1) of a CPU, however idle the machine."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    procs = []
+    try:
+        os.sched_setaffinity(0, {cpu})   # (inherited by what this process starts)
+        for _ in range(spinners):
+            procs.append(subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"], start_new_session=True))
+        deadline = time.monotonic() + 60
+        while any(psutil.Process(p.pid).cpu_times().user < 0.05 for p in procs):   # spinning, past their start-up
+            assert time.monotonic() < deadline, "the busy processes did not start"
+            time.sleep(0.02)
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        os.sched_setaffinity(0, before)

@@ -286,6 +286,16 @@ def test_write_text_atomic_flushes_and_a_failed_write_leaves_the_old_file_and_no
     assert path.read_text() == "a: 1\n" and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 
+def test_write_text_atomic_removes_the_temp_file_of_a_write_cut_short(tmp_path):
+    """Found by a soak run: a kill -9 mid-write left .tmp-recipe.yaml in the run folder, and every resume after it
+    (the same text: not written again) kept it there for good."""
+    path = tmp_path / "recipe.yaml"
+    ckpt.write_text_atomic(path, "a: 1\n")
+    (tmp_path / ".tmp-recipe.yaml").write_text("a:")   # the killed write's
+    ckpt.write_text_atomic(path, "a: 1\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"] and path.read_text() == "a: 1\n"
+
+
 def _lora_checkpoint(run, step):
     """A checkpoint whose adapter folder passes adapter_problem (a lora.r=4, alpha=8 adapter's config)."""
     import json

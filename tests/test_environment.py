@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -421,6 +422,39 @@ def test_counters_may_not_take_the_name_of_a_built_in_env_metric():
         checked_counters(Env())
 
 
+def test_counter_names_made_from_data_stop_at_the_runs_cap_said_once():
+    """An environment naming counters after its rows (word_<w>) made a metric column per row, without end (found
+    by a red team). A run keeps its first MAX_COUNTER_NAMES names; a new name past them is dropped, said once, and
+    the episode still scored."""
+    from lowmem_grpo import environment
+    from lowmem_grpo.diagnostics import environment_stats
+
+    words = factory("toy_envs:Words")   # one per run: its names are the run's
+    assert words.counter_names.most == environment.MAX_COUNTER_NAMES == 64
+    words.counter_names = environment.CounterNames(most=5)
+    rows = [Example({"prompt": f"{i}="}, f"{i}=", [TOK.bos_token_id] + ids(f"{i}=")) for i in range(9)]
+    limits = TurnLimits(max_turns=2, max_total_tokens=16, observation_max_tokens=4)
+    with pytest.warns(UserWarning) as said:
+        first = run_episodes(FakeEngine("1"), TOK, rows[:6], SamplingParams(n=1, max_new_tokens=4), words, limits)
+    [warning] = [w for w in said if "counters()" in str(w.message)]
+    assert ("gave more than 5 distinct names in this run; 'word_4=' and any later new name are not logged (the first "
+            "5 still are): counters are for a fixed set of names") in str(warning.message)
+    kept = ["steps", "word_0=", "word_1=", "word_2=", "word_3="]
+    assert [sorted(dict(c.env.counters)) for c in first] == [sorted(kept[:1] + kept[1 + i:2 + i]) for i in range(4)] \
+        + [["steps"]] * 2
+    assert all(c.env.error is None and c.env.reward == 1.0 for c in first)   # still scored
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # said once a run: a later step says nothing more
+        later = run_episodes(FakeEngine("1"), TOK, [rows[6], rows[0]], SamplingParams(n=1, max_new_tokens=4), words,
+                             limits)
+    assert [dict(c.env.counters) for c in later] == [{"steps": 1.0}, {"steps": 1.0, "word_0=": 1.0}]
+    row = environment_stats([c.env for c in first + later], torch.zeros(8, dtype=torch.bool))
+    assert sorted(k for k in row if k.startswith("env/") and k[4:] not in ("turns", "tokens", "errors", "truncated")) \
+        == ["env/" + k for k in sorted(kept)]
+
+
 def test_first_message_replaces_the_prompt():
     from toy_envs import Scripted
 
@@ -495,11 +529,11 @@ def _lora_model():
 
 def _loss(model, mb_logp, mb_ref, adv, seq, sampler, entropy):
     """GRPO's token loss with a KL to a reference, an entropy bonus and a sequence-level sampler correction."""
-    from lowmem_grpo.loss import grpo_token_loss, sampler_correction_weights
+    from lowmem_grpo.loss import LossOptions, grpo_token_loss, sampler_correction_weights
 
     w, _ = sampler_correction_weights(mb_logp.detach(), sampler, seq, "sequence_truncate", 0.0, 3.0)
-    return grpo_token_loss(mb_logp, mb_logp.detach() - 0.05, mb_ref, adv, beta=0.1, seq_index=seq, pg_weight=w,
-                           entropy=entropy, entropy_coef=0.01).loss
+    return grpo_token_loss(mb_logp, mb_logp.detach() - 0.05, mb_ref, adv, LossOptions(beta=0.1), seq_index=seq,
+                           pg_weight=w, entropy=entropy, entropy_coef=0.01).loss
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -1287,9 +1321,10 @@ def test_environment_failures_of_the_machine_and_the_config_are_named():
     assert tool.counters()["tool_errors"] == 0
     problems = environment_problems(EnvironmentConfig(name="python", kwargs={"memory_mb": 8, "allow_weak_sandbox": True}))
     assert problems and problems[0][0] == "environment.kwargs" and "memory_mb=8" in problems[0][1], problems
-    cfg = EnvironmentConfig(name="python", kwargs={"timeout_s": 3, "allow_weak_sandbox": True}, step_timeout_s=4)
+    # a call may take LOAD_ALLOWANCE (3) x timeout_s of wall clock on a loaded machine, then 2 s of start and teardown
+    cfg = EnvironmentConfig(name="python", kwargs={"timeout_s": 3, "allow_weak_sandbox": True}, step_timeout_s=10)
     assert [key for key, _ in environment_problems(cfg)] == ["environment.step_timeout_s"]
-    assert environment_problems(cfg.model_copy(update={"step_timeout_s": 5})) == []
+    assert environment_problems(cfg.model_copy(update={"step_timeout_s": 11})) == []
 
 
 def test_a_huge_first_message_is_refused_before_it_is_tokenized_and_hung_calls_are_bounded(monkeypatch):
@@ -1358,3 +1393,107 @@ def test_a_rendered_observation_is_cut_in_its_contents_and_never_through_its_mar
     assert observed == "(77777)(888)=", observed
     c, observed = episode(["((((", "7", "))))"], 6)
     assert observed == "" and c.env.turns == 1 and c.truncated and c.env.error is None
+
+
+# -- a third red team's findings -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, kwargs, words", [
+    ("toy_envs:Careless", {"how": "float"}, "step() returned reward <toy_envs._FloatRaises object"),
+    ("toy_envs:Careless", {"how": "repr"},
+     "step() returned observation <a _ReprRaises whose repr raised RuntimeError>"),
+    ("toy_envs:Careless", {"how": "reset_repr"}, "reset() returned _ReprRaises <a _ReprRaises whose repr raised"),
+    ("toy_envs:Careless", {"how": "tuple"}, "step() returned _BrokenTuple"),
+    ("toy_envs:Careless", {"how": "interrupt"}, "step() raised KeyboardInterrupt"),
+    ("toy_envs:DictAttributes", {}, "reading its parallel_steps raised KeyError: 'parallel_steps' (an optional "
+                                    "attribute it lacks must raise AttributeError)"),
+    ("toy_envs:ExitingFlag", {}, "reading its ends_at_cut_turn raised SystemExit: 2"),
+])
+def test_values_and_attributes_that_are_user_code_end_that_episode_with_what_went_wrong(name, kwargs, words):
+    """Found by a red team: a reward whose __float__ raised, an observation whose __repr__ raised, a tuple subclass
+    that cannot be read, or a step raising KeyboardInterrupt ended the step's thread with a traceback and read as
+    "did not return within environment.step_timeout_s"; an environment whose attribute lookup raised other than
+    AttributeError (a proxy's KeyError, a property calling sys.exit()) crashed the run from the driver's reading of
+    parallel_steps or ends_at_cut_turn. Each is that episode's error now, saying what happened."""
+    out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory(name, **kwargs), LIMITS)
+    for c in out:
+        assert c.env.error is not None and words in c.env.error, c.env.error
+        assert "did not return" not in c.env.error and len(c.token_ids) == len(c.env_mask)
+
+
+def test_an_observation_of_a_str_subclass_is_read_as_plain_text():
+    """Found by a red team: an observation that is a str subclass whose attribute lookups raise (KeyError) crashed
+    the run in the driver, which read its `messages` on its own thread; the checks hand on a plain str."""
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:Careless", how="sly"), dataclasses_replace(LIMITS, max_turns=2))
+    for c in out:
+        assert c.env.error is None and c.env.turns == 2 and c.env.reward == 2.0
+        assert c.token_ids == ids("12") + [EOS] + ids(" 1 ") + ids("12") + [EOS]
+        assert c.env_mask == [False] * 3 + [True] * 3 + [False] * 3
+
+
+def test_an_environment_instance_shared_by_episodes_is_each_ones_error():
+    """Found by a red team: a class handing out one instance (a singleton __new__) had every episode of a step reset
+    and stepped on the same object, and every reward scored the last reset's row (the answer of example 1 for the
+    episodes of example 0), silently. Each episode needs its own instance: those that share one end in an error."""
+    import toy_envs
+
+    toy_envs._THE_ONE = None
+    out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:Singleton"), LIMITS)
+    for c in out:
+        assert c.env.error is not None and "is also another episode's: each episode needs its own" in c.env.error
+        assert c.env.turns == 0 and c.env.reward is None and c.token_ids == []
+    toy_envs._THE_ONE = None
+
+
+def positional_only(a: int, /) -> int:
+    """Positional only.
+
+    Args:
+        a: A number.
+    """
+    return a
+
+
+def star_args(*numbers: int) -> int:
+    """Sums.
+
+    Args:
+        numbers: The numbers.
+    """
+    return sum(numbers)
+
+
+def keyword_only(*, a: int, b: int = 3) -> int:
+    """Keyword only.
+
+    Args:
+        a: A number.
+        b: Another.
+    """
+    return a + b
+
+
+def test_a_tool_whose_parameters_cannot_be_given_by_name_is_refused():
+    """Found by a red team: a tool taking a positional-only parameter or *args got a schema that lists it, and every
+    call, made as TRL makes it (fn(**arguments)), failed with a TypeError the model could do nothing about. Refused
+    when the tools are described; a keyword-only parameter is fine."""
+    from lowmem_grpo.tool_calls import ToolCallError, schema
+
+    for fn, words in ((positional_only, "'positional_only' takes a by position only"),
+                      (star_args, "'star_args' takes *numbers by position only")):
+        with pytest.raises(ToolCallError, match=re.escape(words) + ".*passed by name"):
+            schema(fn, "tools")
+    assert schema(keyword_only, "tools")["function"]["parameters"]["required"] == ["a"]
+
+
+def test_an_optional_property_that_hangs_is_bounded_as_a_step_is():
+    """Found by a red team: the driver read an environment's for_rewards (and template_kwargs) on its own thread,
+    unbounded, so a property that hangs hung the run. Read once now, after reset(), within
+    environment.step_timeout_s."""
+    out = run_episodes(FakeEngine("12"), TOK, examples(1), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:SlowForRewards", seconds=3.0), dataclasses_replace(LIMITS, step_timeout_s=0.3))
+    for c in out:
+        assert "the constructor or reset() did not return within environment.step_timeout_s=0.3 s" in c.env.error
+        assert c.env.turns == 0

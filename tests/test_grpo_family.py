@@ -10,8 +10,8 @@ import yaml
 from conftest import recipe_dict
 from lowmem_grpo import diagnostics as diag
 from lowmem_grpo.advantages import STD_EPS, group_advantages
-from lowmem_grpo.loss import (aggregate, aggregation_weights, grpo_token_loss, k1_kl, k2_kl, k3_kl, kl_terms,
-                              ratio_clip_surrogate, target_clip_surrogate)
+from lowmem_grpo.loss import (LossOptions, aggregate, aggregation_weights, grpo_token_loss, k1_kl, k2_kl, k3_kl,
+                              kl_terms, ratio_clip_surrogate, target_clip_surrogate)
 from lowmem_grpo.metrics import read_metrics
 from lowmem_grpo.recipe import RecipeError, recipe_from_dict, recipe_to_yaml
 from lowmem_grpo.train import Trainer
@@ -104,7 +104,8 @@ def test_clip_surrogates_every_branch(kind):
         branches.add((branch, int(torch.sign(adv[k]))))
     assert {("high", 1), ("low", -1), ("inside", 1), ("inside", 0), ("inside", -1)} <= branches
     # the pessimistic side is not clipped: A > 0 below the window, A < 0 above it keep their gradient
-    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, eps_low=0.2, eps_high=0.28, clip=kind, kl_target="none")
+    tl = grpo_token_loss(lp, lp_old, None, adv,
+                         LossOptions(beta=0.0, eps_low=0.2, eps_high=0.28, clip=kind, kl_target="none"))
     binding = tl.clipped_low | tl.clipped_high
     assert torch.equal(binding, (grad == 0) & (adv != 0))
 
@@ -114,8 +115,9 @@ def test_target_is_a_probability_ratio_clip_is_not():
     lp_old = torch.log(torch.tensor([0.9, 0.5, 0.01], dtype=torch.float64))
     lp = torch.zeros(3, dtype=torch.float64, requires_grad=True)  # pi = 1: the largest reachable
     adv = torch.ones(3, dtype=torch.float64)
-    tl_ratio = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, eps_low=0.2, eps_high=0.2, kl_target="none")
-    tl_target = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, clip="target", kl_target="none")
+    tl_ratio = grpo_token_loss(lp, lp_old, None, adv,
+                               LossOptions(beta=0.0, eps_low=0.2, eps_high=0.2, kl_target="none"))
+    tl_target = grpo_token_loss(lp, lp_old, None, adv, LossOptions(beta=0.0, clip="target", kl_target="none"))
     assert tl_ratio.clipped_high.tolist() == [False, True, True]  # 1/0.9 < 1.2: never clipped
     assert tl_target.clipped_high.all()
 
@@ -134,7 +136,7 @@ def test_surrogate_gradient_is_contrastive_weight(mode, k):
     w = aggregation_weights(seq, lengths, mode, max_completion_length=8)
     for adv_mode in ("mean_std", "mean"):
         adv = group_advantages(rewards, adv_mode).view(-1)
-        tl = grpo_token_loss(lp, lp.detach(), None, adv[seq], beta=0.0, kl_target="none")  # r = 1
+        tl = grpo_token_loss(lp, lp.detach(), None, adv[seq], LossOptions(beta=0.0, kl_target="none"))  # r = 1
         (grad,) = torch.autograd.grad(-aggregate(tl.loss, w), lp)  # gradient of J
         per_completion = torch.zeros(G, dtype=torch.float64).index_add_(0, seq, grad)
         factor = torch.zeros(G, dtype=torch.float64).index_add_(0, seq, w)  # the aggregation factor sum_t w_it
@@ -176,6 +178,15 @@ def test_surrogate_gradient_is_contrastive_weight(mode, k):
     ({"clip": "vespo", "sampler_correction": "sequence_truncate"}, "sampler_correction", "token_truncate or token_mask"),
     ({"clip": "vespo", "epsilon_low": 0.1}, "epsilon_low", "clip: vespo does not use"),
     ({"clip": "vespo", "delta": 2.0}, "delta", "clip is 'vespo'"),
+    # GMPO (§14.3): its log-space bounds only with clip gmpo, and positive; no ratio bound, level, cap or token weight
+    ({"gmpo_epsilon_low": 0.3}, "gmpo_epsilon_low", "only with clip: gmpo"),
+    ({"clip": "vespo", "gmpo_epsilon_high": 0.3}, "gmpo_epsilon_high", "only with clip: gmpo"),
+    ({"clip": "gmpo", "gmpo_epsilon_high": 0.0}, "gmpo_epsilon_high", "greater than 0"),
+    ({"clip": "gmpo", "epsilon_high": 0.28}, "epsilon_high", "its log-space bounds are gmpo_epsilon_low/high"),
+    ({"clip": "gmpo", "importance_sampling_level": "sequence"}, "importance_sampling_level", "leave it token"),
+    ({"clip": "gmpo", "delta": 2.0}, "delta", "clip is 'gmpo'"),
+    ({"clip": "gmpo", "sampler_correction": "token_truncate"}, "sampler_correction", "or sequence_mask"),
+    ({"clip": "gmpo", "top_entropy_quantile": 0.2}, "top_entropy_quantile", "leave it 1"),
     ({"aggregation": "sequence_sums"}, "aggregation", "'sequence_sum'"),
 ])
 def test_invalid_combinations_name_the_field(algorithm, field, words):
@@ -191,7 +202,9 @@ def test_valid_combinations_and_saved_recipes_reload():
                       {"kl_target": "mirror", "mu": 3, "kl_estimator": "k1", "clip": "target",
                        "early_stop_unclipped_fraction": 0.3, "early_stop_min_improvement": 0.0},
                       {"clip": "vespo", "vespo_k_pos": 1.5, "vespo_lambda_neg": 2.5, "sampler_correction": "token_mask"},
-                      {"aggregation": "sequence_sum", "importance_sampling_level": "sequence", "mu": 2}):
+                      {"aggregation": "sequence_sum", "importance_sampling_level": "sequence", "mu": 2},
+                      {"clip": "gmpo", "mu": 2, "gmpo_epsilon_low": 0.3, "sampler_correction": "sequence_mask",
+                       "off_policy_mask_threshold": 0.5, "kl_ratio_weight": True}):
         r = recipe_from_dict({**MIN, "algorithm": algorithm})
         again = recipe_from_dict(yaml.safe_load(recipe_to_yaml(r)))  # resume reloads the dump of every field
         assert again.algorithm == r.algorithm
@@ -362,26 +375,29 @@ def test_mirror_target_clip_and_early_stop(tiny_model_dir, tiny_data, tmp_path):
 
 
 # (option set, the extra keys that hold a number in every row): LUSPO with GSPO's ratio, VESPO with the sampler
-# correction folded into its ratio (§5, §14.2)
+# correction folded into its ratio, GMPO with a completion weight (§15's sequence correction) and narrow log-space
+# bounds, so that mu = 2's second update clips some tokens (§5, §14.2, §14.3)
 NEW_LOSSES = {
     "luspo": {"aggregation": "sequence_sum", "importance_sampling_level": "sequence", "mu": 2},
     "vespo": {"clip": "vespo", "mu": 2, "vespo_k_pos": 1.5, "sampler_correction": "token_mask",
               "sampler_correction_min": 0.5},
+    "gmpo": {"clip": "gmpo", "mu": 2, "gmpo_epsilon_low": 0.02, "gmpo_epsilon_high": 0.03,
+             "sampler_correction": "sequence_truncate"},
 }
 
 
 @pytest.mark.parametrize("name", sorted(NEW_LOSSES))
-def test_luspo_and_vespo_train_with_every_row_key(tiny_model_dir, tiny_data, tmp_path, monkeypatch, name):
-    """A short run with each of TRL's two newest losses: every step row holds every key, and the loss sees what the
+def test_newest_losses_train_with_every_row_key(tiny_model_dir, tiny_data, tmp_path, monkeypatch, name):
+    """A short run with each of the newest losses: every step row holds every key, and the loss sees what the
     recipe says (LUSPO: weight 1/N on every token; VESPO: its shape, the sampler's weight in its ratio, not in
-    pg_weight)."""
+    pg_weight; GMPO: its log-space bounds, the sequence correction in pg_weight, one value per completion)."""
     from lowmem_grpo import train as train_mod
 
     calls, weights = [], []
     real_loss, real_aggregate = train_mod.grpo_token_loss, train_mod.aggregate
 
     def spy_loss(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append({**vars(args[4]), **kwargs})   # the run's LossOptions and the batch's arguments
         return real_loss(*args, **kwargs)
 
     def spy_aggregate(token_loss, w):
@@ -404,6 +420,15 @@ def test_luspo_and_vespo_train_with_every_row_key(tiny_model_dir, tiny_data, tmp
     if name == "luspo":
         assert all(c["level"] == "sequence" for c in calls) and all(r["vespo/weight_mean"] is None for r in rows)
         assert weights and all(torch.allclose(w, torch.full_like(w, 1 / n)) for w in weights)
+    elif name == "gmpo":
+        assert calls and all(c["clip"] == "gmpo" and c["gmpo_epsilons"] == (0.02, 0.03) and c["level"] == "token"
+                             and c["pg_weight"] is not None and c["sampler_weight"] is None for c in calls)
+        for c in calls:   # the sequence_truncate weight: one per completion (the loss refuses anything else)
+            ids, w = c["seq_index"].cpu(), c["pg_weight"].cpu()
+            assert all(torch.unique(w[ids == i]).numel() == 1 for i in torch.unique(ids))
+        # the second of mu = 2 updates has moved tokens past the narrow bounds; the first (r = 1) clips none
+        assert any(r["clip/fraction"] > 0 for r in rows) and all(r["vespo/weight_mean"] is None for r in rows)
+        assert all(isinstance(r["sampler/weight_mean"], float) for r in rows)
     else:
         assert all(r["clip/fraction"] == 0 and isinstance(r["sampler/weight_mean"], float) for r in rows)
         # mu = 2: the second update's weights moved off 1 (phi(1) = 1, and phi <= its maximum, 1.26 here)

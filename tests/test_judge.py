@@ -10,17 +10,13 @@ the harness's memory still cannot pass a test it fails; and what remains for tes
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import marshal
-import os
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
+from conftest import one_cpu_shared_with
 from lowmem_grpo.rewards import code, code_io
 from lowmem_grpo.rewards.code import (classify_tests, count_judging, decode_value, judge_value, judging,
                                       run_tests)
@@ -404,30 +400,6 @@ def test_a_test_that_swallows_its_timeout_is_cut_off_by_the_reporter():
                     timeout=0.5, total_timeout=30)
     assert run.passed == [True, False, False] and run.details[1:] == ["_TestTimeout", "not_run"]
     assert time.monotonic() - start < 10     # the reporter gave up at 0.5 + 0.2 s, not at the 30 s wall clock
-
-
-@contextlib.contextmanager
-def one_cpu_shared_with(spinners: int):
-    """This process, and the programs it judges, on one CPU with `spinners` busy processes, each in a session of its
-    own (the scheduler shares a CPU equally between sessions where autogroup applies, between threads elsewhere): a
-    program judged meanwhile gets at most 1 / (spinners + 1) of a CPU, however idle the machine."""
-    before = os.sched_getaffinity(0)
-    cpu = min(before)
-    procs = []
-    try:
-        os.sched_setaffinity(0, {cpu})   # (inherited by what this process starts)
-        for _ in range(spinners):
-            procs.append(subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"], start_new_session=True))
-        deadline = time.monotonic() + 60
-        while any(psutil.Process(p.pid).cpu_times().user < 0.05 for p in procs):   # spinning, past their start-up
-            assert time.monotonic() < deadline, "the busy processes did not start"
-            time.sleep(0.02)
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        os.sched_setaffinity(0, before)
 
 
 @pytest.mark.parametrize("namespaces", [pytest.param(True, id="namespaces"), pytest.param(False, id="no-namespaces")])

@@ -7,7 +7,7 @@ import torch
 
 from conftest import central_differences
 from lowmem_grpo.advantages import group_advantages
-from lowmem_grpo.loss import AGGREGATIONS, aggregate, aggregation_weights, grpo_token_loss
+from lowmem_grpo.loss import AGGREGATIONS, LossOptions, aggregate, aggregation_weights, grpo_token_loss
 
 
 def hand_objective(lp, lp_old, lp_ref, adv, lengths, beta, eps_low, eps_high, mode, max_len):
@@ -75,7 +75,8 @@ def test_loss_equals_hand_formula(mu, beta, mode):
     assert torch.allclose(adv_seq.view(2, 4), torch.tensor(hand_advantages(rewards.tolist()), dtype=torch.float64), atol=1e-12)
     seq_of_tok = torch.repeat_interleave(torch.arange(8), lengths)
     eps_low, eps_high = 0.2, 0.28
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv_seq[seq_of_tok], beta=beta, eps_low=eps_low, eps_high=eps_high)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv_seq[seq_of_tok],
+                         LossOptions(beta=beta, eps_low=eps_low, eps_high=eps_high))
     ours = aggregate(tl.loss, aggregation_weights(seq_of_tok, lengths, mode, max_completion_length=6))
     args = (lp_old.tolist(), lp_ref.tolist(), adv_seq.tolist(), lengths.tolist(), beta, eps_low, eps_high, mode, 6)
     assert abs(ours.item() - hand_objective(lp.tolist(), *args)) < 1e-9
@@ -99,7 +100,7 @@ def test_mu1_gradient_is_advantage_plus_kl_term():
     adv = group_advantages(rewards).view(-1)
     seq_of_tok = torch.repeat_interleave(torch.arange(8), lengths)
     beta = 0.05
-    tl = grpo_token_loss(lp, lp.detach(), lp_ref, adv[seq_of_tok], beta=beta, eps_low=0.2, eps_high=0.2)
+    tl = grpo_token_loss(lp, lp.detach(), lp_ref, adv[seq_of_tok], LossOptions(beta=beta, eps_low=0.2, eps_high=0.2))
     w = aggregation_weights(seq_of_tok, lengths, "sequence_mean", 6)
     (grad,) = torch.autograd.grad(aggregate(tl.loss, w), lp)
     expected = -(adv[seq_of_tok] + beta * (torch.exp(lp_ref - lp.detach()) - 1)) * w
@@ -114,7 +115,8 @@ def test_micro_batches_sum_to_the_one_batch_loss(mode):
     w = aggregation_weights(seq_of_tok, lengths, mode, 6)
 
     def loss_of(sel):
-        tl = grpo_token_loss(lp[sel], lp_old[sel], lp_ref[sel], adv[seq_of_tok][sel], beta=0.1, eps_low=0.2, eps_high=0.2)
+        tl = grpo_token_loss(lp[sel], lp_old[sel], lp_ref[sel], adv[seq_of_tok][sel],
+                             LossOptions(beta=0.1, eps_low=0.2, eps_high=0.2))
         return aggregate(tl.loss, w[sel])
 
     full = loss_of(torch.ones_like(seq_of_tok, dtype=torch.bool))
@@ -130,7 +132,7 @@ def test_micro_batches_sum_to_the_one_batch_loss(mode):
 
 
 # -- The GRPO family (docs/algorithm.md §4, §6): clips ratio and target x every KL target x estimator against a hand
-# evaluation (cispo, sapo, vespo: each its own hand test, tests/test_loss_options.py) -------------------------------
+# evaluation (cispo, sapo, vespo, gmpo: each its own hand test, tests/test_loss_options.py) -------------------------
 
 def hand_kl(est, lp, other):
     d = other - lp
@@ -196,8 +198,9 @@ def test_family_loss_equals_hand_formula(clip, kl_target, est):
     adv_seq = group_advantages(rewards, "mean_std").view(-1)
     seq_of_tok = torch.repeat_interleave(torch.arange(12), lengths)
     beta, beta_mirror = 0.07, 0.13
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv_seq[seq_of_tok], beta=beta, eps_low=0.2, eps_high=0.28, clip=clip,
-                         kl_target=kl_target, beta_mirror=beta_mirror, kl_estimator=est)
+    options = LossOptions(beta=beta, eps_low=0.2, eps_high=0.28, clip=clip, kl_target=kl_target,
+                          beta_mirror=beta_mirror, kl_estimator=est)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv_seq[seq_of_tok], options)
     ours = aggregate(tl.loss, aggregation_weights(seq_of_tok, lengths, mode, max_completion_length=7))
     args = (lp_old.tolist(), lp_ref.tolist(), adv_seq.tolist(), lengths.tolist(), clip, kl_target, est, beta,
             beta_mirror, mode, 7)
@@ -245,8 +248,8 @@ def test_ratio_weighted_reference_kl_equals_hand_formula(level):
     lp_old = lp.detach() + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
     lp_ref = lp.detach() + 0.4 * torch.randn(n, generator=g, dtype=torch.float64)
     beta = 0.07
-    tl = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64), beta=beta, level=level,
-                         seq_index=seq, kl_ratio_weight=True)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64),
+                         LossOptions(beta=beta, level=level, kl_ratio_weight=True), seq_index=seq)
 
     def hand(x: list) -> list:
         out = []
@@ -271,7 +274,8 @@ def test_ratio_weighted_reference_kl_equals_hand_formula(level):
     # the logged estimate stays the plain k3; off, the penalty is beta * k3 as before
     d = lp_ref - lp.detach()
     assert torch.allclose(tl.kl_ref.detach(), torch.exp(d) - d - 1)
-    off = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64), beta=beta, level=level, seq_index=seq)
+    off = grpo_token_loss(lp, lp_old, lp_ref, torch.zeros(n, dtype=torch.float64), LossOptions(beta=beta, level=level),
+                          seq_index=seq)
     assert torch.allclose(off.loss.detach(), beta * (torch.exp(d) - d - 1))
 
 
@@ -296,8 +300,8 @@ def test_every_value_the_recipe_allows_has_its_own_branch_in_loss():
                 loss.check_surrogate_options(clip, level, seq, None)
             except ValueError:   # a combination §13-§14 do not define
                 continue
-            losses[clip, level] = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=0.0, clip=clip, level=level,
-                                                  seq_index=seq).loss.tolist()
+            options = LossOptions(beta=0.0, clip=clip, level=level)
+            losses[clip, level] = grpo_token_loss(lp, lp_old, lp_ref, adv, options, seq_index=seq).loss.tolist()
     assert {c for c, _ in losses} == set(loss.CLIPS) and {v for _, v in losses} == set(loss.LEVELS)
     assert len({tuple(x) for x in losses.values()}) == len(losses)   # no two the same
     penalties = [loss.kl_terms(lp, lp_ref, lp_old, target=t, beta=0.1, beta_mirror=0.2)[0] for t in loss.KL_TARGETS]

@@ -12,9 +12,9 @@ import torch
 
 from conftest import central_differences
 from lowmem_grpo.advantages import STD_EPS, group_advantages, normalize_then_sum_advantages
-from lowmem_grpo.loss import (adapt_entropy_coef, aggregate, cispo_surrogate, entropy_threshold, grpo_token_loss,
-                              k3_kl, kl_terms, ratio_clip_surrogate, sampler_correction_weights, sequence_log_ratio,
-                              target_clip_surrogate, top_entropy_mask)
+from lowmem_grpo.loss import (LossOptions, adapt_entropy_coef, aggregate, cispo_surrogate, entropy_threshold,
+                              grpo_token_loss, k3_kl, kl_terms, ratio_clip_surrogate, sampler_correction_weights,
+                              sequence_log_ratio, target_clip_surrogate, top_entropy_mask)
 
 TOL = 1e-9
 NAN = float("nan")
@@ -113,8 +113,8 @@ def test_gspo_sequence_clip_equals_hand_formula(beta):
     eps_low, eps_high = 3e-4, 4e-4
     d = _sequences(GSPO_SPEC, seed=3)
     lp, lp_old, lp_ref, adv, ids = _tensors(d)
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=beta, eps_low=eps_low, eps_high=eps_high, level="sequence",
-                         seq_index=ids)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv,
+                         LossOptions(beta=beta, eps_low=eps_low, eps_high=eps_high, level="sequence"), seq_index=ids)
     w = _hand_weights(d["ids"])
     loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
     s, counts = _hand_seq_ratio(d)
@@ -150,7 +150,8 @@ def test_sequence_level_equals_token_level_at_mu1(clip):
     w = torch.tensor(_hand_weights(d["ids"]), dtype=torch.float64)
     grads = []
     for level in ("token", "sequence"):
-        tl = grpo_token_loss(lp, lp.detach(), lp.detach(), adv, beta=0.0, clip=clip, level=level, seq_index=ids)
+        tl = grpo_token_loss(lp, lp.detach(), lp.detach(), adv, LossOptions(beta=0.0, clip=clip, level=level),
+                             seq_index=ids)
         grads.append(torch.autograd.grad(aggregate(tl.loss, w), lp)[0])
     _close(grads[1], grads[0].tolist(), tol=1e-12)
     _close(grads[0], [-wt * a for wt, a in zip(w.tolist(), d["adv"])], tol=1e-12)
@@ -185,7 +186,7 @@ def _hand_delta_token(a, r, lo, hi, delta):
 def test_two_sided_clip_equals_hand_formula(delta):
     d = _tokens(DELTA_CASES, seed=5)
     lp, lp_old, lp_ref, adv, ids = _tensors(d)
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=0.0, eps_low=0.2, eps_high=0.28, delta=delta)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, LossOptions(beta=0.0, eps_low=0.2, eps_high=0.28, delta=delta))
     w = [1.0 / len(DELTA_CASES)] * len(DELTA_CASES)
     loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
     hand = [_hand_delta_token(a, r, 0.8, 1.28, math.inf if delta is None else delta) for a, r in DELTA_CASES]
@@ -215,7 +216,7 @@ def test_cispo_equals_hand_formula(beta):
     M = 2.5
     d = _tokens(CISPO_CASES, seed=7)
     lp, lp_old, lp_ref, adv, ids = _tensors(d)
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=beta, clip="cispo", cispo_max_weight=M)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, LossOptions(beta=beta, clip="cispo", cispo_max_weight=M))
     w = [0.1, 0.2, 0.3, 0.25, 0.15]
     loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
     hand, want = 0.0, []
@@ -238,8 +239,8 @@ def test_cispo_at_sequence_level_uses_the_sequence_ratio():
     M = 1.01
     d = _sequences([(3, 3, 1.0, 0.02), (8, 2, -0.5, 0.0), (1, 4, -2.0, 0.05)], seed=9)
     lp, lp_old, lp_ref, adv, ids = _tensors(d)
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=0.0, clip="cispo", cispo_max_weight=M, level="sequence",
-                         seq_index=ids)
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv,
+                         LossOptions(beta=0.0, clip="cispo", cispo_max_weight=M, level="sequence"), seq_index=ids)
     s, _ = _hand_seq_ratio(d)
     _close(tl.loss, [-min(s[i], M) * a * lpt for i, a, lpt in zip(d["ids"], d["adv"], d["lp"])])
     (grad,) = torch.autograd.grad(tl.loss.sum(), lp)
@@ -258,7 +259,7 @@ def test_pg_weight_scales_only_the_policy_term_and_entropy_bonus_gradient():
     H_list = [0.3, 1.7, 0.05, 2.2, 0.9]
     H = torch.tensor(H_list, dtype=torch.float64, requires_grad=True)
     beta, coef = 0.04, 0.02
-    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, beta=beta, eps_low=0.2, eps_high=0.28, pg_weight=pgw,
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, LossOptions(beta=beta, eps_low=0.2, eps_high=0.28), pg_weight=pgw,
                          entropy=H, entropy_coef=coef)
     w = [0.3, 0.1, 0.2, 0.15, 0.25]
     loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
@@ -478,9 +479,9 @@ def test_defaults_give_todays_loss_exactly(clip, kl_target):
     lp_ref = lp.detach() + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     kw = dict(beta=0.04, eps_low=0.2, eps_high=0.28, clip=clip, kl_target=kl_target, beta_mirror=0.1)
-    plain = grpo_token_loss(lp, lp_old, lp_ref, adv, **kw)
-    explicit = grpo_token_loss(lp, lp_old, lp_ref, adv, **kw, level="token", seq_index=torch.arange(n), delta=None,
-                               pg_weight=None, entropy=torch.ones(n), entropy_coef=0.0)
+    plain = grpo_token_loss(lp, lp_old, lp_ref, adv, LossOptions(**kw))
+    explicit = grpo_token_loss(lp, lp_old, lp_ref, adv, LossOptions(**kw, level="token", delta=None),
+                               seq_index=torch.arange(n), pg_weight=None, entropy=torch.ones(n), entropy_coef=0.0)
     # today's composition, from the unchanged building blocks
     surr = (ratio_clip_surrogate(lp, lp_old, adv, 0.2, 0.28) if clip == "ratio"
             else target_clip_surrogate(lp, lp_old, adv))
@@ -497,18 +498,24 @@ def test_defaults_give_todays_loss_exactly(clip, kl_target):
         assert torch.equal(plain.kl_ref, k3_kl(lp, lp_ref))
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(clip="target", level="sequence", seq_index=torch.zeros(3, dtype=torch.long)), "not defined at level"),
-    (dict(level="sequence"), "needs seq_index"),
+@pytest.mark.parametrize("options, words", [
+    (dict(clip="target", level="sequence"), "not defined at level"),
     (dict(clip="cispo", delta=2.0), "delta only applies"),
     (dict(clip="target", delta=2.0), "delta only applies"),
     (dict(level="tokens"), "importance sampling level"),
     (dict(clip="clipped"), "unknown clip"),
 ])
-def test_invalid_option_combinations(kwargs, words):
-    x = torch.zeros(3, dtype=torch.float64)
+def test_invalid_option_combinations(options, words):
+    """Refused when the options are built, once, not on each micro-batch."""
     with pytest.raises(ValueError, match=words):
-        grpo_token_loss(x, x, x, x, beta=0.0, **kwargs)
+        LossOptions(beta=0.0, **options)
+
+
+def test_sequence_level_needs_the_batchs_seq_index():
+    """What only a batch can bring is checked per call."""
+    x = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="needs seq_index"):
+        grpo_token_loss(x, x, x, x, LossOptions(beta=0.0, level="sequence"))
 
 
 def test_off_policy_sequence_mask_equals_hand_formula():
@@ -567,8 +574,8 @@ def test_sapo_surrogate_equals_hand_formula(level):
     lp_old = lp.detach() + 0.6 * torch.randn(n, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, 1.0, 1.0, -0.5, -0.5, 0.0, 0.0, 0.0], dtype=torch.float64)
     tau_pos, tau_neg = 1.0, 1.05
-    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="sapo", level=level, seq_index=seq,
-                         sapo_temperatures=(tau_pos, tau_neg))
+    options = LossOptions(beta=0.0, kl_target="none", clip="sapo", level=level, sapo_temperatures=(tau_pos, tau_neg))
+    tl = grpo_token_loss(lp, lp_old, None, adv, options, seq_index=seq)
 
     def hand(x: list) -> list:
         out = []
@@ -589,8 +596,8 @@ def test_sapo_surrogate_equals_hand_formula(level):
     assert max(abs(a - b) for a, b in zip(grad.tolist(), fd)) < 1e-8
     assert not tl.clipped_low.any() and not tl.clipped_high.any()
     on_policy = lp.detach().clone().requires_grad_()
-    tl = grpo_token_loss(on_policy, on_policy.detach(), None, adv, beta=0.0, kl_target="none", clip="sapo",
-                         level=level, seq_index=seq)
+    tl = grpo_token_loss(on_policy, on_policy.detach(), None, adv,
+                         LossOptions(beta=0.0, kl_target="none", clip="sapo", level=level), seq_index=seq)
     (grad,) = torch.autograd.grad(tl.loss.sum(), on_policy)
     want = -adv if level == "token" else -torch.stack([adv[seq == seq[i]].sum() / (seq == seq[i]).sum()
                                                         for i in range(n)])
@@ -647,8 +654,8 @@ def test_vespo_equals_hand_formula(shape):
 
     d = _vespo_flat(VESPO_CASES, seed=23)
     lp, lp_old, _, adv, ids = _tensors({**d, "lp_ref": d["lp"]})
-    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids,
-                         vespo_shape=shape)
+    tl = grpo_token_loss(lp, lp_old, None, adv,
+                         LossOptions(beta=0.0, kl_target="none", clip="vespo", vespo_shape=shape), seq_index=ids)
     phi = _hand_vespo_phi(d, shape)
     want_phi = [phi[i] for i in d["ids"]]
     for got, want in zip(tl.vespo_weight.tolist(), want_phi):   # relative: the clamped ones are ~1e-15
@@ -667,8 +674,8 @@ def test_vespo_equals_hand_formula(shape):
     assert not vespo_weight(lp, lp_old, adv, ids, shape).requires_grad
     assert not tl.clipped_low.any() and not tl.clipped_high.any()   # a weight, not a clip
     # on-policy (mu = 1, no sampler correction): w = 1, phi = 1, the plain policy gradient -A
-    tl = grpo_token_loss(lp, lp.detach(), None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids,
-                         vespo_shape=shape)
+    tl = grpo_token_loss(lp, lp.detach(), None, adv,
+                         LossOptions(beta=0.0, kl_target="none", clip="vespo", vespo_shape=shape), seq_index=ids)
     assert tl.vespo_weight.tolist() == [1.0] * len(d["ids"])
     _close(torch.autograd.grad(tl.loss.sum(), lp)[0], [-a for a in d["adv"]])
 
@@ -683,8 +690,9 @@ def test_vespo_takes_the_sampler_correction_into_its_ratio():
     c[d["ids"].index(2)] = 0.0   # one token of completion 2 masked
     pgw = [rng.choice([0.0, 1.0]) for _ in d["ids"]]
     shape = (2.0, 3.0, 3.0, 2.0)
-    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids,
-                         vespo_shape=shape, sampler_weight=torch.tensor(c, dtype=torch.float64),
+    tl = grpo_token_loss(lp, lp_old, None, adv,
+                         LossOptions(beta=0.0, kl_target="none", clip="vespo", vespo_shape=shape), seq_index=ids,
+                         sampler_weight=torch.tensor(c, dtype=torch.float64),
                          pg_weight=torch.tensor(pgw, dtype=torch.float64))
     phi = _hand_vespo_phi(d, shape, sampler=c)
     assert phi[2] < 1e-12 and all(phi[i] > 1e-3 for i in (7, 5, 9, 0))
@@ -692,20 +700,27 @@ def test_vespo_takes_the_sampler_correction_into_its_ratio():
     _close(tl.loss, want, tol=1e-12)
     (grad,) = torch.autograd.grad(tl.loss.sum(), lp)
     _close(grad, [-m * phi[i] * a for m, i, a in zip(pgw, d["ids"], d["adv"])], tol=1e-12)
-    without = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", clip="vespo", seq_index=ids)
+    without = grpo_token_loss(lp, lp_old, None, adv, LossOptions(beta=0.0, kl_target="none", clip="vespo"),
+                              seq_index=ids)
     assert not torch.allclose(without.vespo_weight, tl.vespo_weight)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(clip="vespo"), "needs seq_index"),
-    (dict(clip="vespo", level="sequence", seq_index=torch.zeros(3, dtype=torch.long)), "level must be 'token'"),
-    (dict(clip="vespo", delta=2.0, seq_index=torch.zeros(3, dtype=torch.long)), "delta only applies"),
-    (dict(clip="ratio", sampler_weight=torch.ones(3)), "sampler_weight enters clip 'vespo' only"),
+@pytest.mark.parametrize("options, call, words", [
+    (dict(clip="vespo"), dict(), "needs seq_index"),
+    (dict(clip="vespo", level="sequence"), None, "level must be 'token'"),
+    (dict(clip="vespo", delta=2.0), None, "delta only applies"),
+    (dict(clip="ratio"), dict(sampler_weight=torch.ones(3)), "sampler_weight enters clip 'vespo' only"),
 ])
-def test_invalid_vespo_combinations(kwargs, words):
+def test_invalid_vespo_combinations(options, call, words):
+    """call None: refused when the options are built; else when the loss is called with these tensors."""
+    if call is None:
+        with pytest.raises(ValueError, match=words):
+            LossOptions(beta=0.0, kl_target="none", **options)
+        return
+    built = LossOptions(beta=0.0, kl_target="none", **options)
     x = torch.zeros(3, dtype=torch.float64)
     with pytest.raises(ValueError, match=words):
-        grpo_token_loss(x, x, None, x, beta=0.0, kl_target="none", **kwargs)
+        grpo_token_loss(x, x, None, x, built, **call)
 
 
 def _padded(seed, lengths, spread=1.0):
@@ -815,8 +830,8 @@ def test_luspo_and_vespo_losses_and_gradients_are_trls(loss_type, level, correct
 
     aggregation, clip = {"luspo": ("sequence_sum", "ratio"), "vespo": ("token_mean", "vespo")}[loss_type]
     mine = lp.clone().requires_grad_()
-    tl = grpo_token_loss(mine[mask], lp_old[mask], None, adv[seq], beta=0.0, kl_target="none", clip=clip,
-                         eps_low=eps[0], eps_high=eps[1], level=level, seq_index=seq, sampler_weight=c)
+    options = LossOptions(beta=0.0, kl_target="none", clip=clip, eps_low=eps[0], eps_high=eps[1], level=level)
+    tl = grpo_token_loss(mine[mask], lp_old[mask], None, adv[seq], options, seq_index=seq, sampler_weight=c)
     ours = aggregate(tl.loss, aggregation_weights(seq, torch.tensor(lengths), aggregation, max(lengths)))
     (our_grad,) = torch.autograd.grad(ours, mine)
     assert abs(ours.item() - trl_loss.item()) < 1e-12, (ours.item(), trl_loss.item())
@@ -824,6 +839,178 @@ def test_luspo_and_vespo_losses_and_gradients_are_trls(loss_type, level, correct
     assert (our_grad[mask] != 0).sum() >= 10 and (our_grad[~mask] == 0).all()
     if loss_type == "luspo":   # some completions clipped, some not: both branches compared
         assert (tl.clipped_low | tl.clipped_high).any() and not (tl.clipped_low | tl.clipped_high).all()
+
+
+# -- §14.3 GMPO -------------------------------------------------------------------------------------------------
+
+# (completion id, A, [(lp_old, lp), ...]); the log-ratios, against bounds 0.4 / 0.4: A > 0 with one above 0.4 (clipped)
+# and one below -0.4 (kept: not the advantage's side); A < 0 with one below -0.4 (clipped) and one above 0.4 (kept);
+# all inside; A = 0; a lone token that is clipped (its completion gets no gradient at all)
+GMPO_CASES = [
+    (3, 1.0, [(-1.0, -0.3), (-2.0, -2.6), (-0.9, -0.8)]),                    # +0.7, -0.6, +0.1
+    (8, -0.7, [(-1.2, -1.9), (-0.8, -0.3), (-1.5, -1.45)]),                  # -0.7, +0.5, +0.05
+    (1, 0.6, [(-0.7, -0.5), (-1.3, -1.6)]),                                   # +0.2, -0.3
+    (5, -1.3, [(-2.5, -2.2), (-0.6, -0.75), (-1.1, -1.9), (-3.0, -2.2)]),    # +0.3, -0.15, -0.8, +0.8
+    (0, 0.0, [(-1.0, -0.2), (-0.4, -1.4)]),                                   # A = 0
+    (6, 1.4, [(-1.6, -1.1)]),                                                 # +0.5
+]
+
+
+def _hand_gmpo(d, eps_low, eps_high):
+    """§14.3 with Python floats: ({completion id: W_i}, per token (clipped low, clipped high, passes gradient)).
+    W_i = exp(mean_t y_t), y = min(x, eps_high) for A > 0, max(x, -eps_low) otherwise (x = lp - lp_old)."""
+    sums, counts, flags = {}, {}, []
+    for sid, lp, lo, a in zip(d["ids"], d["lp"], d["lp_old"], d["adv"]):
+        x = lp - lo
+        y = min(x, eps_high) if a > 0 else max(x, -eps_low)
+        sums[sid] = sums.get(sid, 0.0) + y
+        counts[sid] = counts.get(sid, 0) + 1
+        flags.append((a < 0 and x < -eps_low, a > 0 and x > eps_high, y == x))
+    return {sid: math.exp(sums[sid] / counts[sid]) for sid in sums}, counts, flags
+
+
+@pytest.mark.parametrize("eps", [(0.4, 0.4), (0.25, 0.6)])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_gmpo_equals_hand_formula(eps, beta):
+    """clip: gmpo: every token of completion i carries -W_i A_i, W_i the geometric mean of its clipped token ratios;
+    d loss / d lp_iu = -A_i W_i (sum_t w_it) / |o_i| where u's log-ratio is not clipped, else 0 (plus the KL's own).
+    Any per-token aggregation weights; the clip flags are the tokens past the bound on the advantage's side."""
+    d = _vespo_flat(GMPO_CASES, seed=59)
+    rng = random.Random(61)
+    d["lp_ref"] = [x + rng.gauss(0.0, 0.3) for x in d["lp"]]
+    lp, lp_old, lp_ref, adv, ids = _tensors(d)
+    kl = dict(beta=beta, kl_target="ref") if beta else dict(beta=0.0, kl_target="none")
+    tl = grpo_token_loss(lp, lp_old, lp_ref, adv, LossOptions(clip="gmpo", gmpo_epsilons=eps, **kl), seq_index=ids)
+    W, counts, flags = _hand_gmpo(d, *eps)
+    w = [rng.uniform(0.05, 0.3) for _ in d["ids"]]
+    weight_sum = {}
+    for i, wt in zip(d["ids"], w):
+        weight_sum[i] = weight_sum.get(i, 0.0) + wt
+    penalty = [beta * _hand_k3(x, r) for x, r in zip(d["lp"], d["lp_ref"])]
+    _close(tl.loss, [-W[i] * a + p for i, a, p in zip(d["ids"], d["adv"], penalty)])
+    loss = aggregate(tl.loss, torch.tensor(w, dtype=torch.float64))
+    hand = sum(wt * (-W[i] * a + p) for wt, i, a, p in zip(w, d["ids"], d["adv"], penalty))
+    assert abs(loss.item() - hand) < TOL
+    (grad,) = torch.autograd.grad(loss, lp)
+    want = [-a * W[i] * weight_sum[i] / counts[i] * passes + wt * beta * _hand_k3_grad(x, r)
+            for i, a, (_, _, passes), wt, x, r in zip(d["ids"], d["adv"], flags, w, d["lp"], d["lp_ref"])]
+    _close(grad, want)
+    assert tl.clipped_low.tolist() == [f[0] for f in flags] and tl.clipped_high.tolist() == [f[1] for f in flags]
+    if eps == (0.4, 0.4):   # every branch: clipped and kept on either side of the window, for both signs of A
+        assert sum(f[0] for f in flags) == 2 and sum(f[1] for f in flags) == 2
+        assert W[6] == math.exp(0.4) and all(g == 0.0 for g, i in zip(want, d["ids"]) if i == 6 and not beta)
+    assert all(g != 0.0 for g, i, f in zip(want, d["ids"], flags) if i in (1, 3, 5, 8) and f[2])
+
+
+@pytest.mark.parametrize("mode", ["sequence_mean", "token_mean", "constant", "sequence_sum", "sum"])
+def test_gmpo_on_policy_is_grpo(mode):
+    """mu: 1 (lp_old = lp detached): W = 1 and no bound binds, and since §5's weights are the same on every token of
+    a completion, the gradient -A (sum_t w_it) / |o_i| is the ratio clip's -w_it A: GMPO differs only off-policy."""
+    from lowmem_grpo.loss import aggregation_weights
+
+    d = _vespo_flat(GMPO_CASES, seed=67)
+    lp, _, _, adv, ids = _tensors({**d, "lp_ref": d["lp"]})
+    lengths = torch.bincount(ids)
+    weights = aggregation_weights(ids, lengths, mode, 6)
+    grads = []
+    for clip in ("gmpo", "ratio"):
+        tl = grpo_token_loss(lp, lp.detach(), None, adv, LossOptions(beta=0.0, kl_target="none", clip=clip),
+                             seq_index=ids)
+        grads.append(torch.autograd.grad(aggregate(tl.loss, weights), lp)[0])
+        assert not tl.clipped_low.any() and not tl.clipped_high.any()
+    assert torch.allclose(grads[0], grads[1], rtol=1e-12, atol=1e-15) and (grads[0] != 0).sum() >= 10
+
+
+def _trls_gmpo_loss(lp_leaf, lp_old, lp_ref, mask, adv, eps, beta):
+    """TRL 1.16's experimental GMPOTrainer._compute_loss on a stand-in trainer whose model returns lp_leaf: no
+    entropy mask, one accumulation step, one process. Returns the loss and the metrics it logged."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    gmpo = pytest.importorskip("trl.experimental.gmpo.gmpo_trainer")
+    B, T = lp_leaf.shape
+    me = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (lp_leaf, torch.zeros_like(lp_leaf), None),
+        top_entropy_quantile=1.0, epsilon_low=eps[0], epsilon_high=eps[1], beta=beta,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1, accelerator=_Accelerator(),
+        _metrics=defaultdict(lambda: defaultdict(list)))
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": adv, "old_per_token_logps": lp_old, "ref_per_token_logps": lp_ref}
+    loss = gmpo.GMPOTrainer._compute_loss(me, None, inputs)
+    return loss, {k: v[-1] for k, v in me._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("eps", [(0.4, 0.4), (0.2, 0.3)])
+def test_gmpo_with_sequence_mean_is_trls_loss_and_clip_counts(beta, eps):
+    """TRL's GMPO averages -W_i A_i (+ beta x each completion's mean k3) over the completions: §5's sequence_mean
+    gives its number and its gradient per token; token_mean does not (the lengths differ). The clip fractions are
+    TRL's clip_ratio/low_mean, high_mean and region_mean (tokens past the log-space bound on the advantage's side)."""
+    from lowmem_grpo.loss import aggregation_weights
+
+    lengths = [5, 3, 7, 1, 6, 4, 7, 2]
+    lp, lp_old, mask, adv, seq = _padded(71, lengths, spread=0.8)
+    lp[0, 0] = lp_old[0, 0] - 0.5
+    lp_ref = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(73), dtype=torch.float64)
+    leaf = lp.clone().requires_grad_()
+    trl_loss, metrics = _trls_gmpo_loss(leaf, lp_old, lp_ref, mask, adv, eps, beta)
+    (trl_grad,) = torch.autograd.grad(trl_loss, leaf)
+
+    kl = dict(beta=beta, kl_target="ref") if beta else dict(beta=0.0, kl_target="none")
+    mine = lp.clone().requires_grad_()
+    tl = grpo_token_loss(mine[mask], lp_old[mask], lp_ref[mask], adv[seq], LossOptions(clip="gmpo", gmpo_epsilons=eps,
+                                                                                        **kl), seq_index=seq)
+    ours = aggregate(tl.loss, aggregation_weights(seq, torch.tensor(lengths), "sequence_mean", max(lengths)))
+    (our_grad,) = torch.autograd.grad(ours, mine)
+    assert abs(ours.item() - trl_loss.item()) < 1e-12, (ours.item(), trl_loss.item())
+    assert torch.allclose(our_grad, trl_grad, rtol=1e-10, atol=1e-14)
+    assert (our_grad[mask] != 0).sum() >= 10 and (our_grad[~mask] == 0).all()
+    other = aggregate(tl.loss, aggregation_weights(seq, torch.tensor(lengths), "token_mean", max(lengths)))
+    assert abs(other.item() - trl_loss.item()) > 1e-3
+    low, high = tl.clipped_low.double().mean().item(), tl.clipped_high.double().mean().item()
+    assert low > 0 and high > 0 and not (tl.clipped_low | tl.clipped_high).all()
+    assert abs(low - metrics["clip_ratio/low_mean"]) < 1e-7 and abs(high - metrics["clip_ratio/high_mean"]) < 1e-7
+    assert abs(low + high - metrics["clip_ratio/region_mean"]) < 1e-7
+
+
+@pytest.mark.parametrize("options, call, words", [
+    (dict(clip="gmpo"), dict(), "clip 'gmpo' needs seq_index"),
+    (dict(clip="gmpo", level="sequence"), None, "clip 'gmpo' builds its own sequence ratio"),
+    (dict(clip="gmpo", delta=2.0), None, "delta only applies"),
+    (dict(clip="gmpo", gmpo_epsilons=(0.4,)), None, r"gmpo_epsilons must be \(low, high\)"),
+    (dict(clip="gmpo", gmpo_epsilons=(0.4, 0.0)), None, r"gmpo_epsilons\[1\] must be a number > 0"),
+    (dict(clip="gmpo"), dict(seq_index=torch.tensor([0, 0, 1]), pg_weight=torch.tensor([1.0, 0.0, 1.0])),
+     "pg_weight differs between the tokens of a completion"),
+])
+def test_invalid_gmpo_combinations(options, call, words):
+    """call None: refused when the options are built; else when the loss is called with these tensors."""
+    if call is None:
+        with pytest.raises(ValueError, match=words):
+            LossOptions(beta=0.0, kl_target="none", **options)
+        return
+    built = LossOptions(beta=0.0, kl_target="none", **options)
+    x = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=words):
+        grpo_token_loss(x, x, None, x, built, **call)
+
+
+def test_gmpo_takes_a_completion_weight_on_its_term():
+    """The per-completion weights a GMPO recipe allows (§15's sequence_* correction, §15.1's off-policy mask) multiply
+    the completion's term, value and gradient: a weight 0 leaves its completion no gradient at all."""
+    d = _vespo_flat(GMPO_CASES, seed=79)
+    lp, lp_old, _, adv, ids = _tensors({**d, "lp_ref": d["lp"]})
+    per_seq = {3: 0.0, 8: 1.7, 1: 1.0, 5: 0.4, 0: 2.0, 6: 1.0}
+    pgw = torch.tensor([per_seq[i] for i in d["ids"]], dtype=torch.float64)
+    options = LossOptions(beta=0.0, kl_target="none", clip="gmpo")
+    weighted = grpo_token_loss(lp, lp_old, None, adv, options, seq_index=ids, pg_weight=pgw)
+    plain = grpo_token_loss(lp, lp_old, None, adv, options, seq_index=ids)
+    w = torch.full_like(pgw, 0.1)
+    g_weighted = torch.autograd.grad(aggregate(weighted.loss, w), lp)[0]
+    g_plain = torch.autograd.grad(aggregate(plain.loss, w), lp)[0]
+    assert torch.allclose(weighted.loss, plain.loss * pgw, rtol=1e-15, atol=0)
+    assert torch.allclose(g_weighted, g_plain * pgw, rtol=1e-15, atol=0)
+    assert (g_weighted[ids == 3] == 0).all() and (g_plain[ids == 3] != 0).any()
 
 
 # -- §5 sequence_sum (LUSPO) -----------------------------------------------------------------------------------
@@ -860,8 +1047,9 @@ def test_luspo_gives_every_token_of_an_unclipped_completion_the_same_gradient():
     lp, lp_old, _, adv, ids = _tensors(d)
     lengths = torch.bincount(ids)
     eps = (3e-4, 4e-4)
-    tl = grpo_token_loss(lp, lp_old, None, adv, beta=0.0, kl_target="none", eps_low=eps[0], eps_high=eps[1],
-                         level="sequence", seq_index=ids)
+    tl = grpo_token_loss(lp, lp_old, None, adv,
+                         LossOptions(beta=0.0, kl_target="none", eps_low=eps[0], eps_high=eps[1], level="sequence"),
+                         seq_index=ids)
     (grad,) = torch.autograd.grad(aggregate(tl.loss, aggregation_weights(ids, lengths, "sequence_sum", 8)), lp)
     s, _ = _hand_seq_ratio(d)
     want = []
@@ -891,3 +1079,130 @@ def test_the_trainer_puts_the_sampler_correction_into_vespos_ratio_not_its_weigh
         assert torch.allclose(c, torch.full((4,), math.exp(0.2))) and not masked.any()
         want = [1.0, 0.0, 1.0, 1.0] if clip == "vespo" else [math.exp(0.2), 0.0, math.exp(0.2), math.exp(0.2)]
         assert torch.allclose(weight, torch.tensor(want)), (clip, weight)
+
+
+# -- LossOptions: the run's options as one object, built from the recipe ----------------------------------------
+
+# Fields of recipe.algorithm that do not reach LossOptions, and where they go instead. A field added to the schema
+# must be read by LossOptions.from_algorithm or named here: a loss option cannot be dropped on the way to the loss.
+ALGORITHM_FIELDS_ELSEWHERE = {
+    "advantage": "advantages.py", "sign_dead_band": "advantages.py", "scale_rewards": "advantages.py",
+    "reward_aggregation": "advantages.py",
+    "aggregation": "the per-token weights of aggregation_weights, per batch (§5)",
+    "mu": "Trainer.run_updates (§7)", "minibatches": "Trainer.run_updates (§7)",
+    "early_stop_unclipped_fraction": "Trainer.update (§7)", "early_stop_min_improvement": "Trainer.update (§7)",
+    "skip_zero_std_groups": "trained_completions (§9)", "mask_truncated_completions": "trained_completions (§16)",
+    "sampler_correction": "pg_weight / sampler_weight, per batch (§15)",
+    "sampler_correction_min": "pg_weight, per batch (§15)", "sampler_correction_max": "pg_weight, per batch (§15)",
+    "off_policy_mask_threshold": "pg_weight, per batch (§15.1)",
+    "top_entropy_quantile": "pg_weight, per batch (§16)",
+    "entropy_coef": "entropy_coef, adapted per step (§16)", "entropy_target": "adapt_entropy_coef (§16)",
+    "entropy_coef_lr": "adapt_entropy_coef (§16)",
+    "dynamic_sampling": "dynamic_sampling.py (§18)", "dynamic_sampling_max_draws": "dynamic_sampling.py (§18)",
+}
+
+# For each field from_algorithm reads: (a valid recipe it matters in, a new value for the field there)
+LOSS_FIELD_CHANGES = {
+    "beta": ({}, 0.1), "beta_mirror": ({}, 0.1), "kl_target": ({}, "none"), "kl_estimator": ({}, "k2"),
+    "kl_ratio_weight": ({}, True), "clip": ({}, "cispo"), "epsilon_low": ({}, 0.1), "epsilon_high": ({}, 0.28),
+    "importance_sampling_level": ({}, "sequence"), "delta": ({}, 3.0),
+    "sequence_epsilon_low": ({"importance_sampling_level": "sequence"}, 1e-3),
+    "sequence_epsilon_high": ({"importance_sampling_level": "sequence"}, 1e-3),
+    "cispo_max_weight": ({"clip": "cispo"}, 2.5),
+    "sapo_temperature_pos": ({"clip": "sapo"}, 2.0), "sapo_temperature_neg": ({"clip": "sapo"}, 2.0),
+    "vespo_k_pos": ({"clip": "vespo"}, 1.5), "vespo_lambda_pos": ({"clip": "vespo"}, 1.5),
+    "vespo_k_neg": ({"clip": "vespo"}, 1.5), "vespo_lambda_neg": ({"clip": "vespo"}, 1.5),
+    "gmpo_epsilon_low": ({"clip": "gmpo"}, 0.3), "gmpo_epsilon_high": ({"clip": "gmpo"}, 0.3),
+}
+
+
+class _ReadRecorder:
+    """An AlgorithmConfig stand-in that notes each field read from it."""
+
+    def __init__(self, config):
+        self._config, self.read = config, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._config, name)
+
+
+def test_every_algorithm_field_reaches_the_loss_or_is_named_elsewhere():
+    """A newcomer's audit: the loss took ~20 options threaded by hand from the recipe in Trainer.update, so a new
+    option could be forgotten on the way. Each algorithm field is read by LossOptions.from_algorithm or named in
+    ALGORITHM_FIELDS_ELSEWHERE (not both), and changing each field it reads changes the options, so that every
+    LossOptions field comes from the recipe."""
+    from dataclasses import fields
+
+    from lowmem_grpo.loss import CLIPS, LEVELS
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    read = set()
+    for clip in CLIPS:   # a field may be read only at some clip or level (sequence_epsilon_*: §13)
+        for level in LEVELS:
+            try:
+                config = AlgorithmConfig(clip=clip, importance_sampling_level=level, mu=2)
+            except ValueError:   # a combination the recipe refuses (pydantic's errors are ValueErrors)
+                continue
+            recorder = _ReadRecorder(config)
+            LossOptions.from_algorithm(recorder)
+            read |= recorder.read & set(AlgorithmConfig.model_fields)
+    unclassified = set(AlgorithmConfig.model_fields) - read - set(ALGORITHM_FIELDS_ELSEWHERE)
+    assert not unclassified, f"read in LossOptions.from_algorithm, or name in ALGORITHM_FIELDS_ELSEWHERE: {unclassified}"
+    assert not read & set(ALGORITHM_FIELDS_ELSEWHERE), read & set(ALGORITHM_FIELDS_ELSEWHERE)
+    assert set(LOSS_FIELD_CHANGES) == read, set(LOSS_FIELD_CHANGES) ^ read
+    moved = set()
+    for name, (context, value) in LOSS_FIELD_CHANGES.items():
+        before = LossOptions.from_algorithm(AlgorithmConfig(**context))
+        after = LossOptions.from_algorithm(AlgorithmConfig(**context, **{name: value}))
+        changed = {f.name for f in fields(LossOptions) if getattr(before, f.name) != getattr(after, f.name)}
+        assert changed, f"algorithm.{name} does not reach LossOptions"
+        moved |= changed
+    assert moved == {f.name for f in fields(LossOptions)}
+
+
+def test_loss_options_defaults_are_the_recipes_and_sequence_level_takes_its_own_epsilons():
+    """LossOptions() is the recipe's default GRPO; at importance_sampling_level sequence the clip window is
+    sequence_epsilon_low/high (§13), the rule Trainer.update held before the options were one object."""
+    from dataclasses import FrozenInstanceError
+
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    assert LossOptions() == LossOptions.from_algorithm(AlgorithmConfig())
+    token = LossOptions.from_algorithm(AlgorithmConfig(epsilon_low=0.1, epsilon_high=0.3))
+    assert (token.level, token.eps_low, token.eps_high) == ("token", 0.1, 0.3)
+    seq = LossOptions.from_algorithm(AlgorithmConfig(importance_sampling_level="sequence", sequence_epsilon_low=1e-3,
+                                                     sequence_epsilon_high=2e-3, delta=1.5))
+    assert (seq.level, seq.eps_low, seq.eps_high, seq.delta) == ("sequence", 1e-3, 2e-3, 1.5)
+    with pytest.raises(FrozenInstanceError):   # one run, one set of options
+        seq.beta = 1.0
+    assert LossOptions(sapo_temperatures=[1.0, 2.0]) == LossOptions(sapo_temperatures=(1.0, 2.0))
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(beta=-0.1), "beta must be a number >= 0, got -0.1"),
+    (dict(beta_mirror=NAN), "beta_mirror must be a number >= 0"),
+    (dict(eps_low=-0.2), "eps_low must be a number >= 0"),
+    (dict(kl_estimator="k4"), "kl_estimator must be one of k1, k2, k3, got 'k4'"),
+    (dict(kl_target="forward"), "kl_target must be one of ref, mirror, both, none"),
+    (dict(clip="sapo", sapo_temperatures=(1.0,)), r"sapo_temperatures must be \(tau_pos, tau_neg\)"),
+    (dict(clip="sapo", sapo_temperatures=(1.0, 0.0)), r"sapo_temperatures\[1\] must be a number > 0"),
+    (dict(clip="vespo", vespo_shape=(2.0, 3.0, 3.0)), "vespo_shape must be"),
+    (dict(delta=1.1, eps_high=0.2), "delta must be a number > 1.2, got 1.1"),
+    (dict(cispo_max_weight="5"), "cispo_max_weight must be a number > 0"),
+])
+def test_loss_options_refuse_what_the_loss_would_compute_as_garbage(options, words):
+    """Found by the refactor: a bad estimator was a KeyError and a short temperature pair an unpacking error deep in
+    the first micro-batch, a zero temperature or a NaN weight a NaN loss; now one line naming the field, at
+    construction."""
+    with pytest.raises(ValueError, match=words) as exc:
+        LossOptions(**options)
+    assert "\n" not in str(exc.value) and str(exc.value).startswith("LossOptions: ")
+
+
+def test_the_loss_names_what_it_takes_in_place_of_options():
+    x = torch.zeros(3, dtype=torch.float64)
+    from lowmem_grpo.recipe import AlgorithmConfig
+
+    with pytest.raises(TypeError, match=r"options must be a LossOptions .*got AlgorithmConfig"):
+        grpo_token_loss(x, x, x, x, AlgorithmConfig())

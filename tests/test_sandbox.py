@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import one_cpu_shared_with
 from lowmem_grpo.rewards import sandbox as sandbox_module
 from lowmem_grpo.rewards.code import code_binary_reward, code_reward, run_tests
 from lowmem_grpo.rewards.sandbox import (SANDBOX_UID_BASE, SANDBOX_UID_SPAN, SandboxError, missing_protections,
@@ -1074,3 +1075,143 @@ print(state()[:2] == ((1 << 20, before[0][1]), 1), resource.getrlimit(resource.R
     assert res.ok, res.stderr
     assert {"seccomp", "rlimit:nice", "rlimit:rtprio"} <= set(res.protections), res.protections
     assert res.stdout.splitlines() == ["0 True", "thread", "process", "True (0, 0) (0, 0) False"], res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Time limits under load (docs/sandbox.md): run_python's load_allowance, for the Python tool and
+# code_io.run_cases_separately
+
+def test_the_run_clock_adds_up_the_waiting_of_the_runs_processes(monkeypatch):
+    """The deadline of one run_python call, from injected readings: the bootstrap, init and the program run one
+    after another, so their waiting for a CPU adds up; a process gone keeps what it waited; never more than
+    load_allowance x the limit; load_allowance 1 is the plain wall clock; without namespaces the bootstrap execs
+    into the program, and a child the program forks is not counted."""
+    waits = {10: 1e8, 11: 2e8, 12: 5e8, 13: 7e9}
+    children = {10: 11, 11: 12, 12: 13}
+    monkeypatch.setattr(sandbox_module, "_waited", lambda pid: waits.get(pid))
+    monkeypatch.setattr(sandbox_module, "_first_child", lambda pid: children.get(pid))
+
+    def clock(load, namespaces=True):
+        c = sandbox_module._RunClock(1.0, load, 100.0)
+        c.follow(10, namespaces)
+        return c
+
+    loaded = clock(3.0)
+    assert loaded.end() == pytest.approx(101.8)            # 1 s + 0.1 + 0.2 + 0.5 s waited; not 13's 7 s
+    del waits[11]
+    waits[12] = 9e8
+    assert loaded.end() == pytest.approx(102.2)            # init gone: its 0.2 s still counted
+    waits[12] = 1e10
+    assert loaded.end() == pytest.approx(103.0)            # at most 3 x 1 s
+    waits.update({11: 2e8, 12: 5e8})
+    assert clock(3.0, namespaces=False).end() == pytest.approx(101.1)   # the bootstrap is the program
+    assert clock(1.0).end() == pytest.approx(101.0)
+    del waits[10]
+    assert clock(3.0, namespaces=False).end() == pytest.approx(101.0)   # nothing readable: nothing forgiven
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_a_run_waiting_for_the_cpu_gets_more_time_up_to_its_allowance(monkeypatch, namespaces):
+    """The parent reads the run's waiting and moves its deadline (injected here: every process of the run claims
+    2 s of waiting, so no real contention is needed): a program sleeping 1.5 s of a 1 s limit passes with
+    load_allowance=3, not without; the deadline still comes, at 3 x the limit."""
+    monkeypatch.setattr(sandbox_module, "_waited", lambda pid: 2 * 10 ** 9)
+    sleeper = "import time\ntime.sleep(1.5)\nprint('done')"
+    assert run_python(sleeper, 1.0, namespaces=namespaces).killed_reason == "timeout"
+    res = run_python(sleeper, 1.0, namespaces=namespaces, load_allowance=3)
+    assert res.ok and res.stdout == "done\n", res
+    res = run_python("import time\ntime.sleep(60)", 1.0, namespaces=namespaces, load_allowance=3)
+    assert res.killed_reason == "timeout" and res.duration_s < 30
+    with pytest.raises(ValueError, match="load_allowance must be a number >= 1"):
+        run_python(sleeper, 1.0, load_allowance=0.5)
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_sleeping_and_looping_still_time_out_at_the_limit_with_an_allowance(namespaces):
+    """Real readings: sleeping is no waiting for a CPU, so a program sleeping past its limit is stopped there even
+    with a tenfold allowance; a loop is stopped at about its limit of CPU time, by the deadline, before RLIMIT_CPU
+    (the limit rounded up, plus 1 s) would."""
+    res = run_python("import time\ntime.sleep(4)\nprint('late')", 1.0, namespaces=namespaces, load_allowance=10)
+    assert res.killed_reason == "timeout" and "late" not in res.stdout, res
+    res = run_python("while True:\n    pass", 1.0, namespaces=namespaces, load_allowance=10)
+    assert res.killed_reason == "timeout", res
+
+
+def test_a_tool_call_waiting_for_the_cpu_is_not_a_timeout(monkeypatch):
+    """Found by a red team: the Python tool's timeout_s was wall-clock time, so a call needing 0.4 s of CPU under
+    timeout_s=1, next to two busy processes on its CPU, timed out every time (and so did each stdin/stdout case of
+    code_io.run_cases_separately). Now its limit is the wall clock less what the run waited for a CPU, up to
+    LOAD_ALLOWANCE x timeout_s (raised here to stay far from it on a loaded machine)."""
+    from lowmem_grpo.environment import PythonTool
+    from lowmem_grpo.rewards import code_io
+
+    burn = "import time\nt = time.thread_time()\nwhile time.thread_time() - t < 0.4:\n    pass\nprint('done')\n"
+    call = f"<python>{burn}</python>"
+    io_cases = [("", "done\n")]
+    with one_cpu_shared_with(2):
+        monkeypatch.setattr(sandbox_module, "LOAD_ALLOWANCE", 1.0)   # the plain wall clock, as before
+        monkeypatch.setattr(code_io, "LOAD_ALLOWANCE", 1.0)
+        tool = PythonTool(timeout_s=1.0)
+        assert "timed out" in tool.step(call)[0] and tool.counters()["tool_timeouts"] == 1
+        assert code_io.run_cases_separately(burn, io_cases, timeout=1.0) == [False]
+        monkeypatch.setattr(sandbox_module, "LOAD_ALLOWANCE", 10.0)
+        monkeypatch.setattr(code_io, "LOAD_ALLOWANCE", 10.0)
+        obs, _, _ = tool.step(call)
+        separately = code_io.run_cases_separately(burn, io_cases, timeout=1.0)
+    assert obs == "<output>\ndone\n</output>" and tool.counters()["tool_timeouts"] == 1, obs
+    assert separately == [True]
+
+
+def _runs_main_py(process) -> bool:
+    try:
+        return "main.py" in process.cmdline()
+    except psutil.Error:   # gone, or a zombie
+        return False
+
+
+@pytest.mark.parametrize("namespaces", MODES)
+def test_a_trainer_stopped_during_a_run_leaves_nothing_running(namespaces):
+    """Found by a red team: Ctrl-C during a Python tool call (its run on a daemon thread, as rollout/turns.py runs an
+    environment's step) ended the trainer, and the run's bootstrap, init and program went on (a program sleeping
+    for ever would never end), its directory left in /tmp for good. The bootstrap now dies with the trainer, and
+    each of the others with the one before it; at the interpreter's exit the runs under way are killed and their
+    directories removed. A trainer killed outright (SIGKILL) runs no exit handler: its run's processes die with it,
+    the directory stays."""
+    import shutil
+    import signal
+
+    # (the probe runs programs of its own, main.py too: done before the run the test stops)
+    script = ("import signal, threading\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from lowmem_grpo.rewards.sandbox import run_python, sandbox_info\n"
+              f"sandbox_info(namespaces={namespaces!r})\nprint('probed', flush=True)\n"
+              f"threading.Thread(target=run_python, args=('import time\\ntime.sleep(300)', 200), "
+              f"kwargs={{'namespaces': {namespaces!r}}}, daemon=True).start()\n"
+              "threading.Event().wait()\n")
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert trainer.stdout.readline() == "probed\n", "the trainer did not start"
+            deadline, started = time.monotonic() + 60, []
+            while not any(_runs_main_py(p) for p in started):
+                assert time.monotonic() < deadline and trainer.poll() is None, "the sandboxed program did not start"
+                time.sleep(0.05)
+                with contextlib.suppress(psutil.Error):
+                    started = psutil.Process(trainer.pid).children(recursive=True)
+            # the run's directory: its bootstrap's working directory (other tests' runs may have theirs meanwhile)
+            [workdir] = {p.cwd() for p in started if p.ppid() == trainer.pid}
+            assert os.path.basename(workdir).startswith("lowmem-sandbox-"), workdir
+            trainer.send_signal(sig)
+            trainer.wait(60)
+        finally:
+            trainer.kill()
+            trainer.wait()
+            trainer.stdout.close()
+        deadline = time.monotonic() + 20
+        while _live(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _live(started), (sig, [(p.pid, p.name()) for p in _live(started)])
+        if sig == signal.SIGKILL:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            assert not os.path.exists(workdir), workdir

@@ -445,24 +445,58 @@ def test_a_full_disk_while_appending_metrics_is_one_sink_error_naming_the_file_a
         sinks.Sinks([Other()]).close()
 
 
+def test_a_resume_cuts_a_long_metrics_file_a_line_at_a_time(tmp_path):
+    """Found by a soak run: a resume read metrics.jsonl whole to cut it back to the checkpoint, so its memory grew
+    with the run (a 100,000-step run's 190 MB file: 520 MB more RAM at every resume). Now a line at a time."""
+    import tracemalloc
+
+    from lowmem_grpo.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    row = {"loss": 0.1, "sample": "x" * 2000}   # (a step row is ~2 KB: ~100 keys, the sample's text)
+    with open(path, "w") as f:
+        for s in range(1, 10_001):   # 20 MB
+            f.write(json_line({"step": s, **row}))
+        f.write('{"step": 10001, "lo')   # cut by the crash
+    tracemalloc.start()
+    try:
+        truncate_after(path, 9_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, peak / 2**20   # (read whole: 60 MB)
+    rows, skipped = read_metrics_file(path)
+    assert [r["step"] for r in rows] == list(range(1, 9_001)) and skipped == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def test_a_resume_on_a_full_disk_is_one_sink_error_and_leaves_metrics_as_they_were(tmp_path, monkeypatch):
     """A resume trims metrics.jsonl through a temp copy: on a full disk that copy failed with a traceback, and the
     empty metrics.jsonl.tmp stayed in the run folder (a red team's find, on a full tmpfs)."""
-    import pathlib
+    from lowmem_grpo import durable
 
     run = tmp_path / "run"
     run.mkdir()
     text = "".join(json_line({"step": s, "loss": 0.1}) for s in range(1, 5))
     (run / "metrics.jsonl").write_text(text)
-    real = pathlib.Path.write_text
 
-    def full_for_temp_copies(self, data, *args, **kwargs):
-        if self.name.endswith(".tmp"):
-            real(self, data[:10], *args, **kwargs)
-            raise OSError(errno.ENOSPC, DISK_FULL)   # (as the close of a full tmpfs's file: no file name)
-        return real(self, data, *args, **kwargs)
+    class FullDisk(io.StringIO):
+        """A temp copy on a full disk: its first 10 characters land, then ENOSPC (as a full tmpfs's flush)."""
 
-    monkeypatch.setattr(pathlib.Path, "write_text", full_for_temp_copies)
+        def __init__(self, path):
+            super().__init__()
+            self.path = path
+
+        def write(self, data):
+            with open(self.path, "a") as f:
+                f.write(data[:max(0, 10 - self.tell())])
+            super().write(data)
+            raise OSError(errno.ENOSPC, DISK_FULL)   # (no file name, as the close of a full tmpfs's file)
+
+    def full_for_temp_copies(path, mode="r", *args, **kwargs):
+        return FullDisk(path) if str(path).endswith(".tmp") else open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(durable, "open", full_for_temp_copies, raising=False)   # (where the temp copy is written)
     with pytest.raises(sinks.SinkError, match=rf"^cannot write {run / 'metrics.jsonl'} \({DISK_FULL}; \d+ KiB free on "
                                               r"that filesystem\); nothing was trained: .* run the same command again"):
         sinks.open_sinks(run, OutputConfig(tensorboard=False), {}, 2)

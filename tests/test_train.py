@@ -24,8 +24,9 @@ def test_train_writes_metrics_and_checkpoints(tiny_model_dir, tiny_data, tmp_pat
     assert [row["step"] for row in steps] == [1, 2, 3]
     for row in steps:
         for key in ("reward/mean", "success_rate", "kl", "entropy", "clip/fraction", "completion/mean_length",
-                    "completion/truncated_fraction", "grad_norm", "time/step_s", "memory/peak_mib"):
+                    "completion/truncated_fraction", "grad_norm", "time/step_s", "memory/peak_mib", "memory/now_mib"):
             assert key in row, key
+        assert 0 < row["memory/now_mib"] <= row["memory/peak_mib"]   # (on CPU the resident set, under its peak)
         assert row["kl"] is not None and row["kl"] >= 0
     assert out["first_eval"] is not None and out["final_eval"] is not None
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "run")] == ["step-000002", "step-000003"]
@@ -374,3 +375,23 @@ def test_a_prompt_that_fills_the_models_context_is_a_bad_row_in_training_and_eva
     summary = run_eval(recipe_from_dict(d), name="r", out_dir=str(tmp_path / "ev"), log=lambda *a: None)
     assert (summary["prompts"], summary["rows_skipped"]) == (5, 1), summary
     assert summary["rows_skipped_first"][0].startswith("row 3: prompt is 64 tokens")
+
+
+def test_a_finished_trainer_is_freed_without_a_garbage_collection(tiny_model_dir, tiny_data, tmp_path):
+    """Found by a red team: the optimizer's step hook closed over the Trainer, a cycle that kept the model, the
+    optimizer state and two open data files alive after fit() and del until a full collection (a TRL-API sweep or a
+    notebook held every run's). Reference counting alone frees it now."""
+    import gc
+    import weakref
+
+    r = recipe_from_dict(recipe_dict(tiny_model_dir, tiny_data, tmp_path / "run", train={"steps": 1}))
+    t = Trainer(r, **QUIET)
+    t.fit()
+    assert t.optimizer_steps == 1   # (the hook still counts)
+    gone = weakref.ref(t)
+    gc.disable()
+    try:
+        del t
+        assert gone() is None
+    finally:
+        gc.enable()

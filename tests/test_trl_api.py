@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -416,7 +417,21 @@ def test_evaluation_follows_eval_strategy_with_transformers_fill_ins():
 
 
 def test_report_to_and_trust_remote_code_reach_the_recipe(monkeypatch):
+    import importlib.util
+
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    find_spec = importlib.util.find_spec
+    # a missing integration is refused by report_to, as transformers refuses it (was: output.wandb_project at train())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(TRLCompatError, match=r"^GRPOConfig: report_to: wandb is not installed: pip install wandb"):
+        _recipe(report_to="wandb")
+    from lowmem_grpo import sinks
+
+    with monkeypatch.context() as m:
+        m.setattr(sinks, "tensorboard_available", lambda: False)
+        with pytest.raises(TRLCompatError, match=r"^GRPOConfig: report_to: tensorboard is not installed"):
+            _recipe(report_to=["tensorboard"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else find_spec(name, *a))
     d = _recipe()
     assert (d["output"]["tensorboard"], d["output"]["wandb_project"]) == (False, "")   # TRL's report_to: none
     d = _recipe(report_to=["tensorboard", "wandb"], trust_remote_code=True)
@@ -625,6 +640,9 @@ def test_settings_that_change_nothing_in_trls_grpo_are_accepted_as_such():
     draws with seed, not data_seed, and vLLM sleeps between rollouts. (eval_on_start is read: train.eval_at_start.)"""
     same = _recipe(data_seed=7, resume_from_checkpoint="out/checkpoint-5", vllm_enable_sleep_mode=True)
     assert same == _recipe()
+    # nor the dataloader's workers, a token count in the logs, the CUDA cache's emptying (were refused as unknown)
+    assert _recipe(dataloader_persistent_workers=True, dataloader_prefetch_factor=2, include_num_input_tokens_seen=True,
+                   torch_empty_cache_steps=1) == _recipe()
 
 
 def test_evaluation_is_of_every_eval_row_and_only_where_eval_strategy_asks_as_in_trl():
@@ -1008,7 +1026,8 @@ def test_a_data_error_names_the_datasets_row_and_trls_setting(tiny_model_dir, tm
     with pytest.raises(TRLCompatError) as err:
         trainer.train()
     message = str(err.value)
-    assert "train_dataset[0]: prompt is 5 tokens, over max_prompt_length=2 (fix or drop that row" in message, message
+    assert "train_dataset[0]: prompt is 5 tokens, over max_prompt_length=2 (fix that row; if only some rows are " \
+        "like this, drop them: dataset.filter(...))" in message, message
     assert "data." not in message and "on_bad_row" not in message
 
 
@@ -1165,3 +1184,60 @@ def test_the_run_evaluates_before_the_first_step_only_with_eval_on_start(tiny_mo
         return [r["step"] for r in read_metrics(tmp_path / name / "out") if "eval/accuracy" in r]
     assert evaluated("default") == [1, 2]
     assert evaluated("on_start", eval_on_start=True) == [0, 1, 2]
+
+
+# -- fourth audit: refusals collected, a run that made no checkpoint ------------------------------------------------
+
+
+def test_independent_refusals_of_one_call_come_in_one_error_one_line_each(tiny_model_dir, tmp_path):
+    """A script with several unsupported things learned them one run at a time (GRPOTrainer raised at the first)."""
+    from peft import IA3Config
+
+    with pytest.raises(TRLCompatError) as caught:
+        GRPOTrainer(model=str(tiny_model_dir), reward_funcs=["some/reward-model"], train_dataset={"train": []},
+                    args=_args(tmp_path, push_to_hub=True, optim="sgd", sync_ref_model=True),
+                    optimizers=(object(), None), callbacks=[42], peft_config=IA3Config(), compute_metrics=len)
+    problems = caught.value.problems
+    for named in ("GRPOTrainer: compute_metrics not supported", "GRPOTrainer: optimizers is not supported",
+                  "callbacks: 42 is not a transformers TrainerCallback", "train_dataset: a dict of datasets",
+                  "reward_funcs\\[0\\]: 'some/reward-model': only reward functions", "peft_config: IA3Config",
+                  "GRPOConfig: sync_ref_model=True", "GRPOConfig: optim: 'sgd'", "GRPOConfig: push_to_hub: not here"):
+        assert sum(bool(re.match(named, p)) for p in problems) == 1, (named, problems)
+    assert len(problems) == 9 and str(caught.value).splitlines()[1:] == [f"  {p}" for p in problems]
+    assert str(caught.value).startswith("9 arguments cannot be run here (fix each):\n")
+    # where later checks read an earlier one's result, the earlier one stops them (the batch arithmetic divides by
+    # per_device_train_batch_size), with what was found before it
+    with pytest.raises(TRLCompatError) as caught:
+        _recipe(push_to_hub=True, per_device_train_batch_size=0, loss_type="nope")
+    assert [p.split(":")[1].strip() for p in caught.value.problems] == [
+        "loss_type", "push_to_hub", "per_device_train_batch_size must be a whole number >= 1, got 0"]
+
+
+def test_a_run_that_made_no_checkpoint_is_neither_resumed_nor_trained_over_and_says_so(tiny_model_dir, tmp_path):
+    """A first run that failed before its first checkpoint left its metrics: the rerun was told to resume, and the
+    resume to train without resuming (found by a red team running trl/scripts/grpo.py)."""
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=[{"prompt": "1+1="}],
+                          args=_args(tmp_path), log=lambda *a: None)
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1}\n')
+    for resume in (None, True, "true"):
+        with pytest.raises(TRLCompatError, match=r"the run there \(its metrics.jsonl\) made no checkpoint, so there is "
+                                                 "nothing to resume: delete that folder or use another output_dir$"):
+            trainer.train(resume_from_checkpoint=resume)
+
+
+def test_an_engine_error_names_use_vllm_not_the_recipe_key(tiny_model_dir, tmp_path, monkeypatch):
+    """Found by a red team: vLLM's refusals said 'generation.engine=vllm ...; use generation.engine: hf', a recipe
+    key the script does not have (it set use_vllm), as a traceback out of train(). Now one TRLCompatError in the
+    script's terms."""
+    import lowmem_grpo.train as train_module
+    from lowmem_grpo.rollout.base import EngineError
+
+    def refuse(*args, **kwargs):
+        raise EngineError("generation.engine=vllm is not available (no module named vllm); use generation.engine: hf")
+
+    monkeypatch.setattr(train_module, "make_engine", refuse)
+    trainer = GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[digit_reward], train_dataset=[{"prompt": "1+1="}],
+                          args=_args(tmp_path), log=lambda *a: None)
+    with pytest.raises(TRLCompatError) as err:
+        trainer.train()
+    assert str(err.value) == "use_vllm=True is not available (no module named vllm); set use_vllm=False"

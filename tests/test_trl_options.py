@@ -222,7 +222,7 @@ def test_defaults_leave_the_loss_unchanged(tiny_model_dir, tiny_data, tmp_path, 
     real = train_mod.grpo_token_loss
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append({**vars(args[4]), **kwargs})   # the run's LossOptions and the batch's arguments
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train_mod, "grpo_token_loss", spy)

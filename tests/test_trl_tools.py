@@ -825,6 +825,83 @@ def test_each_result_is_cut_before_it_is_rendered(hermes_dir):
     assert [len(p) for p in observation.parts[1::2]] == [2 * chars_within(256)] * 3 + [5]
 
 
+def numbered(n: int) -> str:
+    """Numbers, spaced, with blanks around them (a long output whose every stretch differs).
+
+    Args:
+        n: How many.
+    """
+    return "  " + " ".join(map(str, range(n))) + "  \n"
+
+
+def direct_env(model_dir, tools, observation_max_tokens: int) -> EnvironmentFactory:
+    """ToolCalls as a recipe names it itself: no max_result_tokens (lowmem_grpo.trl's section sets one)."""
+    section, _ = trl_environment(tools, None, model=model_dir, trust_remote_code=False, chat_template_kwargs=None,
+                                 max_tool_calling_iterations=None, max_completion_length=256)
+    del section["kwargs"]["max_result_tokens"]
+    return EnvironmentFactory(EnvironmentConfig(**{**section, "observation_max_tokens": observation_max_tokens}))
+
+
+def test_without_max_result_tokens_each_result_is_cut_at_once_to_the_observation_cap(hermes_dir):
+    """A recipe naming ToolCalls itself leaves max_result_tokens unset: a tool's 20 MB result was held whole and
+    rendered several times until the driver's cut (found by a red team: three took +300 MB at peak). The trainer
+    passes environment.observation_max_tokens, and each result is cut to what it could keep as soon as it is text."""
+    from lowmem_grpo.data import chars_within
+
+    factory = direct_env(hermes_dir, [big, echo], observation_max_tokens=64)
+    assert factory.kwargs["observation_max_tokens"] == 64
+    env = factory.make()
+    env.reset({"prompt": "x"})
+    observation, _, _ = env.step(call("big", n=1_000_000) * 2 + call("echo", text="short"))
+    assert [len(p) for p in observation.parts[1::2]] == [2 * chars_within(64)] * 2 + [5]
+    assert [len(m["content"]) for m in observation.messages[1:]] == [2 * chars_within(64)] * 2 + [5]
+
+
+@pytest.mark.parametrize("template", ["hermes", "trim"])
+def test_a_result_cut_at_once_gives_the_tokens_the_whole_result_gave(tmp_path, monkeypatch, template):
+    """What the model sees is the same whether a result is cut as soon as it is text or only by the driver's cut of
+    the observation (also where the template trims the result)."""
+    from lowmem_grpo import tool_calls
+
+    chosen = {"hermes": HERMES, "trim": TRIM}[template]
+    model_dir, tok = model_folder(tmp_path / template, chosen, model=False), build_tokenizer(chosen)
+    early = direct_env(model_dir, [numbered, echo], observation_max_tokens=80)
+    late = direct_env(model_dir, [numbered, echo], observation_max_tokens=80)
+    del late.kwargs["observation_max_tokens"]   # no cap known: nothing cut before the driver's cut
+    monkeypatch.setattr(tool_calls, "UNCAPPED_RESULT_TOKENS", 10 ** 9)
+    example = Example({"prompt": "x"}, "x", tok("x", add_special_tokens=False)["input_ids"])
+    turn = call("numbered", n=20_000) + call("echo", text=" x ") + call("numbered", n=30_000)
+    limits = TurnLimits(max_turns=2, max_total_tokens=600, observation_max_tokens=80)
+    params = SamplingParams(n=1, max_new_tokens=256)
+    early_c, late_c = [run_episodes(Scripted(tok, [turn, "done"]), tok, [example], params, factory, limits)[0]
+                       for factory in (early, late)]
+    held = [[len(m["content"]) for m in c.env.exchanges[0][1:]] for c in (early_c, late_c)]
+    assert held[0][0] < 20_000 < held[1][0]   # cut at once; held whole
+    assert early_c.env.error is None and early_c.env.turns == 2 and sum(early_c.env_mask) == 80
+    assert (early_c.token_ids, early_c.env_mask) == (late_c.token_ids, late_c.env_mask)
+
+
+def test_a_cap_comes_from_the_trainer_and_without_any_a_result_is_cut_to_about_a_megabyte(hermes_dir):
+    """environment.kwargs.observation_max_tokens is refused, naming the field it comes from; ToolCalls built
+    outside the trainer without max_result_tokens cuts a result to what UNCAPPED_RESULT_TOKENS could keep."""
+    from lowmem_grpo.data import chars_within
+    from lowmem_grpo.environment import EnvError, environment_problems
+    from lowmem_grpo.tool_calls import UNCAPPED_RESULT_TOKENS, ToolCalls, register
+
+    section, _ = trl_environment([big], None, model=hermes_dir, trust_remote_code=False, chat_template_kwargs=None,
+                                 max_tool_calling_iterations=None, max_completion_length=256)
+    section["kwargs"]["observation_max_tokens"] = 5
+    words = ("observation_max_tokens is passed by the trainer from environment.observation_max_tokens; set it "
+             "there, not in environment.kwargs")
+    assert [k for k, m in environment_problems(EnvironmentConfig(**section)) if words in m] == ["environment.kwargs"]
+    with pytest.raises(EnvError, match=re.escape(words)):
+        EnvironmentFactory(EnvironmentConfig(**section))
+    env = ToolCalls(model=hermes_dir, tools=register([big], "tool"))
+    env.reset({"prompt": "x"})
+    observation, _, _ = env.step(call("big", n=3_000_000))
+    assert len(observation.parts[1]) == 2 * chars_within(UNCAPPED_RESULT_TOKENS) < 1_100_000
+
+
 class Unprintable:
     def __str__(self):
         raise RuntimeError("no text")

@@ -185,3 +185,148 @@ class AsyncStep:
 
     async def step(self, model_text):
         return None, 1.0, True
+
+
+class _FloatRaises:
+    def __float__(self):
+        raise RuntimeError("no number here")
+
+
+class _ReprRaises:
+    def __repr__(self):
+        raise RuntimeError("no repr here")
+
+
+class _SlyText(str):
+    """A str whose unknown attributes raise KeyError (a careless proxy), as an observation."""
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+class _BrokenTuple(tuple):
+    def __len__(self):
+        raise RuntimeError("no length")
+
+    def __iter__(self):
+        raise RuntimeError("no items")
+
+
+class Careless:
+    """Returns values that are user code themselves, in the way `how` names (found by a red team: each one raised in
+    the driver's checks, read as a step that never returned, or crashed the run)."""
+
+    stop = ()
+
+    def __init__(self, how: str = "float"):
+        self.how = how
+
+    def reset(self, row):
+        return _ReprRaises() if self.how == "reset_repr" else None
+
+    def step(self, model_text):
+        if self.how == "interrupt":
+            raise KeyboardInterrupt()
+        return {"float": lambda: (None, _FloatRaises(), True),
+                "repr": lambda: (_ReprRaises(), None, False),
+                "tuple": lambda: _BrokenTuple(("1", None, False)),
+                "sly": lambda: (_SlyText("1"), 1.0, False)}[self.how]()
+
+
+class DictAttributes:
+    """Attributes from a dict: one it lacks raises KeyError, not AttributeError (a careless proxy); `getattr(env,
+    'parallel_steps', False)` raised out of the driver."""
+
+    stop = ()
+
+    def __init__(self):
+        self.__dict__["state"] = {}
+
+    def __getattr__(self, name):
+        return self.__dict__["state"][name]
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        return None, 1.0, True
+
+
+class ExitingFlag:
+    """A property for an optional flag that calls sys.exit()."""
+
+    stop = ()
+
+    @property
+    def ends_at_cut_turn(self):
+        sys.exit(2)
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        return None, 1.0, True
+
+
+_THE_ONE = None
+
+
+class Singleton:
+    """Hands out one instance (__new__), as a careless 'shared state' environment might; rewards its row's answer."""
+
+    stop = ()
+
+    def __new__(cls):
+        global _THE_ONE
+        if _THE_ONE is None:
+            _THE_ONE = super().__new__(cls)
+        return _THE_ONE
+
+    def reset(self, row):
+        self.answer = float(row["answer"])
+        return None
+
+    def step(self, model_text):
+        return None, self.answer, True
+
+
+class SlowForRewards:
+    """Its for_rewards, a property, takes `seconds` (as a lazy one that connects somewhere might)."""
+
+    stop = ()
+
+    def __init__(self, seconds: float = 2.0):
+        self.seconds = seconds
+
+    @property
+    def for_rewards(self):
+        import time
+
+        time.sleep(self.seconds)
+        return self
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        return None, 1.0, True
+
+
+class Words:
+    """Names a counter after the row's prompt (word_<prompt>): a new name per row, as a counter made from data
+    would; and one fixed counter, steps."""
+
+    stop = ()
+
+    def __init__(self):
+        self.word = ""
+
+    def reset(self, row):
+        self.word = row["prompt"]
+        return None
+
+    def step(self, model_text):
+        return None, 1.0, True
+
+    def counters(self):
+        return {"steps": 1, f"word_{self.word}": 1}

@@ -77,7 +77,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Optional, Sequence
 
-from .sandbox import SandboxError, SandboxLimits, SandboxResult, missing_protections, run_python, sandbox_summary
+from .sandbox import (LOAD_ALLOWANCE, STEP_CLOCK, SandboxError, SandboxLimits, SandboxResult, missing_protections,
+                      run_python, sandbox_summary)
 
 DEFAULT_TEST_TIMEOUT_S = 3.0
 DEFAULT_WORKERS = 2
@@ -89,11 +90,8 @@ _MAX_SAME_HASH = 16      # elements of one decoded set (keys of one dict) that m
 # slack past `timeout`, plus what grows with data the solver must move, never with the time a test takes to
 # compile (found by a red team: 1 us per byte of source let a call with 3 MB of arguments take 3.5 s of a 1 s limit).
 _GRACE_S = 0.2           # past a step's own limit, the reporter stops waiting for the solver
-# A step's limit is `timeout` of wall-clock time less the time the program's main thread waited for a CPU, so
-# that a machine loaded by the trainer or by the programs judged beside it does not fail a correct solution as a
-# timeout (found by a red team: a solution taking 0.6 s of a 1 s limit, next to two busy processes, failed every
-# test); in all at most LOAD_ALLOWANCE x `timeout` of wall-clock time.
-LOAD_ALLOWANCE = 3.0
+# A step's limit is `timeout` of wall-clock time less the time the program's main thread waited for a CPU
+# (sandbox.STEP_CLOCK), in all at most LOAD_ALLOWANCE x `timeout` of wall-clock time (sandbox.LOAD_ALLOWANCE).
 _LOAD_S_PER_BYTE = 2e-8  # per byte of a compiled test sent (hex): ~3 ns to read and load it (6 MB: 20 ms)
 _REPLY_S_PER_BYTE = 1e-7   # per byte of a reply: a returned value is encoded off its clock (~50 ns a byte)
 _COMPILE_S_PER_BYTE = 1e-6   # the run's wall clock only: the reporter compiles each test before its clock starts
@@ -103,7 +101,7 @@ _PY_TAGS = {"python", "py", "python3", "py3"}
 
 # What the sandboxed harnesses (this one and code_io's) share: their first act, making the process non-dumpable
 # so that no process of the same uid (the solution's) can ptrace it or open its /proc entries (memory,
-# descriptors); and reading the job, all of stdin.
+# descriptors); reading the job, all of stdin; and the step clock (sandbox.STEP_CLOCK).
 HARNESS_COMMON = r"""
 def prctl(option, arg):
     # prctl(2) through the bare _ctypes (the ctypes package costs ~4 ms to import)
@@ -150,19 +148,6 @@ def read_job():
     return marshal.loads(b"".join(chunks))
 
 
-def waited(pid):
-    # nanoseconds the main thread of process `pid` ("self": this one) has spent runnable but waiting for a CPU
-    # (/proc/<pid>/schedstat, second field); None where that cannot be read (gone, hidden from us: not dumpable)
-    try:
-        fd = os.open("/proc/%s/schedstat" % (pid,), os.O_RDONLY)
-        try:
-            return int(os.read(fd, 256).split()[1])
-        finally:
-            os.close(fd)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def show_waiting():
     # In a fork of the (non-dumpable) harness, first thing: where /proc shows a process only what it may ptrace (the
     # sandbox's own, hidepid=2; each run has its own PID namespace there), become dumpable again, so that the harness
@@ -174,50 +159,7 @@ def show_waiting():
             prctl(4, 1)
         except Exception:
             pass
-
-
-class Clock:
-    # A step's time limit, taken now: `limit` seconds of the wall clock, plus the time that the program's process
-    # `pid` (its main thread) spends waiting for a CPU from now on, so that a loaded machine does not fail a program
-    # that needs less than `limit`; never more than `load` x `limit` in all. Only the program's: the harness's own
-    # waiting, while it polls (the relay wakes every 50 ms), overlaps the program's running and waiting (0.8 s of 5.4 s
-    # beside a spinning case): added, a case needing 0.9 s of a 0.6 s limit would pass under load. What cannot be read
-    # is not forgiven (a program that hides its waiting gets the plain wall clock). `pid` None: a process forked after
-    # the start, set with fresh().
-    def __init__(self, limit, load, pid):
-        self.start = time.monotonic()
-        self.limit, self.most = limit, limit * max(load, 1.0)
-        self.pid, self.base = pid, None if pid is None else waited(pid)
-        self.forgiven = 0.0
-
-    def fresh(self, pid):
-        # the program's process, forked since the start: its waiting starts at 0
-        self.pid, self.base = pid, 0
-
-    def refresh(self):
-        now = None if self.pid is None else waited(self.pid)
-        if now is None:   # (gone: what was read before stays)
-            return
-        if self.base is None:   # (not readable when the step started: from the first reading on)
-            self.base = now
-        self.forgiven = max(self.forgiven, (now - self.base) / 1e9)
-
-    def end(self, refresh=True):
-        # when the step's time runs out, on time.monotonic()'s clock
-        if refresh:
-            self.refresh()
-        return self.start + min(self.limit + self.forgiven, self.most)
-
-    def left(self, slack=0.0):
-        # seconds left before end() + slack; the waiting is read again only once the time seems to have run out
-        # (and then at most every 10 ms)
-        left = self.end(False) + slack - time.monotonic()
-        if left <= 0:
-            left = self.end() + slack - time.monotonic()
-            if left > 0:
-                left = max(left, 0.01)
-        return left
-"""
+""" + STEP_CLOCK
 
 # The harness. Constant text: everything run-specific (nonce, solution, tests) comes on stdin.
 _HARNESS = r"""

@@ -501,12 +501,14 @@ def run_cases_separately(code: str, cases: list[tuple[str, str]], *, timeout: fl
                          checker_timeout: float = DEFAULT_CHECKER_TIMEOUT_S) -> list[bool]:
     """Run `code` as its own sandboxed program once per case, the case's input on stdin (and `checker`, where
     given, as one more program per output to judge); one bool per case. The plain reference that `run_cases` is
-    checked against (tests/test_rewards_code_io.py); ~0.1 s of sandbox start-up a case."""
+    checked against (tests/test_rewards_code_io.py); ~0.1 s of sandbox start-up a case. Each run's limit is, as in
+    run_cases, wall-clock time less what it waited for a CPU, up to LOAD_ALLOWANCE x the limit (found by a red team:
+    its plain wall clock failed a correct program as a timeout on a loaded machine)."""
     lim = limits or SandboxLimits()
 
     def run(program, seconds, stdin, cap):
         result = run_python(_after_future_imports(_REFERENCE_FIRST, program), seconds, stdin=stdin,
-                            limits=SandboxLimits.of(lim, max_output_bytes=cap))
+                            limits=SandboxLimits.of(lim, max_output_bytes=cap), load_allowance=LOAD_ALLOWANCE)
         if result.killed_reason == "sandbox_error":
             raise SandboxError(f"the sandbox could not be set up: {result.error}")
         # Output past the cap (stdout_truncated) is never judged on the part that was kept: it has failed.

@@ -11,6 +11,8 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
   (`python -I -S -c _BOOTSTRAP`) there, in its own session/process group, with an environment reduced
   to PATH/LANG (no variable of the parent reaches the program; the program's adds MALLOC_ARENA_MAX=2).
 * The bootstrap, best effort and in this order:
+  - PR_SET_PDEATHSIG=SIGKILL: it dies with the trainer, and with it init and the program (each has its own
+    parent-death signal), so that a trainer stopped during a run (Ctrl-C, kill) leaves nothing running;
   - oom_score_adj 1000 (the out-of-memory killer takes the program before the trainer), inherited by all
     that follows. Without CAP_SYS_RESOURCE the kernel keeps no floor: only the minimal root's read-only
     /proc stops the program writing 0 back, so only there is it reported as the protection "oom_first";
@@ -49,9 +51,11 @@ How one run works (see docs/sandbox.md for what each layer does and does not pro
   - execs `python -I -S -B main.py`.
 * The bootstrap's status line (on stderr, before the exec) carries a per-run secret from its environment,
   so that the program cannot write one.
-* The parent reads stdout/stderr incrementally with a byte cap, enforces a wall-clock deadline, and
+* The parent reads stdout/stderr incrementally with a byte cap, enforces the time limit (wall-clock; with
+  load_allowance, less the time the run's processes waited for a CPU: `_RunClock`), and
   at the end *always* SIGKILLs the whole process group (and, without a PID namespace, every process of
-  the run's uid), then deletes the directory.
+  the run's uid), then deletes the directory; at the interpreter's exit, so do the runs still under way
+  (`_end_runs_at_exit`: a run on a daemon thread never reaches its own cleanup).
 
 Which of these layers are available depends on the machine (containers often forbid unshare; only root
 can change uid). They are probed once per process (`sandbox_info()`), every run then *requires* the
@@ -67,6 +71,7 @@ calls and the kernel is shared; see docs/sandbox.md.
 from __future__ import annotations
 
 import ast
+import atexit
 import json
 import marshal
 import os
@@ -113,6 +118,81 @@ _MIN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL":
 _PROGRAM_ENV = {**_MIN_ENV, "MALLOC_ARENA_MAX": "2"}
 
 
+# Time limits under load (docs/sandbox.md): a limit is wall-clock time less the time the program waited for a CPU, up
+# to LOAD_ALLOWANCE x the limit, so that a machine loaded by the trainer or by the programs run beside it does not
+# turn a correct program into a timeout (found by a red team: a program needing 0.6 s of a 1 s limit, next to two
+# busy processes, failed every run).
+LOAD_ALLOWANCE = 3.0
+
+# The step clock, as source text: the harnesses that run inside the sandbox (code.py's reporter, code_io's relay)
+# define it in their own program (code.HARNESS_COMMON), and run_python's parent uses it too (_RunClock): one
+# definition. Needs `os` and `time`.
+STEP_CLOCK = r"""
+def waited(pid):
+    # nanoseconds the main thread of process `pid` ("self": this one) has spent runnable but waiting for a CPU
+    # (/proc/<pid>/schedstat, second field); None where that cannot be read (gone, hidden from us: not dumpable)
+    try:
+        fd = os.open("/proc/%s/schedstat" % (pid,), os.O_RDONLY)
+        try:
+            return int(os.read(fd, 256).split()[1])
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Clock:
+    # A step's time limit, taken now: `limit` seconds of the wall clock, plus the time that the program's process
+    # `pid` (its main thread) spends waiting for a CPU from now on, so that a loaded machine does not fail a program
+    # that needs less than `limit`; never more than `load` x `limit` in all. Only the program's: the harness's own
+    # waiting, while it polls (the relay wakes every 50 ms), overlaps the program's running and waiting (0.8 s of 5.4 s
+    # beside a spinning case): added, a case needing 0.9 s of a 0.6 s limit would pass under load. What cannot be read
+    # is not forgiven (a program that hides its waiting gets the plain wall clock). `pid` None: a process forked after
+    # the start, set with fresh().
+    def __init__(self, limit, load, pid):
+        self.start = time.monotonic()
+        self.limit, self.most = limit, limit * max(load, 1.0)
+        self.pid = pid
+        self.base = None if pid is None else self.waiting()
+        self.forgiven = 0.0
+
+    def waiting(self):
+        # nanoseconds the program has waited for a CPU so far, or None
+        return waited(self.pid)
+
+    def fresh(self, pid):
+        # the program's process, forked since the start: its waiting starts at 0
+        self.pid, self.base = pid, 0
+
+    def refresh(self):
+        now = None if self.pid is None else self.waiting()
+        if now is None:   # (gone: what was read before stays)
+            return
+        if self.base is None:   # (not readable when the step started: from the first reading on)
+            self.base = now
+        self.forgiven = max(self.forgiven, (now - self.base) / 1e9)
+
+    def end(self, refresh=True):
+        # when the step's time runs out, on time.monotonic()'s clock
+        if refresh:
+            self.refresh()
+        return self.start + min(self.limit + self.forgiven, self.most)
+
+    def left(self, slack=0.0):
+        # seconds left before end() + slack; the waiting is read again only once the time seems to have run out
+        # (and then at most every 10 ms)
+        left = self.end(False) + slack - time.monotonic()
+        if left <= 0:
+            left = self.end() + slack - time.monotonic()
+            if left > 0:
+                left = max(left, 0.01)
+        return left
+"""
+_step_clock: dict = {"os": os, "time": time}
+exec(compile(STEP_CLOCK, "<STEP_CLOCK>", "exec"), _step_clock)
+Clock, _waited = _step_clock["Clock"], _step_clock["waited"]
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not be set up (not the program's fault)."""
 
@@ -122,7 +202,7 @@ class SandboxResult:
     returncode: Optional[int]       # exit status; negative: killed by that signal (as subprocess reports it)
     stdout: str                     # at most max_output_bytes of it, decoded UTF-8 (errors replaced)
     stderr: str
-    timed_out: bool                 # the wall-clock deadline passed and the program was killed
+    timed_out: bool                 # its time limit passed and the program was killed (run_python's timeout_s)
     killed_reason: Optional[str]    # None, "timeout", "output_limit", "cpu_limit", "signal:NAME", "sandbox_error"
     duration_s: float = 0.0
     stdout_truncated: bool = False
@@ -202,6 +282,13 @@ class Libc:
 
 libc = Libc()
 active, failed = [], {}
+# The bootstrap dies with the trainer (PR_SET_PDEATHSIG), and so, each with the one before, init and the program: a
+# trainer stopped by Ctrl-C or killed during a run left them running, a program sleeping or waiting for ever (found
+# by a red team: a tool call's sleep outlived the trainer). The trainer may have died before the prctl: then our
+# parent is no longer the one that started us.
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != cfg["parent"]:
+    os._exit(125)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 16384, 1 << 18
 MS_REMOUNT, MS_BIND, MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MNT_DETACH = 32, 4096, 1024, 2048, 1 << 21, 2
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
@@ -1059,12 +1146,60 @@ def sandbox_summary(limits: Optional["SandboxLimits"] = None) -> str:
 # --------------------------------------------------------------------------------------------------
 # Running one program.
 
+def _first_child(pid: int) -> Optional[int]:
+    """The oldest living child of `pid` (the kernel lists children in the order they joined), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            first = f.read().split()[:1]
+    except OSError:   # gone, or a kernel without CONFIG_PROC_CHILDREN: that waiting is not forgiven
+        return None
+    return int(first[0]) if first else None
+
+
+class _RunClock(Clock):
+    """run_python's deadline (STEP_CLOCK's Clock): `timeout_s` of wall clock plus the time the run's processes
+    waited for a CPU, up to `load` x `timeout_s`. Those run one after another, each forked by the one before while
+    that one sleeps: the bootstrap (set-up), with namespaces init (the minimal root) and then the program (the
+    bootstrap exec'd into it without), so their waiting adds up. Read from the host's /proc, where a process run as
+    another uid, or non-dumpable, still shows its schedstat; what cannot be read (hidepid on the host's /proc, a
+    process gone before it was seen) is not forgiven."""
+
+    def __init__(self, limit: float, load: float, start: float):
+        super().__init__(limit, load, None)
+        self.start = start
+        self.chain: list = []       # the pids found so far: bootstrap, init, program
+        self.depth = 1
+        self.seen: dict = {}        # pid -> the last waiting read from it (kept once it is gone)
+
+    def follow(self, bootstrap: int, namespaces: bool) -> None:
+        """Start reading the run's processes: the bootstrap, forked after the clock's start (so from 0)."""
+        self.chain, self.depth = [bootstrap], 3 if namespaces else 1
+        self.fresh(bootstrap)
+
+    def waiting(self):
+        while len(self.chain) < self.depth:   # init and the program, once each has been forked
+            child = _first_child(self.chain[-1])
+            if child is None:
+                break
+            self.chain.append(child)
+        for pid in self.chain:
+            now = _waited(pid)
+            if now is not None:
+                self.seen[pid] = max(now, self.seen.get(pid, 0))
+        return sum(self.seen.values()) if self.seen else None
+
+
 def run_python(code: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, stdin: Union[str, bytes, None] = None,
                limits: Optional[SandboxLimits] = None, kill_on_output_limit: bool = True,
-               **overrides) -> SandboxResult:
+               load_allowance: float = 1.0, **overrides) -> SandboxResult:
     """Run `code` (Python source, standard library only: the interpreter runs with -I -S) in the sandbox.
 
-    timeout_s: wall-clock limit; the program and everything it started are then SIGKILLed.
+    timeout_s: time limit (from the call, the sandbox's set-up included); the program and everything it started are
+        then SIGKILLed.
+    load_allowance: 1 (default): timeout_s is wall-clock time. More (LOAD_ALLOWANCE for one program's own limit,
+        as the Python tool and code_io.run_cases_separately use it): wall-clock time less the time the run's
+        processes waited for a CPU, up to load_allowance x timeout_s of wall-clock time (docs/sandbox.md, "Time
+        limits under load"). Sleeping, blocking and computing count as before. RLIMIT_CPU is not stretched.
     stdin: data written to the program's stdin (then closed).
     limits: a SandboxLimits (memory, processes, output, hidden paths, layers); `overrides` replace its
         fields by name (run_python(code, 10, memory_mb=256)); an unknown name is a TypeError.
@@ -1076,16 +1211,20 @@ def run_python(code: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, stdin: Union[
     """
     lim = SandboxLimits.of(limits, **overrides)
     plan = _plan(lim.namespaces, lim.drop_privileges, lim.minimal_root)
+    if not load_allowance >= 1.0:   # (nan too)
+        raise ValueError(f"load_allowance must be a number >= 1 (1: a plain wall clock), got {load_allowance!r}")
     return _run(plan, code, timeout_s=timeout_s, require=plan.protections, stdin=stdin, memory_mb=lim.memory_mb,
                 file_size_mb=lim.file_size_mb, max_procs=lim.max_procs, max_open_files=lim.max_open_files,
                 max_output_bytes=lim.max_output_bytes, cpu_s=lim.cpu_s, tmpfs_mb=lim.tmpfs_mb,
-                kill_on_output_limit=kill_on_output_limit, hide_paths=lim.hide_paths)
+                kill_on_output_limit=kill_on_output_limit, hide_paths=lim.hide_paths, load=float(load_allowance))
 
 
 def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_size_mb, max_procs,
-         max_open_files, max_output_bytes, cpu_s, tmpfs_mb, kill_on_output_limit, hide_paths=None) -> SandboxResult:
+         max_open_files, max_output_bytes, cpu_s, tmpfs_mb, kill_on_output_limit, hide_paths=None,
+         load: float = 1.0) -> SandboxResult:
     start = time.monotonic()
     timeout_s = max(0.05, float(timeout_s))
+    clock = _RunClock(timeout_s, load, start)
     uid = random.randrange(*plan.uid_choice) if plan.drop_uid else None
     workdir = tempfile.mkdtemp(prefix="lowmem-sandbox-")
     secret = os.urandom(8).hex()   # marks the bootstrap's status lines on stderr (_split_status)
@@ -1097,6 +1236,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
             os.chmod(os.path.join(workdir, "main.py"), 0o644)
             os.chown(workdir, uid, uid)
         cfg = {"uid": uid, "namespaces": plan.namespaces, "python": plan.python, "program": "main.py",
+               "parent": os.getpid(),
                "cpu_s": int(cpu_s if cpu_s is not None else int(timeout_s + 0.999) + 1),
                "memory_bytes": int(memory_mb) << 20, "fsize_bytes": int(file_size_mb) << 20,
                "max_open_files": int(max_open_files), "max_procs": int(max_procs), "tmpfs_mb": int(tmpfs_mb),
@@ -1109,9 +1249,13 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                                     start_new_session=True, close_fds=True)
         except OSError as exc:
             raise SandboxError(f"cannot start the sandbox bootstrap {plan.bootstrap_python}: {exc}") from exc
+        with _runs_lock:
+            _runs[workdir] = proc
+        if load > 1.0:   # (1: a plain wall clock, no need to read /proc)
+            clock.follow(proc.pid, plan.namespaces)
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        out, err, timed_out, over = _communicate(proc, data, start + timeout_s, max_output_bytes,
-                                                 kill_on_output_limit, plan, uid)
+        out, err, timed_out, over = _communicate(proc, data, clock, max_output_bytes, kill_on_output_limit, plan,
+                                                 uid)
         returncode = proc.returncode
     finally:
         if proc is not None:
@@ -1123,6 +1267,8 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                     stream.close()
                 except Exception:
                     pass
+        with _runs_lock:
+            _runs.pop(workdir, None)
         shutil.rmtree(workdir, ignore_errors=True)
 
     status, error, err_bytes = _split_status(bytes(err[0]), secret)
@@ -1147,6 +1293,28 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                          stdout_truncated=out[1], stderr_truncated=err[1],
                          protections=tuple(status.get("active", ())), error=error,
                          unavailable=dict(status.get("failed", {})))
+
+
+_runs: dict = {}   # the runs under way: their directory -> their bootstrap's Popen
+_runs_lock = threading.Lock()
+
+
+def _end_runs_at_exit() -> None:
+    """At the interpreter's exit, the runs still under way: their process groups killed, their directories removed.
+    A run on a daemon thread (an environment's call, rollout/turns.py) never reaches its own cleanup when the trainer
+    exits (Ctrl-C during a tool call: found by a red team, its directory was left in /tmp for good)."""
+    with _runs_lock:
+        runs = list(_runs.items())
+    for workdir, proc in runs:
+        if proc.returncode is None:   # (not reaped: its process group id is still its own)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+atexit.register(_end_runs_at_exit)
 
 
 # Never hidden (the interpreter and the system need them); /tmp and /proc get their own fresh mounts.
@@ -1200,9 +1368,9 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def _communicate(proc, data: bytes, deadline: float, cap: int, kill_on_cap: bool, plan, uid):
+def _communicate(proc, data: bytes, clock, cap: int, kill_on_cap: bool, plan, uid):
     """Feed stdin and read both pipes (keeping at most `cap` bytes each) until the program has exited
-    and the pipes are closed, or the deadline passes; then kill everything of the run and reap it.
+    and the pipes are closed, or the clock's time (a Clock) runs out; then kill everything of the run and reap it.
     Returns ([stdout, truncated], [stderr, truncated], timed_out, over_cap)."""
     out, err = [bytearray(), False], [bytearray(), False]
     bufs = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
@@ -1240,7 +1408,7 @@ def _communicate(proc, data: bytes, deadline: float, cap: int, kill_on_cap: bool
 
     try:
         while sel.get_map():
-            remaining = deadline - time.monotonic()
+            remaining = clock.left()
             if remaining <= 0:
                 timed_out = True
                 break
@@ -1267,7 +1435,7 @@ def _communicate(proc, data: bytes, deadline: float, cap: int, kill_on_cap: bool
                 break   # it exited, but something it started (outside its group) still holds the pipes
         # The pipes are closed: wait for the exit itself, until the deadline.
         while not (timed_out or over) and not _exited(proc.pid):
-            if time.monotonic() >= deadline:
+            if clock.left() <= 0:
                 timed_out = True
                 break
             time.sleep(0.005)

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from ..data import chars_within
-from ..environment import (EnvError, EnvOutputError, Rendered, checked_counters, checked_final_reward, checked_reset,
-                           checked_step, for_rewards)
+from ..environment import (USER_ERRORS, EnvError, EnvOutputError, Rendered, checked_counters, checked_final_reward,
+                           checked_reset, checked_step, flag, for_rewards, hook, said)
 from ..user_code import HungCalls, short_repr
 from .base import Completion, EnvRecord, SamplingParams
 
@@ -94,6 +94,10 @@ class _Episode:
     counters: dict = field(default_factory=dict)
     exchanges: list = field(default_factory=list)   # per observation appended: its Rendered.messages (or ())
     cap: int = 0                     # the most completion tokens: max_total_tokens, less where the context ends
+    parallel: bool = False           # the environment's parallel_steps, ends_at_cut_turn and whether it has a
+    ends_at_cut: bool = False        # final_reward: read once, at its start (flag, hook: user code that may raise)
+    has_final_reward: bool = False
+    instance: object = None          # its for_rewards (read once, after reset: a property is user code too)
 
     def end(self, truncated: bool = False, error: Optional[str] = None) -> None:
         self.done, self.truncated, self.error = True, self.truncated or truncated, error
@@ -104,7 +108,7 @@ class _Episode:
                            prompt_text=self.prompt_text if self.own_prompt else None,
                            prompt_messages=self.prompt_messages if self.own_prompt else None,
                            counters=tuple(sorted(self.counters.items())), exchanges=tuple(self.exchanges),
-                           instance=for_rewards(self.env) if self.env is not None else None)
+                           instance=self.instance)
         return Completion(self.prompt_index, self.tokens, self.truncated, self.logprobs, stopped_by=self.stopped_by,
                           env_mask=self.env_mask, prompt_ids=self.prompt_ids if self.own_prompt else None, env=record)
 
@@ -116,26 +120,28 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable], time
     row = _own_row(example.row)
 
     def begin():
+        # every read of the user's object here, bounded: a property may raise or hang as a method may
         ep.env = factory.make()
-        return checked_reset(ep.env, row)
+        ep.parallel, ep.ends_at_cut = flag(ep.env, "parallel_steps"), flag(ep.env, "ends_at_cut_turn")
+        ep.has_final_reward = hook(ep.env, "final_reward") is not None
+        first = checked_reset(ep.env, row)
+        ep.instance = for_rewards(ep.env)   # (after reset: ToolCalls' is then the environment the row picked)
+        return first, (_template_kwargs(ep.env) if first is not None else None)
 
     try:
-        first = _bounded(begin, timeout_s, "the constructor or reset()")
-        if isinstance(first, EnvOutputError):
-            raise first
+        started = _bounded(begin, timeout_s, "the constructor or reset()")
+        if isinstance(started, EnvOutputError):
+            raise started
+        first, extra = started
+        if extra is not None and not isinstance(extra, dict):
+            raise EnvOutputError(f"template_kwargs is {type(extra).__name__}; allowed: a dict of the chat template's "
+                                 "variables, or None")
         if first is not None:
             if render is None:
                 raise EnvOutputError("reset() returned a first message, and this rollout cannot render prompts")
             try:
-                extra = getattr(ep.env, "template_kwargs", None)
-            except Exception as exc:   # the user's property
-                raise EnvOutputError(f"reading template_kwargs raised {type(exc).__name__}: {exc}") from None
-            if extra is not None and not isinstance(extra, dict):
-                raise EnvOutputError(f"template_kwargs is {type(extra).__name__}; allowed: a dict of the chat "
-                                     "template's variables, or None")
-            try:
                 rendered = render(example.row, first, extra)
-            except Exception as exc:  # e.g. over data.max_prompt_tokens: that completion's outcome
+            except USER_ERRORS as exc:  # e.g. over data.max_prompt_tokens: that completion's outcome
                 raise EnvOutputError(f"reset()'s first message cannot be rendered as a prompt: {exc}") from None
             ep.prompt_ids, ep.prompt_text, ep.own_prompt = list(rendered.prompt_ids), rendered.prompt_text, True
             ep.prompt_messages = getattr(rendered, "messages", None)
@@ -145,6 +151,17 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable], time
     except EnvOutputError as exc:
         ep.end(error=str(exc))
     return ep
+
+
+def _template_kwargs(env) -> Optional[dict]:
+    """The environment's optional template_kwargs (a copy), or None; an EnvOutputError for what is wrong with it."""
+    try:
+        extra = getattr(env, "template_kwargs", None)
+        if extra is None or not isinstance(extra, dict):
+            return extra
+        return dict(extra)
+    except USER_ERRORS as exc:   # the user's property (or dict subclass)
+        raise EnvOutputError(f"reading template_kwargs raised {type(exc).__name__}: {said(exc)}") from None
 
 
 def _awaits_reset(example) -> bool:
@@ -360,6 +377,11 @@ def _bounded(call: Callable, timeout_s: float, what: str):
             return call()
         except (EnvOutputError, EnvError) as exc:
             return exc
+        except BaseException as exc:   # user code the checks let through (on this thread, no Ctrl-C: the user's own)
+            # found by a red team: a reward whose __float__ raised, or a step raising KeyboardInterrupt, ended this
+            # thread with a traceback and read as a call that "did not return within step_timeout_s"
+            text = said(exc)
+            return EnvOutputError(f"{what} raised {type(exc).__name__}{': ' + text if text else ''}")
 
     hung = len(_HUNG.running())
     if hung >= MAX_HUNG_CALLS:
@@ -382,11 +404,12 @@ def _step(env, text: str, timeout_s: float):
     return _bounded(lambda: checked_step(env, text), timeout_s, "step()")
 
 
-def _step_all(envs: list, texts: list, timeout_s: float) -> list:
+def _step_all(envs: list, texts: list, timeout_s: float, parallel: list) -> list:
     """_step over one round's episodes, in their order. Steps of environments that declare parallel_steps (the
-    Python tool: a sandboxed subprocess each) run together on a thread pool; any other's one after another (its
-    instances may share state). Each result lands at its episode's place: a run replays the same."""
-    together = [i for i, env in enumerate(envs) if getattr(env, "parallel_steps", False)]
+    Python tool: a sandboxed subprocess each; `parallel`, per episode) run together on a thread pool; any other's one
+    after another (its instances may share state). Each result lands at its episode's place: a run replays the
+    same."""
+    together = [i for i, together in enumerate(parallel) if together]
     out = [None] * len(envs)
     if len(together) > 1:
         with ThreadPoolExecutor(max_workers=min(STEP_WORKERS, len(together))) as pool:
@@ -399,9 +422,9 @@ def _step_all(envs: list, texts: list, timeout_s: float) -> list:
     return out
 
 
-def _steps_turn(env, cut: bool) -> bool:
+def _steps_turn(ep: _Episode, cut: bool) -> bool:
     """Whether env.step() reads this turn: not a cut one where the environment ends at a cut turn."""
-    return not (cut and getattr(env, "ends_at_cut_turn", False))
+    return not (cut and ep.ends_at_cut)
 
 
 def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits) -> None:
@@ -428,11 +451,13 @@ def _after_turn(ep: _Episode, cut: bool, stepped, tokenizer, limits: TurnLimits)
 def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, factory, limits: TurnLimits,
                  render: Optional[Callable] = None) -> list[Completion]:
     """params.n completions per example, each one environment episode; example i's at [i*n, (i+1)*n).
-    `factory.make()` builds an environment, `factory.stop` its turn-ending strings; `render(row, message,
+    `factory.make()` builds an environment, `factory.stop` its turn-ending strings, `factory.counter_names` keeps
+    the run's counters() names within their cap (environment.EnvironmentFactory); `render(row, message,
     template_kwargs)` renders reset()'s first message as the dataset prompt would be (an Example), with the
     environment's template_kwargs, when one is given."""
     episodes = [_start(i, e, factory, render, limits.step_timeout_s) for i, e in enumerate(examples)
                 for _ in range(params.n)]
+    _end_shared(episodes)
     context = context_tokens(engine)
     for ep in episodes:
         ep.cap = _cap(ep, limits, context)
@@ -449,23 +474,44 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
         turns = [_model_turn(ep, c, limits) for ep, c in zip(active, outs)]
         texts = [turn_text(tokenizer, turn, ended_at_eos=not cut and ep.stopped_by is None)
                  for ep, (turn, cut) in zip(active, turns)]
-        read = [i for i, (ep, (_, cut)) in enumerate(zip(active, turns)) if _steps_turn(ep.env, cut)]
+        read = [i for i, (ep, (_, cut)) in enumerate(zip(active, turns)) if _steps_turn(ep, cut)]
         stepped = [None] * len(active)
         for i, result in zip(read, _step_all([active[i].env for i in read], [texts[i] for i in read],
-                                             limits.step_timeout_s)):
+                                             limits.step_timeout_s, [active[i].parallel for i in read])):
             stepped[i] = result
         for ep, (_, cut), result in zip(active, turns, stepped):
             _after_turn(ep, cut, result, tokenizer, limits)
     for ep in episodes:
         _read_final_reward(ep, limits.step_timeout_s)
-        _read_counters(ep, limits.step_timeout_s)
+        _read_counters(ep, limits.step_timeout_s, factory.counter_names)
     return [ep.completion() for ep in episodes]
+
+
+def _end_shared(episodes: list) -> None:
+    """Ends, as an error, the episodes whose environment (or its for_rewards instance: a ToolCalls' environment_factory
+    instance) another episode has too: a class that hands out one instance (a singleton __new__), a factory that
+    returns the same object. Their resets and steps overwrite each other's state, and every reward would score the
+    last reset's row (found by a red team: a singleton's episodes were all scored on one row's answer, silently)."""
+    owners: dict = {}
+    for ep in episodes:
+        if ep.env is None:
+            continue
+        for instance in dict.fromkeys(i for i in (ep.env, ep.instance) if i is not None):
+            owners.setdefault(id(instance), []).append(ep)
+    for sharing in owners.values():
+        if len(sharing) < 2:
+            continue
+        for ep in sharing:
+            if ep.error is None:
+                ep.end(error=f"its environment instance ({type(ep.env).__name__}) is also another episode's: each "
+                             f"episode needs its own (a constructor or environment_factory that returns one shared "
+                             f"object mixes the episodes' states); return a new instance from each call")
 
 
 def _read_final_reward(ep: _Episode, timeout_s: float) -> None:
     """The environment's optional final_reward() at the end of an episode that no error ended, bounded as step()
     is, added to its rewards (a bad one is that episode's error)."""
-    if ep.env is None or ep.error is not None or getattr(ep.env, "final_reward", None) is None:
+    if ep.env is None or ep.error is not None or not ep.has_final_reward:
         return
     env = ep.env
     reward = _bounded(lambda: checked_final_reward(env), timeout_s, "final_reward()")
@@ -475,9 +521,9 @@ def _read_final_reward(ep: _Episode, timeout_s: float) -> None:
         ep.rewards.append(reward)
 
 
-def _read_counters(ep: _Episode, timeout_s: float) -> None:
+def _read_counters(ep: _Episode, timeout_s: float, names) -> None:
     """The environment's optional counters() at the episode's end, bounded as step() is (a bad one is that
-    episode's error)."""
+    episode's error), less the names past the run's cap (`names`: the factory's environment.CounterNames)."""
     if ep.env is None:
         return
     env = ep.env
@@ -485,7 +531,7 @@ def _read_counters(ep: _Episode, timeout_s: float) -> None:
     if isinstance(counters, EnvOutputError):
         ep.error = ep.error or str(counters)
     else:
-        ep.counters = counters
+        ep.counters = names.kept(counters)
 
 
 def runner(engine, tokenizer, factory, limits: TurnLimits, render: Optional[Callable] = None) -> Callable:
