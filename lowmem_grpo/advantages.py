@@ -46,9 +46,12 @@ def rloo(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return rewards - (total - rewards) / (n - 1).clamp(min=1)
 
 
+# algorithm.advantage's values (the recipe's Literal) -> their function; tests/test_advantages.py checks that each
+# value has one here and a KL weight in diagnostics.omega_sum (§4.3), which a new value needs too
 ADVANTAGES = {"mean_std": mean_std, "mean": mean_only, "sign": sign, "rloo": rloo}
 
-
+# algorithm.scale_rewards's values (not read from the schema: the recipe imports this module, through diagnostics;
+# tests/test_advantages.py checks the two agree)
 SCALES = ("group", "batch", "none")
 
 

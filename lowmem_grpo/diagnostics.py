@@ -21,7 +21,7 @@ OMEGA_EPS = 1e-8
 # Keys every step row carries (None where a quantity does not apply to the run), besides reward/<fn> and
 # reward/<fn>/std per reward function. tests and scripts/run_variants.py check them.
 STEP_KEYS = (
-    "reward/mean", "reward/std", "success_rate", "success_rate/per_prompt", "success_rate/hist",
+    "reward/mean", "reward/std", "reward/skipped", "success_rate", "success_rate/per_prompt", "success_rate/hist",
     "zero_std_fraction", "omega/plus", "omega/minus",
     "clip/low", "clip/high", "clip/fraction", "kl", "kl/ref", "kl/mirror", "kl/p_ref", "kl/p_star", "entropy",
     "completion/mean_length", "completion/truncated_fraction",

@@ -19,26 +19,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union, get_args
+from typing import Optional, Union
 
 import torch
 
-from .recipe import AlgorithmConfig
+from .recipe import AlgorithmConfig, algorithm_values
 
 Bound = Union[float, torch.Tensor]
 
 
-def _allowed(field: str) -> tuple[str, ...]:
-    """The values algorithm.<field> may take: its Literal in the recipe schema, the one list of them (a value added
-    there reaches these checks too; tests/test_loss.py checks each has its branch here)."""
-    return get_args(AlgorithmConfig.model_fields[field].annotation)
-
-
-KL_TARGETS = _allowed("kl_target")
-CLIPS = _allowed("clip")
-LEVELS = _allowed("importance_sampling_level")
-SAMPLER_CORRECTIONS = _allowed("sampler_correction")
-AGGREGATIONS = _allowed("aggregation")
+KL_TARGETS = algorithm_values("kl_target")
+CLIPS = algorithm_values("clip")
+LEVELS = algorithm_values("importance_sampling_level")
+SAMPLER_CORRECTIONS = algorithm_values("sampler_correction")
+AGGREGATIONS = algorithm_values("aggregation")
 
 # -- KL estimators (Schulman 2020, "Approximating KL divergence"), samples from the sampling policy ------
 # Each estimates KL(pi_theta || pi_other) from the sampled tokens' log-probs; `other` is the reference

@@ -11,7 +11,7 @@ and a test checks the two agree.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, get_origin
+from typing import Any, Literal, Optional, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -342,7 +342,7 @@ class FieldProblems(ValueError):
 
 
 class AlgorithmConfig(_Section):
-    """docs/algorithm.md §1-§9. The defaults are GRPO as DeepSeekMath wrote it (docs/algorithm.md §1)."""
+    """docs/algorithm.md §1-§18. The defaults are GRPO as DeepSeekMath wrote it (docs/algorithm.md §1)."""
 
     advantage: Literal["mean_std", "mean", "sign", "rloo"] = Field("mean_std", description="Group advantage (docs/algorithm.md §2): GRPO's mean_std, Dr. GRPO's mean, sign, or rloo.")
     sign_dead_band: float = Field(0.0, ge=0, description="advantage: sign only: rewards within this distance of the group mean get advantage 0.")
@@ -542,6 +542,12 @@ class AlgorithmConfig(_Section):
         return problems
 
 
+def algorithm_values(field: str) -> tuple[str, ...]:
+    """The values algorithm.<field> may take: its Literal above, the one list of them (loss.py and advantages.py
+    read it; tests check each value has its branch there)."""
+    return get_args(AlgorithmConfig.model_fields[field].annotation)
+
+
 class OptimizerConfig(_Section):
     name: Literal["adamw", "adamw_8bit"] = Field("adamw", description="AdamW (torch) or bitsandbytes 8-bit AdamW (GPU).")
     lr: float = Field(1e-5, gt=0, le=1, description="Peak learning rate.")
@@ -636,7 +642,7 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _across_sections(self) -> "Recipe":
-        from .rewards.options import first_function_problem, overlong_reach_problem
+        from .rewards.options import BUILTINS, first_function_problem
 
         problems = []
         # a completion's most tokens: with an environment, the episode's (overlong's L_max defaults to it, and its own
@@ -645,7 +651,8 @@ class Recipe(_Section):
         if self.environment.name:
             longest, longest_key = self.environment.max_total_tokens, "environment.max_total_tokens"
         for i, spec in enumerate(self.rewards.functions):
-            found = overlong_reach_problem(spec.kwargs, longest, longest_key) if spec.function == "overlong" else None
+            check = BUILTINS[spec.function].budget_problem if spec.function in BUILTINS else None
+            found = check(spec.kwargs, longest, longest_key) if check is not None else None
             if found:
                 problems.append((f"rewards.functions.{i}.kwargs.{found[0]}", found[1]))
         first, _ = first_function_problem([f.function for f in self.rewards.functions], bool(self.environment.name))

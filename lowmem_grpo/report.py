@@ -13,6 +13,7 @@ from typing import Optional
 import yaml
 
 from .metrics import read_metrics_file
+from .rewards import ROW_REWARD_KEYS
 
 FIGSIZE = (6.4, 3.6)  # inches; at DPI this is the PNG's size in pixels (no tight bbox, so it is exact)
 DPI = 80
@@ -27,7 +28,7 @@ class ReportError(Exception):
 PLOT_LIMIT = 1e300
 MAX_STEP = 2 ** 53   # steps as exact floats on the x axis (a 400-digit step overflows float); no run has more
 SHARES = ("success_rate", "eval/accuracy")   # shown as percentages: a value outside 0..1 is no share, left out
-STEP_KEYS = ("loss", "reward/mean")          # what makes a row a training step's
+STEP_ROW_MARKERS = ("loss", "reward/mean")          # what makes a row a training step's
 MAX_BINS = 4096   # a success_rate/hist of more bins (G, the group size, is far less) is no histogram of a run's
 HIST_COLS = 1000  # the histogram image's most columns: more steps share one (their mean), as the PNG is 512 px wide
 
@@ -51,8 +52,8 @@ FIGURES = [
 IMAGES = [name for name, _, _ in FIGURES[:2]] + ["success_hist.png"] + [name for name, _, _ in FIGURES[2:]]
 # What of a row the report uses (the rest, e.g. each step's per-prompt list, is dropped as the file is read: a
 # 100,000-step metrics.jsonl of 250 MB took 1.6 GB held whole, found by a red team)
-USED_KEYS = frozenset({"step", *STEP_KEYS, "success_rate/hist", "eval/mean_reward", "eval/n", "nonfinite/skipped_total",
-                       *(key for _, _, panels in FIGURES for keys in panels for key, _ in keys)})
+USED_KEYS = frozenset({"step", *STEP_ROW_MARKERS, "success_rate/hist", "eval/mean_reward", "eval/n",
+                       "nonfinite/skipped_total", *(key for _, _, panels in FIGURES for keys in panels for key, _ in keys)})
 
 
 def _real(v) -> bool:
@@ -103,7 +104,7 @@ def _used(key: str) -> bool:
 def _is_step_row(row: dict) -> bool:
     """A training step's row (it has a loss or a reward/mean, of any value), not an eval-only one (step 0's, the
     final eval's)."""
-    return any(k in row for k in STEP_KEYS)
+    return any(k in row for k in STEP_ROW_MARKERS)
 
 
 def _last_written(rows: list[dict]) -> tuple[list[dict], int]:
@@ -147,7 +148,7 @@ def _left_out_note(counts: dict, malformed: int) -> list[str]:
     if counts["step"]:
         parts.append(f"{counts['step']} row(s) with a step beyond ±{MAX_STEP:,} (no run has as many)")
     if malformed:
-        parts.append(f"{malformed} row(s) whose {' and '.join(STEP_KEYS)} are neither numbers nor null (e.g. text)")
+        parts.append(f"{malformed} row(s) whose {' and '.join(STEP_ROW_MARKERS)} are neither numbers nor null (e.g. text)")
     if counts["huge"]:
         parts.append(f"{counts['huge']} value(s) beyond ±{PLOT_LIMIT:.0e}, which cannot be plotted".replace("e+", "e"))
     if counts["share"]:
@@ -283,13 +284,13 @@ def render(run_dir, out_dir=None) -> dict:
     # held-out accuracies, one a step (the last-written: a training row's eval_every one, or an eval-only row);
     # one outside 0..1 is listed, flagged
     evals = list({r["step"]: r for r in rows if _number(r.get("eval/accuracy"))}.values())
-    claimed = [r for r in rows if any(k in r for k in STEP_KEYS)]
+    claimed = [r for r in rows if any(k in r for k in STEP_ROW_MARKERS)]
     # a number, or null (metrics.py writes a non-finite value so: a step skipped for it); loss: "abc" is no step's
-    steps = [r for r in claimed if any(k in r and (r[k] is None or _real(r[k])) for k in STEP_KEYS)]
+    steps = [r for r in claimed if any(k in r and (r[k] is None or _real(r[k])) for k in STEP_ROW_MARKERS)]
     malformed = len(claimed) - len(steps)
     if not steps:
         why = [f"{skipped} line(s) are not metrics rows: a JSON object with an integer step"] if skipped else []
-        why += [f"{malformed} row(s) whose {' and '.join(STEP_KEYS)} are neither numbers nor null"] if malformed else []
+        why += [f"{malformed} row(s) whose {' and '.join(STEP_ROW_MARKERS)} are neither numbers nor null"] if malformed else []
         why += [f"{counts['step']} row(s) with a step beyond ±{MAX_STEP:,}"] if counts["step"] else []
         why += [f"only {len(evals)} held-out eval row(s): a run writes a step's row when the step is done"] * bool(evals)
         raise ReportError(f"{run_dir / 'metrics.jsonl'}: no step rows to plot" + (f" ({'; '.join(why)})" if why else ""))
@@ -306,7 +307,7 @@ def render(run_dir, out_dir=None) -> dict:
     except OSError as exc:
         raise ReportError(f"--out {out}: cannot create the folder ({exc})") from None
     fn_keys = sorted({k for r in steps for k in r if k.startswith("reward/") and k.count("/") == 1
-                      and k not in ("reward/mean", "reward/std", "reward/skipped")})
+                      and k.split("/", 1)[1] not in ROW_REWARD_KEYS})   # (the total's, not a function's)
     figures = [(name, title, [panels[0] + [(k, k.split("/", 1)[1]) for k in fn_keys]] if name == "reward.png"
                 else panels) for name, title, panels in FIGURES]
     # success.png: the training rows' success rate, and each step's last-written held-out accuracy

@@ -502,7 +502,7 @@ class Trainer:
         return diag.logp_moved(before, after, seq_ids, advantages)
 
     def train_step(self, clock: Optional[PhaseTimer] = None) -> Step:
-        r, g, a = self.recipe, self.recipe.generation, self.recipe.algorithm
+        r, gen, a = self.recipe, self.recipe.generation, self.recipe.algorithm
         clock = clock if clock is not None else PhaseTimer()
         row = dict.fromkeys(diag.STEP_KEYS)  # every key in every row; None where it does not apply
         with clock("select"):                                                          # 1. select
@@ -517,12 +517,12 @@ class Trainer:
             advantages = self.advantages(result)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.bool)
         row.update(diag.rollout_stats(result, torch.tensor([model_tokens(c) for c in completions]), truncated,
-                                      g.num_generations, advantages))
+                                      gen.num_generations, advantages))
         row.update(diag.environment_stats([c.env for c in completions], truncated))   # §20 ({} without one)
         if self.step == 0 and self.state.p_ref is None:
             self.state.p_ref = row["success_rate"]
-        row.update(diag.p_star(self.state.p_ref, result.total, a.kl_target, a.beta, a.advantage, g.num_generations))
-        keep = trained_completions(result.total, g.num_generations, a.skip_zero_std_groups,
+        row.update(diag.p_star(self.state.p_ref, result.total, a.kl_target, a.beta, a.advantage, gen.num_generations))
+        keep = trained_completions(result.total, gen.num_generations, a.skip_zero_std_groups,
                                    exclude=truncated if a.mask_truncated_completions else None)   # §16
         if keep:
             with clock("pack"):                                                        # 4. pack
@@ -567,10 +567,11 @@ class Trainer:
         than 1e-2 is refused, unless algorithm.sampler_correction is on (then it is reported, as a mean over 0.1
         nats is in bf16/fp16, where the kernels differ). The torch RNG is left as
         it was. Returns the largest difference, or None when the engine reports no log-probs."""
-        g = self.recipe.generation
+        gen = self.recipe.generation
         prompt = self.train_set.examples[0].prompt_ids
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            done = self.engine.generate([prompt], SamplingParams(n=2, max_new_tokens=tokens, temperature=g.temperature))
+            done = self.engine.generate([prompt], SamplingParams(n=2, max_new_tokens=tokens,
+                                                                 temperature=gen.temperature))
         done = [c for c in done if c.token_ids]
         if not done or any(c.logprobs is None for c in done):
             return None
@@ -579,7 +580,7 @@ class Trainer:
         with torch.no_grad(), eval_mode(self.model):
             ours = self.logprobs(mb).float().cpu()
         gap = (ours - torch.tensor([x for c in done for x in c.logprobs], dtype=torch.float32)).abs()
-        where = (f"generation.engine={g.engine}: its log-probs of its own samples differ from the trainer's by "
+        where = (f"generation.engine={gen.engine}: its log-probs of its own samples differ from the trainer's by "
                  f"{float(gap.mean()):.3g} nats on average, {float(gap.max()):.3g} at most")
         exact = self.recipe.model.compute_dtype == "float32" and not self.recipe.model.bf16_autocast
         if not (float(gap.max()) <= 1e-2 if exact else float(gap.mean()) <= 0.1):

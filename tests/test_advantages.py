@@ -41,3 +41,19 @@ def test_sign_dead_band_is_a_recipe_option():
     adv = group_advantages(r, cfg.advantage, dead_band=cfg.sign_dead_band)
     assert adv.tolist() == [[1.0, -1.0, 0.0, 0.0]]
     assert group_advantages(r, "sign").tolist() == [[1.0, -1.0, 1.0, -1.0]]
+
+
+def test_every_advantage_the_recipe_allows_has_a_function_and_a_kl_weight():
+    """Found by a newcomer audit: a value added to algorithm.advantage (and to ADVANTAGES) passed validate and every
+    test, then stopped a default run at its first step, in diagnostics.omega_sum ('unknown advantage mode'). Each
+    value of the recipe's Literal has its function and its Omega (docs/algorithm.md §4.3)."""
+    from lowmem_grpo.advantages import ADVANTAGES, SCALES
+    from lowmem_grpo.diagnostics import omega_sum
+    from lowmem_grpo.recipe import algorithm_values
+
+    assert set(ADVANTAGES) == set(algorithm_values("advantage"))
+    assert SCALES == algorithm_values("scale_rewards")
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    for mode in algorithm_values("advantage"):
+        assert group_advantages(r, mode).shape == r.shape
+        assert omega_sum(0.5, mode, group_size=4) > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import recipe_dict
+from conftest import QUIET, recipe_dict
 from lowmem_grpo import diagnostics as diag
 from lowmem_grpo.advantages import STD_EPS, group_advantages
 from lowmem_grpo.loss import (LossOptions, aggregate, aggregation_weights, grpo_token_loss, k1_kl, k2_kl, k3_kl,
@@ -315,7 +315,6 @@ def test_logp_change_and_early_stop():
 
 # -- End to end: every diagnostic in every step row ---------------------------------------------------------
 
-QUIET = dict(log=lambda *a: None)
 BINARY = {"functions": [{"function": "user_rewards:has_digit"}]}
 
 

@@ -132,3 +132,13 @@ def test_p_star_only_under_a_reference_kl_and_binary_rewards():
     assert diag.p_star(0.3, graded, "ref", 0.1, "mean_std", 8)["kl/p_star"] is None
     assert diag.p_star(0.3, binary, "none", 0.1, "mean_std", 8)["kl/p_star"] is None
     assert diag.p_star(None, binary, "ref", 0.1, "mean_std", 8)["kl/p_star"] is None
+
+
+def test_the_totals_reward_keys_are_reserved_from_reward_function_names():
+    """Found by a newcomer audit: a reward/<x> figure of the total (STEP_KEYS) must be a name no reward function takes
+    (rewards.ROW_REWARD_KEYS), else a function named x overwrote it in the row and the report drew it as a function."""
+    from lowmem_grpo.diagnostics import STEP_KEYS
+    from lowmem_grpo.rewards import ROW_REWARD_KEYS
+
+    totals = {k.split("/", 1)[1] for k in STEP_KEYS if k.startswith("reward/")}
+    assert totals and totals == set(ROW_REWARD_KEYS)

@@ -10,6 +10,10 @@ data.answer_field, which `Rewards(..., answer_field=)` passes to them, so a reci
 (max_new_tokens=), with an environment environment.max_total_tokens too (max_total_tokens=), by the trainer: none
 is an option (the Builtin flags below say who gets what).
 
+A new built-in: its function, its options schema here and its BUILTINS entry (a check against the completion budget
+is its budget_problem); tests/test_reward_options.py::test_every_builtin_has_a_case then asks for its cases in
+MISSPELT and ILL_TYPED; the README's options table is regenerated (scripts/gen_recipe_reference.py --write).
+
 This module stays light (pydantic and the standard library; the reward modules it reads defaults from
 import nothing heavier at module level), so validating a recipe does not import torch or math-verify.
 """
@@ -20,7 +24,7 @@ import re
 import types
 from math import isfinite
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Callable, Literal, Optional, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -187,52 +191,6 @@ class RepetitionOptions(_Options):
         return value
 
 
-@dataclass(frozen=True)
-class Builtin:
-    function: str                 # 'module:function' of the implementation
-    options: type[BaseModel]      # the schema of its recipe kwargs
-    reads_answer: bool = False    # called with answer_field=data.answer_field
-    startup: Optional[str] = None  # 'module:function' called with the kwargs when loaded: lines to log; raises to refuse
-    reads_completion_ids: bool = False  # called with completion_ids= (each completion's token id list)
-    # called with max_new_tokens=generation.max_new_tokens, and with an environment on also with
-    # max_total_tokens=environment.max_total_tokens
-    reads_max_new_tokens: bool = False
-
-
-BUILTINS: dict[str, Builtin] = {
-    "math": Builtin("lowmem_grpo.rewards.math:math_reward", MathOptions, reads_answer=True),
-    "format": Builtin("lowmem_grpo.rewards.format:format_reward", FormatOptions),
-    "exact": Builtin("lowmem_grpo.rewards.format:exact_reward", ExactOptions, reads_answer=True),
-    "code": Builtin("lowmem_grpo.rewards.code:code_reward", CodeOptions, startup="lowmem_grpo.rewards.code:startup_report"),
-    "code_binary": Builtin("lowmem_grpo.rewards.code:code_binary_reward", CodeOptions,
-                           startup="lowmem_grpo.rewards.code:startup_report"),
-    "code_io": Builtin("lowmem_grpo.rewards.code_io:code_io_reward", CodeIOOptions,
-                       startup="lowmem_grpo.rewards.code_io:startup_report"),
-    "code_io_binary": Builtin("lowmem_grpo.rewards.code_io:code_io_binary_reward", CodeIOOptions,
-                              startup="lowmem_grpo.rewards.code_io:startup_report"),
-    "countdown": Builtin("lowmem_grpo.rewards.countdown:countdown_reward", CountdownOptions),
-    # shaping rewards (rewards/shaping.py): to follow a correctness reward, never to be the first function
-    "overlong": Builtin("lowmem_grpo.rewards.shaping:overlong_reward", OverlongOptions,
-                        reads_completion_ids=True, reads_max_new_tokens=True),
-    "think_format": Builtin("lowmem_grpo.rewards.shaping:think_format_reward", ThinkFormatOptions),
-    "repetition": Builtin("lowmem_grpo.rewards.shaping:repetition_reward", RepetitionOptions),
-}
-
-# What the trainer passes to the built-ins flagged for it, so never a recipe option:
-# keyword -> (Builtin flag, why a reward that gets it refuses it as an option).
-PASSED_BY_TRAINER = {
-    "answer_field": ("reads_answer", "reads the reference answer from the row field data.answer_field: "
-                                     "set it there, not in this reward's kwargs"),
-    "completion_ids": ("reads_completion_ids", "is passed completion_ids (each completion's token ids) by the "
-                                               "trainer: it is not an option"),
-    "max_new_tokens": ("reads_max_new_tokens", "is passed max_new_tokens by the trainer (generation.max_new_tokens): "
-                                               "set it there, not in this reward's kwargs"),
-    "max_total_tokens": ("reads_max_new_tokens", "is passed max_total_tokens by the trainer with an environment on "
-                                                 "(environment.max_total_tokens): set it there, not in this reward's "
-                                                 "kwargs"),
-}
-
-
 def overlong_reach_problem(kwargs: dict, longest: int, longest_key: str) -> Optional[tuple[str, str]]:
     """(option, message) when `overlong` with these options (valid on their own) cannot punish a completion of at
     most `longest` tokens, which recipe key `longest_key` sets (generation.max_new_tokens, or with an environment
@@ -253,6 +211,56 @@ def overlong_reach_problem(kwargs: dict, longest: int, longest_key: str) -> Opti
             f"reward 'overlong' punishes only a completion longer than max_length - buffer = {limit} - {cache} = "
             f"{limit - cache} tokens{null}, and none is longer than {longest_key} ({longest}): it would score 0 every "
             f"time; lower max_length (null: {longest_key}) or raise buffer")
+
+
+@dataclass(frozen=True)
+class Builtin:
+    function: str                 # 'module:function' of the implementation
+    options: type[BaseModel]      # the schema of its recipe kwargs
+    reads_answer: bool = False    # called with answer_field=data.answer_field
+    startup: Optional[str] = None  # 'module:function' called with the kwargs when loaded: lines to log; raises to refuse
+    reads_completion_ids: bool = False  # called with completion_ids= (each completion's token id list)
+    # called with max_new_tokens=generation.max_new_tokens, and with an environment on also with
+    # max_total_tokens=environment.max_total_tokens
+    reads_max_new_tokens: bool = False
+    # (kwargs, longest, longest_key) -> (option, problem) or None: a check against the completion budget, which the
+    # recipe runs (Recipe's cross-section checks) with generation.max_new_tokens, or environment.max_total_tokens
+    budget_problem: Optional[Callable[[dict, int, str], Optional[tuple[str, str]]]] = None
+
+
+BUILTINS: dict[str, Builtin] = {
+    "math": Builtin("lowmem_grpo.rewards.math:math_reward", MathOptions, reads_answer=True),
+    "format": Builtin("lowmem_grpo.rewards.format:format_reward", FormatOptions),
+    "exact": Builtin("lowmem_grpo.rewards.format:exact_reward", ExactOptions, reads_answer=True),
+    "code": Builtin("lowmem_grpo.rewards.code:code_reward", CodeOptions, startup="lowmem_grpo.rewards.code:startup_report"),
+    "code_binary": Builtin("lowmem_grpo.rewards.code:code_binary_reward", CodeOptions,
+                           startup="lowmem_grpo.rewards.code:startup_report"),
+    "code_io": Builtin("lowmem_grpo.rewards.code_io:code_io_reward", CodeIOOptions,
+                       startup="lowmem_grpo.rewards.code_io:startup_report"),
+    "code_io_binary": Builtin("lowmem_grpo.rewards.code_io:code_io_binary_reward", CodeIOOptions,
+                              startup="lowmem_grpo.rewards.code_io:startup_report"),
+    "countdown": Builtin("lowmem_grpo.rewards.countdown:countdown_reward", CountdownOptions),
+    # shaping rewards (rewards/shaping.py): to follow a correctness reward, never to be the first function
+    "overlong": Builtin("lowmem_grpo.rewards.shaping:overlong_reward", OverlongOptions,
+                        reads_completion_ids=True, reads_max_new_tokens=True,
+                        budget_problem=overlong_reach_problem),
+    "think_format": Builtin("lowmem_grpo.rewards.shaping:think_format_reward", ThinkFormatOptions),
+    "repetition": Builtin("lowmem_grpo.rewards.shaping:repetition_reward", RepetitionOptions),
+}
+
+# What the trainer passes to the built-ins flagged for it, so never a recipe option:
+# keyword -> (Builtin flag, why a reward that gets it refuses it as an option).
+PASSED_BY_TRAINER = {
+    "answer_field": ("reads_answer", "reads the reference answer from the row field data.answer_field: "
+                                     "set it there, not in this reward's kwargs"),
+    "completion_ids": ("reads_completion_ids", "is passed completion_ids (each completion's token ids) by the "
+                                               "trainer: it is not an option"),
+    "max_new_tokens": ("reads_max_new_tokens", "is passed max_new_tokens by the trainer (generation.max_new_tokens): "
+                                               "set it there, not in this reward's kwargs"),
+    "max_total_tokens": ("reads_max_new_tokens", "is passed max_total_tokens by the trainer with an environment on "
+                                                 "(environment.max_total_tokens): set it there, not in this reward's "
+                                                 "kwargs"),
+}
 
 
 # Built-ins that judge how a completion is written, not whether it is right. "Solved" (success_rate, eval accuracy,
