@@ -50,6 +50,12 @@ def rloo(rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # value has one here and a KL weight in diagnostics.omega_sum (§4.3), which a new value needs too
 ADVANTAGES = {"mean_std": mean_std, "mean": mean_only, "sign": sign, "rloo": rloo}
 
+def mode_options(algorithm) -> dict:
+    """The keyword arguments recipe.algorithm gives its advantage's function (sign's dead band; the others take
+    none): the one place that reads a mode's own fields, so that the trainer passes them without knowing the mode."""
+    return {"dead_band": algorithm.sign_dead_band} if algorithm.advantage == "sign" else {}
+
+
 # algorithm.scale_rewards's values (not read from the schema: the recipe imports this module, through diagnostics;
 # tests/test_advantages.py checks the two agree)
 SCALES = ("group", "batch", "none")

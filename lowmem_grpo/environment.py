@@ -18,14 +18,15 @@ environment.step_timeout_s below it is refused: a step cut there would read as t
 episode be skipped, not scored); a method `counters() -> dict[str, number]`, read when an episode ends and
 summed over the step's completions into the row as env/<name> (e.g. the Python tool's tool_calls, tool_errors,
 tool_timeouts; a fixed set of names: a run logs its first MAX_COUNTER_NAMES, a later new name is dropped, said
-once); an attribute `takes_observation_max_tokens = True`, for a constructor that takes
-environment.observation_max_tokens as its kwarg observation_max_tokens, passed by the trainer (ToolCalls: it cuts
-a tool's result to it at once); a method `final_reward() -> float | None`, read once when an episode ends without
+once); an attribute `trainer_settings`, names of environment.* settings the constructor (and startup,
+longest_step_s, stop_for) gets as kwargs of the same name, passed by the trainer (ToolCalls: observation_max_tokens,
+to cut a tool's result to it at once; the Python tool: step_timeout_s, to keep a call's time within it); a method `final_reward() -> float | None`, read once when an episode ends without
 an error (whatever ended it: done, or a limit), added to the rewards its steps gave (TRL's environment get_reward());
 an attribute `ends_at_cut_turn = True`, for an environment whose turns are finished only at their end of
 turn: a model turn cut short then ends the episode, truncated, without step() (ToolCalls); and an attribute
 `for_rewards`, what TRL-shaped reward functions get as environments[i] in its place (default: the instance
-itself; ToolCalls: the environment_factory's instance, as TRL passes it).
+itself; ToolCalls: the environment_factory's instance, as TRL passes it, with `own_for_rewards = True`: made
+for its episode alone, which the driver checks as it checks the environment).
 
 An observation is text, written into the completion through environment.observation_template; or a `Rendered`
 (a str with its chat markup already in it, e.g. a chat template's tool message and the next assistant header:
@@ -132,9 +133,13 @@ class Environment:
     # The chat template's variables for this episode's prompt, over data.chat_template_kwargs, when reset() gives
     # the prompt (ToolCalls with several environments: each episode's prompt shows its own environment's tools)
     template_kwargs: Optional[dict] = None
-    # True: the constructor also gets environment.observation_max_tokens as its kwarg observation_max_tokens (set
-    # by the trainer, not in environment.kwargs), to cut a huge output as soon as it has it (ToolCalls)
-    takes_observation_max_tokens: bool = False
+    # Names of environment.* settings the constructor (and startup, longest_step_s, stop_for) also gets as kwargs of
+    # the same name, set by the trainer, not in environment.kwargs: ToolCalls takes observation_max_tokens (to cut a
+    # huge output as soon as it has it), the Python tool step_timeout_s (to keep a call within a step's limit)
+    trainer_settings: tuple[str, ...] = ()
+    # True: for_rewards is an object made for this episode alone (ToolCalls' environment_factory instance), which
+    # the driver checks no other episode holds, as it checks the environment itself
+    own_for_rewards: bool = False
 
     def reset(self, row: dict) -> Optional[str]:
         """The first user message for this dataset row (or the whole prompt as chat messages, [{role, content},
@@ -232,16 +237,23 @@ def environment_problems(cfg) -> list[tuple[str, str]]:
 
 
 def constructor_kwargs(cfg, cls: type) -> tuple[dict, Optional[str]]:
-    """(the kwargs each instance is built with, or why they cannot be): environment.kwargs, plus
-    observation_max_tokens=environment.observation_max_tokens for a class that takes it (ToolCalls: it cuts a
-    result to it at once rather than hold megabytes until the driver's cut)."""
+    """(the kwargs each instance is built with, or why they cannot be): environment.kwargs, plus each
+    environment.<name> the class's trainer_settings names, as <name>= (ToolCalls: observation_max_tokens, to cut a
+    result at once rather than hold megabytes until the driver's cut; the Python tool: step_timeout_s)."""
     kwargs = dict(cfg.kwargs)
-    if getattr(cls, "takes_observation_max_tokens", False) is not True:
-        return kwargs, None
-    if "observation_max_tokens" in kwargs:
-        return kwargs, (f"environment {cfg.name!r}: observation_max_tokens is passed by the trainer from "
-                        "environment.observation_max_tokens; set it there, not in environment.kwargs")
-    return {**kwargs, "observation_max_tokens": cfg.observation_max_tokens}, None
+    try:
+        names = tuple(getattr(cls, "trainer_settings", ()) or ())
+    except USER_ERRORS as exc:   # (a class attribute is user code where a metaclass makes it so)
+        return kwargs, f"environment {cfg.name!r}: trainer_settings raised {type(exc).__name__}: {said(exc)}"
+    unknown = [n for n in names if not isinstance(n, str) or n not in type(cfg).model_fields or n in ("name", "kwargs")]
+    if unknown:
+        return kwargs, (f"environment {cfg.name!r}: trainer_settings names {', '.join(map(repr, unknown))}, which are "
+                        f"no environment settings (allowed: the environment section's fields but name and kwargs)")
+    given = [n for n in names if n in kwargs]
+    if given:
+        return kwargs, (f"environment {cfg.name!r}: {', '.join(given)} is passed by the trainer from "
+                        f"{', '.join('environment.' + n for n in given)}; set it there, not in environment.kwargs")
+    return {**kwargs, **{n: getattr(cfg, n) for n in names}}, None
 
 
 def _load(cfg) -> tuple[list[tuple[str, str]], Optional[tuple[type, dict, tuple, list]]]:
@@ -516,6 +528,19 @@ def _finite(x) -> Optional[float]:
 # The built-in Python tool
 # ----------------------------------------------------------------------------------------------------
 
+def load_allowance(timeout_s: float, step_timeout_s: Optional[float]) -> float:
+    """The Python tool's load allowance (sandbox.run_python's): LOAD_ALLOWANCE, less where a call stretched so far,
+    with the sandbox's 2 s, would pass environment.step_timeout_s and be cut as a hanging step (its episode skipped
+    where the model's call earned a timeout); never below 1 (the plain wall clock). So a recipe with timeout_s up to
+    step_timeout_s - 2 keeps running, stretched only as far as its step limit allows (found by a review: timeout_s 20
+    under the default step_timeout_s 60 was refused)."""
+    from .rewards.sandbox import LOAD_ALLOWANCE
+
+    if step_timeout_s is None:
+        return LOAD_ALLOWANCE
+    return min(LOAD_ALLOWANCE, max(1.0, (float(step_timeout_s) - 2.0) / float(timeout_s)))
+
+
 class PythonTool(Environment):
     """environment.name: python. A model turn that ends with a tool call's closing tag runs the call's code in
     the sandbox (rewards/sandbox.py; standard library only, no network), and its output, cut to
@@ -539,9 +564,13 @@ class PythonTool(Environment):
     }
     stop = ("</python>",)   # the tags format's (a subclass may change it); stop_for gives each format's
 
+    # the step's limit: a call's allowance for a loaded machine stops where the step would be cut (load_allowance)
+    trainer_settings = ("step_timeout_s",)
+
     def __init__(self, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
-                 allow_weak_sandbox: bool = False, call_format: str = "tags"):
+                 allow_weak_sandbox: bool = False, call_format: str = "tags", step_timeout_s: Optional[float] = None):
         self.timeout_s, self.max_output_chars, self.memory_mb = float(timeout_s), int(max_output_chars), int(memory_mb)
+        self.load_allowance = load_allowance(self.timeout_s, step_timeout_s)
         self.call_format = call_format
         self.OPEN, self.CLOSE, self.ANSWER = self.FORMATS[call_format]
         self.calls = self.errors = self.timeouts = 0
@@ -554,15 +583,14 @@ class PythonTool(Environment):
 
     @classmethod
     def longest_step_s(cls, timeout_s: float = 5.0, **_) -> float:
-        """The call's own limit on a loaded machine (LOAD_ALLOWANCE x timeout_s of wall clock, _run), plus the
-        sandbox's start and teardown (~0.1 s each; a loaded machine's margin)."""
-        from .rewards.sandbox import LOAD_ALLOWANCE
-
-        return LOAD_ALLOWANCE * float(timeout_s) + 2.0
+        """The call's own limit on an idle machine, plus the sandbox's start and teardown (~0.1 s each; a margin).
+        On a loaded one a call may take more (load_allowance), as far as the step's limit leaves room."""
+        return float(timeout_s) + 2.0
 
     @classmethod
     def startup(cls, timeout_s: float = 5.0, max_output_chars: int = 1000, memory_mb: int = 512,
-                allow_weak_sandbox: bool = False, call_format: str = "tags") -> list[str]:
+                allow_weak_sandbox: bool = False, call_format: str = "tags",
+                step_timeout_s: Optional[float] = None) -> list[str]:
         """Refuse a sandbox weaker than full isolation unless allow_weak_sandbox (as the code rewards do)."""
         from .rewards.sandbox import SandboxLimits, missing_protections, run_python, sandbox_summary
 
@@ -622,11 +650,11 @@ class PythonTool(Environment):
     def _run(self, code: str) -> str:
         from .rewards import sandbox
 
-        # timeout_s is the call's time less what it waited for a CPU, up to LOAD_ALLOWANCE x timeout_s: a call next
+        # timeout_s is the call's time less what it waited for a CPU, up to load_allowance x timeout_s: a call next
         # to the trainer and the other calls is not stopped for their load (found by a red team: 0.6 s of work under
         # timeout_s=1 beside two busy processes timed out every time; docs/sandbox.md, "Time limits under load")
         result = sandbox.run_python(code, self.timeout_s, memory_mb=self.memory_mb,
-                                    load_allowance=sandbox.LOAD_ALLOWANCE)
+                                    load_allowance=self.load_allowance)
         if result.killed_reason == "sandbox_error":   # the machine's failure, not the model's: the episode is skipped
             raise EnvOutputError(f"the sandbox could not run the call: {result.error}")
         output = (result.stdout + result.stderr)[: self.max_output_chars]

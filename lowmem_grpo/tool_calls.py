@@ -629,7 +629,7 @@ def _format(model: str, trust_remote_code: bool, kwargs_json: str) -> ChatFormat
 def kept_result_tokens(max_result_tokens: Optional[int], observation_max_tokens: Optional[int]) -> int:
     """The tokens a result is cut to what could keep (cut_to_ends), as soon as it is text: the smaller of the two
     caps given, UNCAPPED_RESULT_TOKENS without either. observation_max_tokens is the trainer's (EnvironmentFactory
-    passes it: takes_observation_max_tokens), whose cut of the observation comes later and keeps no more."""
+    passes it: trainer_settings), whose cut of the observation comes later and keeps no more."""
     caps = [int(t) for t in (max_result_tokens, observation_max_tokens) if t is not None]
     return min(caps) if caps else UNCAPPED_RESULT_TOKENS
 
@@ -648,7 +648,9 @@ class ToolCalls(Environment):
     ends_at_cut_turn = True
     # The trainer passes environment.observation_max_tokens (EnvironmentFactory): each result is cut to it at once,
     # not held whole until the observation's cut (found by a red team: 20 MB results with max_result_tokens unset)
-    takes_observation_max_tokens = True
+    trainer_settings = ("observation_max_tokens",)
+    # for_rewards is the environment_factory's instance, made for each episode: one shared by episodes is their error
+    own_for_rewards = True
 
     def __init__(self, model: str, tools: Optional[list] = None, environment_factory: Factories = "",
                  trust_remote_code: bool = False, chat_template_kwargs: Optional[dict] = None,

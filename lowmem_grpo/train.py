@@ -40,7 +40,7 @@ from . import checkpoint as ckpt
 from . import diagnostics as diag
 from . import distributed
 from . import resume as resume_rules
-from .advantages import group_advantages, normalize_then_sum_advantages
+from .advantages import group_advantages, mode_options, normalize_then_sum_advantages
 from .batch import (SHARED_MAX_WIDTH, BatchShare, MicroBatch, completion_logprobs, minibatches, pack,
                     trained_completions)
 from .data import PROMPT_RECORD, batch_indices, hold_to_engine_context, prompt_record, prompt_sets
@@ -338,7 +338,7 @@ class Trainer:
     def advantages(self, result) -> torch.Tensor:
         """[groups, G] advantages from the rewards (§2, §17)."""
         a, g = self.recipe.algorithm, self.recipe.generation.num_generations
-        extra = {"dead_band": a.sign_dead_band} if a.advantage == "sign" else {}
+        extra = mode_options(a)
         if a.reward_aggregation == "normalize_then_sum" and len(result.per_function) > 1:
             return normalize_then_sum_advantages([v.view(-1, g) for v in result.per_function.values()],
                                                  self.rewards.weights, a.advantage, a.scale_rewards,

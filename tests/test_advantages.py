@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from lowmem_grpo.advantages import group_advantages, zero_std_groups
+from lowmem_grpo.advantages import group_advantages, mode_options, zero_std_groups
 
 
 def test_binary_rewards_give_the_contrastive_weights():
@@ -38,8 +38,9 @@ def test_sign_dead_band_is_a_recipe_option():
 
     cfg = AlgorithmConfig(advantage="sign", sign_dead_band=0.3)
     r = torch.tensor([[1.0, 0.0, 0.6, 0.45]])  # mean 0.5125
-    adv = group_advantages(r, cfg.advantage, dead_band=cfg.sign_dead_band)
+    adv = group_advantages(r, cfg.advantage, **mode_options(cfg))   # (as the trainer passes it)
     assert adv.tolist() == [[1.0, -1.0, 0.0, 0.0]]
+    assert mode_options(AlgorithmConfig(advantage="mean_std", sign_dead_band=0.3)) == {}
     assert group_advantages(r, "sign").tolist() == [[1.0, -1.0, 1.0, -1.0]]
 
 

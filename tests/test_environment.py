@@ -1191,7 +1191,7 @@ def test_the_recipe_reference_names_the_python_tools_call_format():
 
     text = EnvironmentConfig.model_fields["name"].description
     for kwarg in inspect.signature(PythonTool).parameters:
-        assert kwarg in text, kwarg
+        assert kwarg in text or kwarg in PythonTool.trainer_settings, kwarg   # (those: the trainer's, not a kwarg)
     assert all(f in text for f in PythonTool.FORMATS)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `environment.name` |"))
@@ -1321,10 +1321,31 @@ def test_environment_failures_of_the_machine_and_the_config_are_named():
     assert tool.counters()["tool_errors"] == 0
     problems = environment_problems(EnvironmentConfig(name="python", kwargs={"memory_mb": 8, "allow_weak_sandbox": True}))
     assert problems and problems[0][0] == "environment.kwargs" and "memory_mb=8" in problems[0][1], problems
-    # a call may take LOAD_ALLOWANCE (3) x timeout_s of wall clock on a loaded machine, then 2 s of start and teardown
-    cfg = EnvironmentConfig(name="python", kwargs={"timeout_s": 3, "allow_weak_sandbox": True}, step_timeout_s=10)
+    # a call takes timeout_s on an idle machine, then 2 s of start and teardown; on a loaded one its allowance stops
+    # where the step would be cut (test_the_python_tools_load_allowance_stays_within_the_step_limit)
+    cfg = EnvironmentConfig(name="python", kwargs={"timeout_s": 3, "allow_weak_sandbox": True}, step_timeout_s=4.9)
     assert [key for key, _ in environment_problems(cfg)] == ["environment.step_timeout_s"]
-    assert environment_problems(cfg.model_copy(update={"step_timeout_s": 11})) == []
+    assert environment_problems(cfg.model_copy(update={"step_timeout_s": 5})) == []
+
+
+def test_the_python_tools_load_allowance_stays_within_the_step_limit():
+    """Found by a review: the tool's longest step was 3 x timeout_s + 2 s (its time on a loaded machine), so a recipe
+    with timeout_s 20 under the default step_timeout_s 60, valid before, was refused. The trainer passes the step's
+    limit (trainer_settings) and the call's allowance stops where a step would be cut; a recipe setting it in
+    environment.kwargs is told where it belongs."""
+    from lowmem_grpo.environment import PythonTool, constructor_kwargs, load_allowance
+
+    assert load_allowance(5, None) == 3.0 and load_allowance(5, 60) == 3.0
+    assert load_allowance(20, 60) == 2.9 and load_allowance(29, 60) == 2.0 and load_allowance(58, 60) == 1.0
+    cfg = EnvironmentConfig(name="python", kwargs={"timeout_s": 20, "allow_weak_sandbox": True})
+    assert environment_problems(cfg) == []
+    kwargs, problem = constructor_kwargs(cfg, PythonTool)
+    assert problem is None and kwargs["step_timeout_s"] == 60.0
+    assert PythonTool(**kwargs).load_allowance == 2.9
+    bad = cfg.model_copy(update={"kwargs": {"timeout_s": 20, "step_timeout_s": 5}})
+    [(key, text)] = environment_problems(bad)
+    assert key == "environment.kwargs" and "step_timeout_s is passed by the trainer from environment.step_timeout_s" \
+        in text
 
 
 def test_a_huge_first_message_is_refused_before_it_is_tokenized_and_hung_calls_are_bounded(monkeypatch):
@@ -1445,6 +1466,20 @@ def test_an_environment_instance_shared_by_episodes_is_each_ones_error():
         assert c.env.error is not None and "is also another episode's: each episode needs its own" in c.env.error
         assert c.env.turns == 0 and c.env.reward is None and c.token_ids == []
     toy_envs._THE_ONE = None
+
+
+def test_unhashable_or_shared_value_environments_are_not_taken_for_one_shared_instance():
+    """Found by a review of the check above: it hashed the environments, so a @dataclass one (unhashable) stopped the
+    run with a TypeError; and it took a for_rewards value that every instance has (a class constant, a bool) for a
+    shared instance, ending every episode. And for_rewards was read only after reset(): the reward functions got the
+    episode's state before its turns. Now: identities, the for_rewards instance only for ToolCalls', read again at
+    the episode's end."""
+    out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:DataclassCounter"), LIMITS)
+    assert [(c.env.error, c.env.reward, c.env.turns, c.env.instance) for c in out] == [(None, 1.0, 2, {"turns": 2})] * 4
+    out = run_episodes(FakeEngine("12"), TOK, examples(2), SamplingParams(n=2, max_new_tokens=8),
+                       factory("toy_envs:ConstantForRewards"), LIMITS)
+    assert [(c.env.error, c.env.reward, c.env.instance) for c in out] == [(None, 1.0, "calc")] * 4
 
 
 def positional_only(a: int, /) -> int:

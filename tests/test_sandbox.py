@@ -1149,12 +1149,12 @@ def test_a_tool_call_waiting_for_the_cpu_is_not_a_timeout(monkeypatch):
     call = f"<python>{burn}</python>"
     io_cases = [("", "done\n")]
     with one_cpu_shared_with(2):
-        monkeypatch.setattr(sandbox_module, "LOAD_ALLOWANCE", 1.0)   # the plain wall clock, as before
-        monkeypatch.setattr(code_io, "LOAD_ALLOWANCE", 1.0)
         tool = PythonTool(timeout_s=1.0)
+        tool.load_allowance = 1.0   # the plain wall clock, as before
+        monkeypatch.setattr(code_io, "LOAD_ALLOWANCE", 1.0)
         assert "timed out" in tool.step(call)[0] and tool.counters()["tool_timeouts"] == 1
         assert code_io.run_cases_separately(burn, io_cases, timeout=1.0) == [False]
-        monkeypatch.setattr(sandbox_module, "LOAD_ALLOWANCE", 10.0)
+        tool.load_allowance = 10.0
         monkeypatch.setattr(code_io, "LOAD_ALLOWANCE", 10.0)
         obs, _, _ = tool.step(call)
         separately = code_io.run_cases_separately(burn, io_cases, timeout=1.0)
@@ -1215,3 +1215,40 @@ def test_a_trainer_stopped_during_a_run_leaves_nothing_running(namespaces):
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             assert not os.path.exists(workdir), workdir
+
+
+def test_a_trainer_stopped_during_a_run_also_ends_what_left_the_runs_process_group():
+    """Found by a review: without a PID namespace the exit cleanup only killed the run's process group, where the
+    run's own end also kills every process of its uid: a program's child that called setpgid(0, 0) (no parent-death
+    signal reaches it) outlived the trainer's Ctrl-C. Needs the uid layer (the cleanup finds such a child by it)."""
+    import signal
+
+    require_any(False, "uid")
+    program = "import os, time\nif os.fork() == 0:\n    os.setpgid(0, 0)\ntime.sleep(300)\n"
+    script = ("import signal, threading\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from lowmem_grpo.rewards.sandbox import run_python, sandbox_info\n"
+              "sandbox_info(namespaces=False)\nprint('probed', flush=True)\n"
+              f"threading.Thread(target=run_python, args=({program!r}, 200), kwargs={{'namespaces': False}}, "
+              "daemon=True).start()\nthreading.Event().wait()\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    programs = []
+    try:
+        assert trainer.stdout.readline() == "probed\n", "the trainer did not start"
+        deadline = time.monotonic() + 60
+        while len(programs) < 2:   # the program and its child, which left the group
+            assert time.monotonic() < deadline and trainer.poll() is None, "the sandboxed programs did not start"
+            time.sleep(0.05)
+            with contextlib.suppress(psutil.Error):
+                programs = [p for p in psutil.Process(trainer.pid).children(recursive=True) if _runs_main_py(p)]
+        time.sleep(0.3)   # (the child's setpgid, right after its fork)
+        trainer.send_signal(signal.SIGINT)
+        trainer.wait(60)
+    finally:
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+    deadline = time.monotonic() + 20
+    while _live(programs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _live(programs), [(p.pid, p.name()) for p in _live(programs)]

@@ -1148,3 +1148,35 @@ def test_reward_funcs_may_be_left_out_where_an_environment_owns_the_reward_and_n
                                                  r"reward_funcs, or an environment_factory whose environment defines a "
                                                  r"get_reward method$"):
             GRPOTrainer(model=hermes_dir, args=args("d"), **kw, **quiet)
+
+
+_ONE_COUNTER = []
+
+
+def one_shared_counter():
+    """An environment_factory that returns one object for every call (a careless cache)."""
+    if not _ONE_COUNTER:
+        _ONE_COUNTER.append(Counter())
+    return _ONE_COUNTER[0]
+
+
+def test_an_environment_factory_returning_one_shared_object_is_each_episodes_error(hermes_dir):
+    """ToolCalls is built per episode, but its environment_factory instance (what the tools act on and get_reward
+    reads) may be one object for all: the episodes' states mix, every reward scores the last reset's row. Each
+    episode sharing it ends in an error (its for_rewards instance is checked by identity, as the environment is)."""
+    from lowmem_grpo.data import PromptSet
+    from lowmem_grpo.recipe import DataConfig
+
+    tok = build_tokenizer(HERMES)
+    section, template_kwargs = trl_environment([echo], one_shared_counter, model=hermes_dir, trust_remote_code=False,
+                                               chat_template_kwargs=None, max_tool_calling_iterations=1,
+                                               max_completion_length=200)
+    factory = EnvironmentFactory(EnvironmentConfig(**section))
+    cfg = DataConfig(train_path="rows.jsonl", chat_template_kwargs=template_kwargs, max_prompt_tokens=4096)
+    rows = [{"prompt": [{"role": "user", "content": "Count to 10"}], "start": 7}]
+    pset = PromptSet("rows.jsonl", cfg, tok, rows=rows, require_answer=False)
+    limits = TurnLimits(max_turns=section["max_turns"], max_total_tokens=200, observation_max_tokens=100)
+    out = run_episodes(Scripted(tok, [call("increment", by=3)]), tok, pset.examples[:1],
+                       SamplingParams(n=2, max_new_tokens=64), factory, limits, render=pset.render_message)
+    assert len(out) == 2 and all("is also another episode's" in (c.env.error or "") for c in out)
+    _ONE_COUNTER.clear()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 
@@ -288,6 +289,40 @@ class Singleton:
 
     def step(self, model_text):
         return None, self.answer, True
+
+
+@dataclass
+class DataclassCounter:
+    """A @dataclass environment (eq=True: unhashable) whose for_rewards sums up the episode as a dict (unhashable too):
+    two turns, the second scored 1."""
+
+    stop = ()
+    turns: int = 0
+
+    def reset(self, row):
+        self.turns = 0
+        return None
+
+    def step(self, model_text):
+        self.turns += 1
+        return ("+1=", None, False) if self.turns == 1 else (None, 1.0, True)
+
+    @property
+    def for_rewards(self):
+        return {"turns": self.turns}
+
+
+class ConstantForRewards:
+    """for_rewards a class constant, one object for every instance, as a tag might be; one turn scored 1."""
+
+    stop = ()
+    for_rewards = "calc"
+
+    def reset(self, row):
+        return None
+
+    def step(self, model_text):
+        return None, 1.0, True
 
 
 class SlowForRewards:

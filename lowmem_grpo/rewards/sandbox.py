@@ -1250,7 +1250,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
         except OSError as exc:
             raise SandboxError(f"cannot start the sandbox bootstrap {plan.bootstrap_python}: {exc}") from exc
         with _runs_lock:
-            _runs[workdir] = proc
+            _runs[workdir] = (proc, plan, uid)
         if load > 1.0:   # (1: a plain wall clock, no need to read /proc)
             clock.follow(proc.pid, plan.namespaces)
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
@@ -1295,7 +1295,7 @@ def _run(plan: _Plan, code: str, *, timeout_s, require, stdin, memory_mb, file_s
                          unavailable=dict(status.get("failed", {})))
 
 
-_runs: dict = {}   # the runs under way: their directory -> their bootstrap's Popen
+_runs: dict = {}   # the runs under way: their directory -> (their bootstrap's Popen, plan, uid)
 _runs_lock = threading.Lock()
 
 
@@ -1305,12 +1305,11 @@ def _end_runs_at_exit() -> None:
     exits (Ctrl-C during a tool call: found by a red team, its directory was left in /tmp for good)."""
     with _runs_lock:
         runs = list(_runs.items())
-    for workdir, proc in runs:
+    for workdir, (proc, plan, uid) in runs:
         if proc.returncode is None:   # (not reaped: its process group id is still its own)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
+            # as the run's own end does: without a PID namespace, also its uid's processes that left the group
+            # (setpgid, setsid), which no parent-death signal reaches (found by a review)
+            _kill_all(proc, plan, uid)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -97,7 +97,8 @@ class _Episode:
     parallel: bool = False           # the environment's parallel_steps, ends_at_cut_turn and whether it has a
     ends_at_cut: bool = False        # final_reward: read once, at its start (flag, hook: user code that may raise)
     has_final_reward: bool = False
-    instance: object = None          # its for_rewards (read once, after reset: a property is user code too)
+    own_instance: bool = False       # its own_for_rewards: for_rewards is an object made for this episode alone
+    instance: object = None          # its for_rewards (read after reset, and at the end: a property is user code too)
 
     def end(self, truncated: bool = False, error: Optional[str] = None) -> None:
         self.done, self.truncated, self.error = True, self.truncated or truncated, error
@@ -124,6 +125,7 @@ def _start(prompt_index: int, example, factory, render: Optional[Callable], time
         ep.env = factory.make()
         ep.parallel, ep.ends_at_cut = flag(ep.env, "parallel_steps"), flag(ep.env, "ends_at_cut_turn")
         ep.has_final_reward = hook(ep.env, "final_reward") is not None
+        ep.own_instance = flag(ep.env, "own_for_rewards")
         first = checked_reset(ep.env, row)
         ep.instance = for_rewards(ep.env)   # (after reset: ToolCalls' is then the environment the row picked)
         return first, (_template_kwargs(ep.env) if first is not None else None)
@@ -484,6 +486,7 @@ def run_episodes(engine, tokenizer, examples: list, params: SamplingParams, fact
     for ep in episodes:
         _read_final_reward(ep, limits.step_timeout_s)
         _read_counters(ep, limits.step_timeout_s, factory.counter_names)
+        _read_for_rewards(ep, limits.step_timeout_s)
     return [ep.completion() for ep in episodes]
 
 
@@ -496,8 +499,14 @@ def _end_shared(episodes: list) -> None:
     for ep in episodes:
         if ep.env is None:
             continue
-        for instance in dict.fromkeys(i for i in (ep.env, ep.instance) if i is not None):
-            owners.setdefault(id(instance), []).append(ep)
+        # By identity, never hashed (a @dataclass environment is unhashable, a user __hash__ is unbounded code); the
+        # for_rewards instance only where it is one made per episode (own_for_rewards: ToolCalls'): another
+        # environment's may be a shared value by design (a bool, a class constant), found by a review
+        mine = {id(ep.env)}
+        if ep.own_instance and ep.instance is not None:
+            mine.add(id(ep.instance))
+        for key in mine:
+            owners.setdefault(key, []).append(ep)
     for sharing in owners.values():
         if len(sharing) < 2:
             continue
@@ -532,6 +541,17 @@ def _read_counters(ep: _Episode, timeout_s: float, names) -> None:
         ep.error = ep.error or str(counters)
     else:
         ep.counters = names.kept(counters)
+
+
+def _read_for_rewards(ep: _Episode, timeout_s: float) -> None:
+    """What the reward functions get for the episode (its for_rewards), read again at its end, bounded as step() is:
+    the instance as the episode left it (a property that sums up the episode gave its state after reset() when it
+    was read only there: found by a review); None where it cannot be read."""
+    if ep.env is None:
+        return
+    env = ep.env
+    instance = _bounded(lambda: for_rewards(env), timeout_s, "for_rewards")
+    ep.instance = None if isinstance(instance, EnvOutputError) else instance
 
 
 def runner(engine, tokenizer, factory, limits: TurnLimits, render: Optional[Callable] = None) -> Callable:
