@@ -705,24 +705,6 @@ def test_vespo_takes_the_sampler_correction_into_its_ratio():
     assert not torch.allclose(without.vespo_weight, tl.vespo_weight)
 
 
-@pytest.mark.parametrize("options, call, words", [
-    (dict(clip="vespo"), dict(), "needs seq_index"),
-    (dict(clip="vespo", level="sequence"), None, "level must be 'token'"),
-    (dict(clip="vespo", delta=2.0), None, "delta only applies"),
-    (dict(clip="ratio"), dict(sampler_weight=torch.ones(3)), "sampler_weight enters clip 'vespo' only"),
-])
-def test_invalid_vespo_combinations(options, call, words):
-    """call None: refused when the options are built; else when the loss is called with these tensors."""
-    if call is None:
-        with pytest.raises(ValueError, match=words):
-            LossOptions(beta=0.0, kl_target="none", **options)
-        return
-    built = LossOptions(beta=0.0, kl_target="none", **options)
-    x = torch.zeros(3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=words):
-        grpo_token_loss(x, x, None, x, built, **call)
-
-
 def _padded(seed, lengths, spread=1.0):
     """A padded batch as TRL holds it ([B, T] log-probs and mask, [B] advantages of both signs) and the same tokens
     in this project's flat layout (those under the mask, in row order, with their row as seq_index)."""
@@ -975,6 +957,10 @@ def test_gmpo_with_sequence_mean_is_trls_loss_and_clip_counts(beta, eps):
 
 
 @pytest.mark.parametrize("options, call, words", [
+    (dict(clip="vespo"), dict(), "needs seq_index"),
+    (dict(clip="vespo", level="sequence"), None, "level must be 'token'"),
+    (dict(clip="vespo", delta=2.0), None, "delta only applies"),
+    (dict(clip="ratio"), dict(sampler_weight=torch.ones(3)), "sampler_weight enters clip 'vespo' only"),
     (dict(clip="gmpo"), dict(), "clip 'gmpo' needs seq_index"),
     (dict(clip="gmpo", level="sequence"), None, "clip 'gmpo' builds its own sequence ratio"),
     (dict(clip="gmpo", delta=2.0), None, "delta only applies"),
@@ -983,7 +969,7 @@ def test_gmpo_with_sequence_mean_is_trls_loss_and_clip_counts(beta, eps):
     (dict(clip="gmpo"), dict(seq_index=torch.tensor([0, 0, 1]), pg_weight=torch.tensor([1.0, 0.0, 1.0])),
      "pg_weight differs between the tokens of a completion"),
 ])
-def test_invalid_gmpo_combinations(options, call, words):
+def test_invalid_vespo_and_gmpo_combinations(options, call, words):
     """call None: refused when the options are built; else when the loss is called with these tensors."""
     if call is None:
         with pytest.raises(ValueError, match=words):

@@ -1169,6 +1169,44 @@ def _runs_main_py(process) -> bool:
         return False
 
 
+def _stop_a_trainer_during_a_run(program: str, namespaces: bool, sig, started_enough) -> tuple[list, str]:
+    """A trainer (a Python process) whose daemon thread runs `program` in the sandbox (as rollout/turns.py runs an
+    environment's step), stopped by `sig` once started_enough(its descendants) holds; then waited for (20 s) until
+    none of those descendants lives. Returns (the descendants that did, the run's directory)."""
+    # (the probe runs programs of its own, main.py too: done before the run the test stops)
+    script = ("import signal, threading\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from lowmem_grpo.rewards.sandbox import run_python, sandbox_info\n"
+              f"sandbox_info(namespaces={namespaces!r})\nprint('probed', flush=True)\n"
+              f"threading.Thread(target=run_python, args=({program!r}, 200), "
+              f"kwargs={{'namespaces': {namespaces!r}}}, daemon=True).start()\n"
+              "threading.Event().wait()\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    started = []
+    try:
+        assert trainer.stdout.readline() == "probed\n", "the trainer did not start"
+        deadline = time.monotonic() + 60
+        while not started_enough(started):
+            assert time.monotonic() < deadline and trainer.poll() is None, "the sandboxed program did not start"
+            time.sleep(0.05)
+            with contextlib.suppress(psutil.Error):
+                started = psutil.Process(trainer.pid).children(recursive=True)
+        # the run's directory: its bootstrap's working directory (other tests' runs may have theirs meanwhile)
+        [workdir] = {p.cwd() for p in started if p.ppid() == trainer.pid}
+        assert os.path.basename(workdir).startswith("lowmem-sandbox-"), workdir
+        time.sleep(0.3)   # (what the program does right after it starts: a fork's setpgid)
+        trainer.send_signal(sig)
+        trainer.wait(60)
+    finally:
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+    deadline = time.monotonic() + 20
+    while _live(started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return started, workdir
+
+
 @pytest.mark.parametrize("namespaces", MODES)
 def test_a_trainer_stopped_during_a_run_leaves_nothing_running(namespaces):
     """Found by a red team: Ctrl-C during a Python tool call (its run on a daemon thread, as rollout/turns.py runs an
@@ -1180,36 +1218,9 @@ def test_a_trainer_stopped_during_a_run_leaves_nothing_running(namespaces):
     import shutil
     import signal
 
-    # (the probe runs programs of its own, main.py too: done before the run the test stops)
-    script = ("import signal, threading\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "from lowmem_grpo.rewards.sandbox import run_python, sandbox_info\n"
-              f"sandbox_info(namespaces={namespaces!r})\nprint('probed', flush=True)\n"
-              f"threading.Thread(target=run_python, args=('import time\\ntime.sleep(300)', 200), "
-              f"kwargs={{'namespaces': {namespaces!r}}}, daemon=True).start()\n"
-              "threading.Event().wait()\n")
     for sig in (signal.SIGINT, signal.SIGKILL):
-        trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL, text=True)
-        try:
-            assert trainer.stdout.readline() == "probed\n", "the trainer did not start"
-            deadline, started = time.monotonic() + 60, []
-            while not any(_runs_main_py(p) for p in started):
-                assert time.monotonic() < deadline and trainer.poll() is None, "the sandboxed program did not start"
-                time.sleep(0.05)
-                with contextlib.suppress(psutil.Error):
-                    started = psutil.Process(trainer.pid).children(recursive=True)
-            # the run's directory: its bootstrap's working directory (other tests' runs may have theirs meanwhile)
-            [workdir] = {p.cwd() for p in started if p.ppid() == trainer.pid}
-            assert os.path.basename(workdir).startswith("lowmem-sandbox-"), workdir
-            trainer.send_signal(sig)
-            trainer.wait(60)
-        finally:
-            trainer.kill()
-            trainer.wait()
-            trainer.stdout.close()
-        deadline = time.monotonic() + 20
-        while _live(started) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        started, workdir = _stop_a_trainer_during_a_run("import time\ntime.sleep(300)", namespaces, sig,
+                                                        lambda procs: any(_runs_main_py(p) for p in procs))
         assert not _live(started), (sig, [(p.pid, p.name()) for p in _live(started)])
         if sig == signal.SIGKILL:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -1225,30 +1236,7 @@ def test_a_trainer_stopped_during_a_run_also_ends_what_left_the_runs_process_gro
 
     require_any(False, "uid")
     program = "import os, time\nif os.fork() == 0:\n    os.setpgid(0, 0)\ntime.sleep(300)\n"
-    script = ("import signal, threading\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "from lowmem_grpo.rewards.sandbox import run_python, sandbox_info\n"
-              "sandbox_info(namespaces=False)\nprint('probed', flush=True)\n"
-              f"threading.Thread(target=run_python, args=({program!r}, 200), kwargs={{'namespaces': False}}, "
-              "daemon=True).start()\nthreading.Event().wait()\n")
-    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    programs = []
-    try:
-        assert trainer.stdout.readline() == "probed\n", "the trainer did not start"
-        deadline = time.monotonic() + 60
-        while len(programs) < 2:   # the program and its child, which left the group
-            assert time.monotonic() < deadline and trainer.poll() is None, "the sandboxed programs did not start"
-            time.sleep(0.05)
-            with contextlib.suppress(psutil.Error):
-                programs = [p for p in psutil.Process(trainer.pid).children(recursive=True) if _runs_main_py(p)]
-        time.sleep(0.3)   # (the child's setpgid, right after its fork)
-        trainer.send_signal(signal.SIGINT)
-        trainer.wait(60)
-    finally:
-        trainer.kill()
-        trainer.wait()
-        trainer.stdout.close()
-    deadline = time.monotonic() + 20
-    while _live(programs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _live(programs), [(p.pid, p.name()) for p in _live(programs)]
+    # the program and its child, which left the group
+    started, _ = _stop_a_trainer_during_a_run(program, False, signal.SIGINT,
+                                              lambda procs: sum(_runs_main_py(p) for p in procs) >= 2)
+    assert not _live(started), [(p.pid, p.name()) for p in _live(started)]
