@@ -20,8 +20,9 @@ summed over the step's completions into the row as env/<name> (e.g. the Python t
 tool_timeouts; a fixed set of names: a run logs its first MAX_COUNTER_NAMES, a later new name is dropped, said
 once); an attribute `trainer_settings`, names of environment.* settings the constructor (and startup,
 longest_step_s, stop_for) gets as kwargs of the same name, passed by the trainer (ToolCalls: observation_max_tokens,
-to cut a tool's result to it at once; the Python tool: step_timeout_s, to keep a call's time within it); a method `final_reward() -> float | None`, read once when an episode ends without
-an error (whatever ended it: done, or a limit), added to the rewards its steps gave (TRL's environment get_reward());
+to cut a tool's result to it at once; the Python tool: step_timeout_s, to keep a call's time within it); a
+method `final_reward() -> float | None`, read once when an episode ends without an error (whatever ended it:
+done, or a limit), added to the rewards its steps gave (TRL's environment get_reward());
 an attribute `ends_at_cut_turn = True`, for an environment whose turns are finished only at their end of
 turn: a model turn cut short then ends the episode, truncated, without step() (ToolCalls); and an attribute
 `for_rewards`, what TRL-shaped reward functions get as environments[i] in its place (default: the instance

@@ -39,8 +39,8 @@ def lingering_code(completions, **_):
 
 
 def _held() -> dict:
-    """What this process holds that a run could leak: child processes, open files, threads. After a collection: a
-    finished Trainer is a reference cycle, whose data files stay open until the collector frees it."""
+    """What this process holds that a run could leak: child processes, open files, threads. After a collection, so
+    that only what a run keeps alive counts (tests/test_train.py checks a finished Trainer is freed without one)."""
     gc.collect()
     me = psutil.Process()
     return {"children": {p.pid for p in me.children(recursive=True)}, "fds": len(os.listdir("/proc/self/fd")),
