@@ -43,7 +43,9 @@ checkpoint there, no reward source (neither reward_funcs nor an environment with
 bf16/fp16 choose (float32 and auto aside), a report_to integration that is not installed. The checks that do not
 depend on each other are collected: one TRLCompatError lists every problem, one a line (_Refusals). TRL's own
 trl/scripts/grpo.py runs (tests/test_trl_script.py); its `--resume_from_checkpoint true` arrives as the text "true",
-read as True. Training is LoRA only: without `peft_config`,
+read as True. TRL's experimental GMPO runs the same way (`from lowmem_grpo.trl import GMPOConfig, GMPOTrainer`, was
+`from trl.experimental.gmpo import ...`): its recipe has algorithm.clip gmpo (recipe_from_trl's variant). Training
+is LoRA only: without `peft_config`,
 the recipe's default LoRA (r = 16, all linear layers).
 Resuming a run goes through the same script (its functions are not importable from the recipe file).
 """
@@ -225,7 +227,8 @@ FROM_TRL = {
     "algorithm.beta": "beta", "algorithm.mu": "num_iterations", "algorithm.delta": "delta",
     "algorithm.epsilon_low": "epsilon", "algorithm.epsilon_high": "epsilon_high",
     "algorithm.sequence_epsilon_low": "epsilon", "algorithm.sequence_epsilon_high": "epsilon_high",
-    "algorithm.cispo_max_weight": "epsilon_high", "algorithm.reward_aggregation": "multi_objective_aggregation",
+    "algorithm.cispo_max_weight": "epsilon_high", "algorithm.gmpo_epsilon_low": "epsilon",
+    "algorithm.gmpo_epsilon_high": "epsilon_high", "algorithm.reward_aggregation": "multi_objective_aggregation",
     **{f"algorithm.{k}": k for k in ("importance_sampling_level", "scale_rewards", "mask_truncated_completions",
                                      "top_entropy_quantile", "entropy_coef", "sapo_temperature_pos",
                                      "sapo_temperature_neg", "off_policy_mask_threshold", *VESPO_SETTINGS)},
@@ -254,10 +257,14 @@ class GRPOConfig:
     config inherits, as transformers' TrainingArguments has it (local_rank, device, run_name, ...; its methods and
     properties, get_process_log_level() and train_batch_size among them, read this config's settings)."""
 
+    # the defaults of a TRL subclass of GRPOConfig that differ from GRPOConfig's (TRL_DEFAULTS): given() reports
+    # them as set, since recipe_from_trl fills in GRPOConfig's defaults for what is not
+    _OWN_DEFAULTS: dict[str, Any] = {}
+
     def __init__(self, output_dir: Optional[str] = None, **settings):
         # output_dir may come first by position, as in TRL's own GRPOConfig(f"{model_name}-GRPO")
         self._given = _json_settings({**({"output_dir": output_dir} if output_dir is not None else {}), **settings})
-        for name, value in {**TRL_DEFAULTS, **self._given}.items():
+        for name, value in {**TRL_DEFAULTS, **self._OWN_DEFAULTS, **self._given}.items():
             setattr(self, name, value)
 
     def __getattr__(self, name):
@@ -303,6 +310,13 @@ class GRPOConfig:
         return {k: v for k, v in now.items() if k in self._given or k not in TRL_DEFAULTS or v != TRL_DEFAULTS[k]}
 
 
+class GMPOConfig(GRPOConfig):
+    """TRL's experimental GMPOConfig (trl.experimental.gmpo): GRPOConfig's fields, with epsilon and epsilon_high
+    bounding the token log-ratios in log space (algorithm.gmpo_epsilon_low/high) and epsilon 0.4 by default."""
+
+    _OWN_DEFAULTS = {"epsilon": 0.4}
+
+
 def _plain(value):
     """An enum setting as its value: transformers turns optim, lr_scheduler_type, eval_strategy, ... into enums
     (OptimizerNames.ADAMW_TORCH), which the tables here know by their values ("adamw_torch")."""
@@ -319,10 +333,9 @@ def _given_settings(args) -> dict:
     if isinstance(args, dict):
         return _json_settings({k: _plain(v) for k, v in args.items()})
     if dataclasses.is_dataclass(args):
-        out = {}
+        out, base = {}, _grpo_field_defaults(args)
         for f in dataclasses.fields(args):
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+            default = base.get(f.name, _field_default(f))
             value = getattr(args, f.name)
             if default is dataclasses.MISSING or value != default:
                 out[f.name] = _plain(value)
@@ -333,6 +346,22 @@ def _given_settings(args) -> dict:
             del out["generation_batch_size"]
         return out
     raise TRLCompatError(f"args: expected a GRPOConfig (this module's or TRL's) or a dict, got {type(args).__name__}")
+
+
+def _field_default(f: dataclasses.Field):
+    """A dataclass field's default (MISSING for a field without one)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def _grpo_field_defaults(args) -> dict:
+    """The defaults a TRL config's fields are read against: those of TRL's GRPOConfig where args is a subclass of it.
+    TRL's GMPOConfig defaults epsilon to 0.4: left there, it is a setting for recipe_from_trl, which fills in
+    GRPOConfig's 0.2 for what it is not given (and GRPOTrainer given that config clips the ratio at 0.4, as TRL's)."""
+    grpo = next((c for c in type(args).__mro__ if c.__name__ == "GRPOConfig" and c.__module__.startswith("trl.")),
+                type(args))
+    return {f.name: _field_default(f) for f in dataclasses.fields(grpo)}
 
 
 # TRL's GRPOConfig reads a str that starts with "{" as JSON in these (transformers' _VALID_DICT_FIELDS), as CLI-style
@@ -486,6 +515,28 @@ def _setting_problems(s: dict, eval_path: str) -> list[str]:
     return [f"GRPOConfig: {p}" for p in out]
 
 
+# GMPOConfig settings that TRL's GMPOTrainer reads nowhere (only GRPO's loss does): a script that changes one from
+# its default means something that neither TRL's GMPO nor the recipe's does, so it is refused rather than dropped
+GMPO_IGNORED = {"delta": "GMPO's log-space clip has no cap on the unclipped term",
+                "importance_sampling_level": "GMPO takes the geometric mean of the token ratios itself",
+                "entropy_coef": "GMPO's loss has no entropy bonus",
+                "off_policy_mask_threshold": "GMPO's loss masks no off-policy completion",
+                **{k: "GMPO's loss applies no vLLM importance sampling correction"
+                   for k in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+                             "vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap")}}
+
+
+def _gmpo_problems(s: dict) -> list[str]:
+    """The GMPOConfig settings (TRL's defaults filled in) that GMPO cannot carry over, one line each."""
+    out = [f"GMPOConfig: {k}={s[k]!r}: TRL's GMPOTrainer ignores it ({why}): drop it"
+           for k, why in GMPO_IGNORED.items() if s[k] != TRL_DEFAULTS[k]]
+    if s["top_entropy_quantile"] < 1:   # TRL's GMPO keeps only high-entropy tokens in the mean; clip gmpo refuses it
+        out.append(f"GMPOConfig: top_entropy_quantile={s['top_entropy_quantile']!r}: not here with GMPO (TRL's "
+                   "GMPOTrainer takes only the high-entropy tokens into each geometric mean; here every token of a "
+                   "completion moves through its mean): leave it 1.0")
+    return out
+
+
 def _compute_dtype(s: dict) -> str:
     """The dtype bf16/fp16 choose (TRL's bf16 defaults to True without fp16): the recipe's model.compute_dtype."""
     return "float16" if s["fp16"] else ("float32" if s["bf16"] is False else "bfloat16")
@@ -532,12 +583,16 @@ def _max_steps_problem(s: dict, minibatch_count: int) -> Optional[str]:
 
 def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs: list[dict],
                     eval_path: str = "", lora: Optional[dict] = None, train_rows: int = 0, eval_rows: int = 0,
-                    processes: int = 1) -> dict:
+                    processes: int = 1, variant: str = "grpo") -> dict:
     """The recipe (as a dict) that runs what `settings` (GRPOConfig field -> value, the ones a script gave) ask for,
-    TRL's defaults standing in for the rest, on `processes` processes (torchrun's, as accelerate's for TRL). Raises
-    TRLCompatError naming each setting that cannot be carried over (all of them at once, one a line, where the
-    checks do not depend on each other)."""
+    TRL's defaults standing in for the rest, on `processes` processes (torchrun's, as accelerate's for TRL), for
+    TRL's GRPOTrainer (variant "grpo") or its experimental GMPOTrainer ("gmpo"). Raises TRLCompatError naming each
+    setting that cannot be carried over (all of them at once, one a line, where the checks do not depend on each
+    other)."""
     settings = _json_settings(settings)
+    gmpo = variant == "gmpo"
+    if gmpo:   # TRL's GMPOTrainer reads no loss_type (its loss is its own, any value accepted): ignored here too
+        settings = {k: v for k, v in settings.items() if k != "loss_type"}
     found = _Refusals()
     unknown = sorted(k for k in settings if k not in TRL_DEFAULTS and k not in EARLIER_TRL and k not in IGNORED
                      and k not in NOT_HERE)
@@ -550,7 +605,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
                       "accepted)")
     settings = {k: v for k, v in settings.items() if k not in NOT_HERE and k not in unknown}
     s = {**TRL_DEFAULTS, **EARLIER_TRL, **settings}
-    found.add(*_setting_problems(s, eval_path))
+    found.add(*_setting_problems(s, eval_path), *(_gmpo_problems(s) if gmpo else []))
     if not isinstance(s["disable_dropout"], bool):
         found.add(f"GRPOConfig: disable_dropout must be True or False, got {s['disable_dropout']!r:.60}")
     sampling = {}
@@ -597,7 +652,9 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     def every(value) -> int:   # a *_steps count in steps here; below 1, transformers reads it as a share of the run
         value = math.ceil(updates * value) if 0 < value < 1 else int(value)
         return max(1, math.ceil(value / per_step))
-    aggregation, clip = LOSS_TYPES[s["loss_type"]]
+    # TRL's GMPO loss averages each completion's term over the completions: sequence_mean gives its number
+    # (tests/test_loss_options.py::test_gmpo_with_sequence_mean_is_trls_loss_and_clip_counts)
+    aggregation, clip = ("sequence_mean", "gmpo") if gmpo else LOSS_TYPES[s["loss_type"]]
     log_every = max(1, train_rows // prompts_per_step) if s["logging_strategy"] == "epoch" else every(s["logging_steps"])
     dtype = _compute_dtype(s)
     algorithm = {
@@ -611,8 +668,8 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         "top_entropy_quantile": s["top_entropy_quantile"], "entropy_coef": s["entropy_coef"],
         "sapo_temperature_pos": s["sapo_temperature_pos"], "sapo_temperature_neg": s["sapo_temperature_neg"],
         "off_policy_mask_threshold": s["off_policy_mask_threshold"], **{k: s[k] for k in VESPO_SETTINGS}}
-    if s["beta"] > 0:   # TRL's use_bias_correction_kl weights that KL (no KL, nothing to weight)
-        algorithm.update(beta=s["beta"], kl_ratio_weight=bool(s["use_bias_correction_kl"]))
+    if s["beta"] > 0:   # TRL's use_bias_correction_kl weights that KL (no KL, nothing to weight; GMPO's KL never)
+        algorithm.update(beta=s["beta"], kl_ratio_weight=bool(s["use_bias_correction_kl"]) and not gmpo)
     # TRL's epsilon/epsilon_high bound whichever clip the loss uses; here each clip has its own keys
     low, high = s["epsilon"], s["epsilon"] if s["epsilon_high"] is None else s["epsilon_high"]
     if clip == "cispo":
@@ -621,7 +678,10 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
         algorithm.update(sequence_epsilon_low=low, sequence_epsilon_high=high)
     elif clip == "ratio":
         algorithm.update(epsilon_low=low, epsilon_high=high)
-    if s["use_vllm"] and s["vllm_importance_sampling_correction"]:   # TRL corrects only vLLM's samples
+    elif clip == "gmpo":   # GMPOConfig's epsilons are log-space bounds of the token log-ratios
+        algorithm.update(gmpo_epsilon_low=low, gmpo_epsilon_high=high)
+    # TRL corrects only vLLM's samples, and only in GRPO's loss (GMPO's never reads the correction)
+    if s["use_vllm"] and s["vllm_importance_sampling_correction"] and not gmpo:
         algorithm.update(sampler_correction=s["vllm_importance_sampling_mode"],   # (the cap: clip_max's old name)
                          sampler_correction_max=s["vllm_importance_sampling_cap"]
                          if s["vllm_importance_sampling_cap"] is not None else s["vllm_importance_sampling_clip_max"])
@@ -1336,6 +1396,9 @@ class GRPOTrainer:
     """TRL's GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, peft_config, tools,
     environment_factory), run by lowmem-grpo (tools and environment_factory: lowmem_grpo/tool_calls.py)."""
 
+    _variant = "grpo"             # recipe_from_trl's: which of TRL's trainers this one stands for
+    _default_config = GRPOConfig  # the config made for a script that passes no args, as TRL's trainer makes it
+
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, environment_factory=None,
@@ -1344,6 +1407,8 @@ class GRPOTrainer:
         # line each) where the next step reads what was refused: a script learns every problem in one run
         found = _Refusals()
         found.add(*_call_problems(unsupported, optimizers, model))
+        if args is None:   # TRL's GRPOConfig(f"{model_name}-GRPO") (GMPOConfig, -GMPO) for a script that passes none
+            args = self._default_config(f"{str(model).rstrip('/').split('/')[-1]}-{self._variant.upper()}")
         self._callbacks = [c for c in (found.check(_callback, c) for c in (callbacks or [])) if c is not None]
         try:   # every later check reads the settings: a config that cannot be read stops here
             settings = _given_settings(args)
@@ -1353,9 +1418,6 @@ class GRPOTrainer:
         s = {**TRL_DEFAULTS, **settings}
         if train_dataset is None:   # TRL: the environment gives each prompt from reset(); max_steps sets the length
             train_dataset = found.check(_placeholder_rows, environment_factory, s)
-        if args is None:   # TRL's GRPOConfig(f"{model_name}-GRPO") for a script that passes no args
-            settings["output_dir"] = f"{str(model).rstrip('/').split('/')[-1]}-GRPO"
-            args = GRPOConfig(output_dir=settings["output_dir"])
         found.check(_check_reward_processing_classes, reward_processing_classes, reward_funcs)
         init_kwargs = settings.get("model_init_kwargs") or {}
         dtype_problem = _dtype_problem(init_kwargs, _compute_dtype(s))
@@ -1378,7 +1440,7 @@ class GRPOTrainer:
         iterations = settings.pop("max_tool_calling_iterations", None)
         d = found.check(recipe_from_trl, settings, model=str(model), train_path=str(out / "data" / "train.jsonl"),
                         processes=launched_size(), eval_path=eval_path, reward_specs=specs, lora=lora,
-                        train_rows=n, eval_rows=eval_rows)
+                        train_rows=n, eval_rows=eval_rows, variant=self._variant)
         environment = None
         if (tools or environment_factory is not None) and model_ok:   # TRL's tool calls (lowmem_grpo/tool_calls.py)
             environment = found.check(_tool_environment, tools, environment_factory, str(model), remote, s, iterations)
@@ -1735,3 +1797,11 @@ class GRPOTrainer:
             self.log(f"[lowmem-grpo] adapter ({adapter.parent.name}) -> {target}")
         distributed.barrier(world, "saving the model")
         return target
+
+
+class GMPOTrainer(GRPOTrainer):
+    """TRL's experimental GMPOTrainer (trl.experimental.gmpo): GRPOTrainer's arguments, the recipe's clip gmpo. As
+    TRL's, it takes a plain GRPOConfig too (its epsilon then is the log-space bound, 0.2 unless set)."""
+
+    _variant = "gmpo"
+    _default_config = GMPOConfig
