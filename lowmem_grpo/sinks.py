@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import math
 import os
 import shutil
@@ -328,6 +329,11 @@ def tensorboard_available() -> bool:
     except ImportError:  # torch raises ImportError when the tensorboard package is missing
         return False
     return True
+
+
+def wandb_available() -> bool:
+    """Whether wandb can be imported (without importing it: it is slow)."""
+    return importlib.util.find_spec("wandb") is not None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -421,6 +421,12 @@ class Trainer:
             return weight, (w.detach().cpu(), masked.cpu())
         return (w if weight is None else weight * w), (w.detach().cpu(), masked.cpu())
 
+    def memory_figures(self) -> dict:
+        """The step row's memory: the peak (the fullest device's) and what is in use now (where a leak shows), from
+        every process in one exchange."""
+        both = distributed.gather((peak_memory_mib(), current_memory_mib()), self.world)
+        return {"memory/peak_mib": max(peak for peak, _ in both), "memory/now_mib": max(now for _, now in both)}
+
     def update(self, batches: list[MicroBatch], prev_objective: Optional[float] = None) -> dict:
         """One optimizer step over all micro-batches (gradient accumulation). With mu > 1, §7's early stop may
         find the batch spent after this pass (forward and backward): then no step is taken, and the row holds
@@ -546,8 +552,7 @@ class Trainer:
         row.update({"step": self.step + 1, "lr": self.scheduler.get_last_lr()[0], **clock.row(),
                     "time/rollout_tokens_per_s": sum(model_tokens(c) for c in completions)
                     / max(clock.seconds["rollout"], 1e-9),
-                    "memory/peak_mib": max(distributed.gather(peak_memory_mib(), self.world)),   # the fullest device
-                    "memory/now_mib": max(distributed.gather(current_memory_mib(), self.world)),   # a leak shows here
+                    **self.memory_figures(),
                     "sample": text_ends(texts[0]) if texts else "",   # (whole in the sample tables)
                     "data/skipped_rows": len(self.train_set.skipped)})  # grows as lazy data meets bad rows
         every = r.output.samples_every  # the table is built only for the steps that write it

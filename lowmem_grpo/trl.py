@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -70,7 +69,7 @@ from .distributed import launched_size
 from .recipe import Recipe, RecipeError, recipe_from_dict
 from .rollout.base import EngineError
 from .rewards import ROW_REWARD_KEYS, epochs_done
-from .sinks import Sink, scalars
+from .sinks import Sink, scalars, wandb_available
 from .sources import DataError
 from .user_code import importable_name
 
@@ -558,7 +557,7 @@ def _report_to_problems(report: list[str]) -> list[str]:
     other = sorted(set(report) - {"all", "none", *REPORTERS})
     out = [f"report_to: {', '.join(other)} is not here (allowed: {', '.join(REPORTERS)}, all or none; every metric "
            "is in output_dir/metrics.jsonl)"] if other else []
-    if "wandb" in report and importlib.util.find_spec("wandb") is None:
+    if "wandb" in report and not wandb_available():
         out.append("report_to: wandb is not installed: pip install wandb (and wandb login), or drop wandb from "
                    "report_to (--report_to none)")
     if "tensorboard" in report and not tensorboard_available():
@@ -693,7 +692,7 @@ def recipe_from_trl(settings: dict, *, model: str, train_path: str, reward_specs
     elif eval_path and s["eval_strategy"] == "epoch":
         evaluate_every = max(1, train_rows // prompts_per_step)
     report = _report_to(s)
-    wandb = "wandb" in report or ("all" in report and importlib.util.find_spec("wandb") is not None)
+    wandb = "wandb" in report or ("all" in report and wandb_available())
     return {
         "model": {"name_or_path": model, "compute_dtype": dtype, "gradient_checkpointing": s["gradient_checkpointing"],
                   "autocast": dtype == "bfloat16", "trust_remote_code": bool(s["trust_remote_code"]),
